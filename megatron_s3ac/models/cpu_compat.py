@@ -1,0 +1,165 @@
+"""Run megatron-core 0.16.1 on CPU (gloo) when CUDA is absent.
+
+megatron-core assumes a GPU in a handful of places (see ../shared/notes/megatron_on_cpu.md):
+direct ``torch.cuda.*`` calls (current_device, synchronize, streams, CUDA RNG state), hard-coded
+``device="cuda"`` literals inside schedules and mask helpers, a ``torch.cuda.Stream()`` built by the
+all-to-all dispatcher, and a ``te_general_gemm`` name referenced without Transformer Engine.
+
+``enable()`` neutralises exactly those, without editing megatron-core:
+  * ``torch.cuda`` functions megatron calls become CPU-safe stand-ins (streams are no-ops, the "CUDA"
+    RNG state is a CPU generator state so ``get_cuda_rng_tracker().fork()`` works);
+  * a ``TorchFunctionMode`` rewrites any CUDA ``device=`` argument (``"cuda"``, ``cuda:N``, an int)
+    to CPU and makes ``Tensor.cuda()`` a no-op;
+  * ``moe_utils.te_general_gemm`` is defined as None.
+
+It is inert (returns False and changes nothing) when CUDA is available, so the same code runs on GPUs.
+The function mode is per-thread; ``enable()`` enters it on the calling thread, which is also where CPU
+autograd runs backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_STATE = {"enabled": False}
+_LOCAL = threading.local()
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available() and os.environ.get("S3AC_FORCE_CPU", "0") != "1"
+
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, bool):
+        return False
+    if isinstance(dev, int):
+        return True
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    return False
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU for every torch call made while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """Stand-in for torch.cuda.Stream/Event: every operation is a no-op on CPU."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _NoStream()
+
+    def record(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, *a):
+        return 0.0
+
+
+# The "CUDA" RNG that megatron's tracker forks and restores. A generator of its own, so forking it
+# leaves the CPU RNG untouched (megatron checks that). CPU dropout does not draw from it: dropout is 0
+# in RL training.
+_FAKE_CUDA_GEN = torch.Generator()
+
+
+def _to_cpu_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
+    # megatron converts split sizes to numpy only when they were on the GPU; on CPU they stay tensors,
+    # which all_to_all_single rejects.
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
+def _patch_torch_cuda():
+    c = torch.cuda
+    # A torch.device, not an int: megatron passes it as ``device=`` inside autograd backward
+    # functions, which run while the function mode is popped (a mode never sees its own handler's calls).
+    c.current_device = lambda: torch.device("cpu")
+    c.synchronize = lambda *a, **k: None
+    c.Stream = _NoStream
+    c.Event = _NoStream
+    c.current_stream = lambda *a, **k: _NoStream()
+    c.default_stream = lambda *a, **k: _NoStream()
+    c.stream = lambda *a, **k: contextlib.nullcontext()
+    c.empty_cache = lambda: None
+    c.set_device = lambda *a, **k: None
+    c.device_count = lambda: 0
+    # The "CUDA" RNG is a CPU generator: the tracker forks/restores it like the real one.
+    c.get_rng_state = lambda *a, **k: _FAKE_CUDA_GEN.get_state()
+    c.set_rng_state = lambda state, *a, **k: _FAKE_CUDA_GEN.set_state(state)
+    c.manual_seed = lambda seed: _FAKE_CUDA_GEN.manual_seed(int(seed))
+    c.manual_seed_all = lambda seed: None  # torch.manual_seed calls it after seeding the CPU generator
+    c.random.get_rng_state = c.get_rng_state
+    c.random.set_rng_state = c.set_rng_state
+
+
+def _patch_megatron():
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: _FAKE_CUDA_GEN.get_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: _FAKE_CUDA_GEN.set_state(state)
+    # Weight init draws from the CPU RNG inside the tracker's fork; on GPU that RNG is a different
+    # device's, on CPU it is the same one, so megatron's "CPU RNG state changed" warning is noise here.
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+    moe_utils.maybe_move_tensor_to_cpu = _to_cpu_splits
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_cpu_splits
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def enter_device_mode() -> None:
+    """Enter the CPU device mode on the calling thread (idempotent)."""
+    if getattr(_LOCAL, "mode", None) is None:
+        _LOCAL.mode = _CpuDeviceMode()
+        _LOCAL.mode.__enter__()
+
+
+def enable() -> bool:
+    """Make megatron-core CPU-safe in this process. Returns True if the shim is active."""
+    if cuda_available():
+        return False
+    if not _STATE["enabled"]:
+        _patch_torch_cuda()
+        _patch_megatron()
+        _STATE["enabled"] = True
+    enter_device_mode()
+    return True
+
+
+def is_enabled() -> bool:
+    return _STATE["enabled"]

@@ -1,0 +1,132 @@
+"""Parallel layout (TP/SP, PP, EP, ETP, DP): validation with errors that name the rule, and set-up."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from megatron_s3ac.models.registry import ModelInfo
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work; the message names the broken rule."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1  # expert tensor parallel; 1 is the usual choice with EP (megatron's default is tp)
+    # Uneven pipeline: layers on the first/last stage (the rest split evenly). None = even split.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    @property
+    def sequence_parallel(self) -> bool:
+        # Always on with TP: MoE + TP requires it, and it is the memory-optimal choice for dense too.
+        return self.tp > 1
+
+    def dp(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def validate(self, info: ModelInfo, world_size: int) -> None:
+        """Raise LayoutError naming the first rule this layout breaks for ``info`` on ``world_size`` ranks."""
+        for name in ("tp", "pp", "ep", "etp"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name}={getattr(self, name)} must be >= 1")
+        if world_size % (self.tp * self.pp):
+            raise LayoutError(f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp}")
+        if world_size % (self.etp * self.ep * self.pp):
+            raise LayoutError(
+                f"world size {world_size} is not divisible by etp*ep*pp = {self.etp}*{self.ep}*{self.pp}")
+        if info.num_heads % self.tp:
+            raise LayoutError(f"num_attention_heads {info.num_heads} is not divisible by tp {self.tp}")
+        if info.num_kv_heads % self.tp:
+            raise LayoutError(f"num_query_groups (num_key_value_heads) {info.num_kv_heads} is not divisible by tp {self.tp}")
+        if info.ffn_hidden_size and info.ffn_hidden_size % self.tp:
+            raise LayoutError(f"intermediate_size {info.ffn_hidden_size} is not divisible by tp {self.tp}")
+        if info.padded_vocab_size % self.tp:
+            raise LayoutError(f"padded vocab {info.padded_vocab_size} is not divisible by tp {self.tp}")
+        if info.is_moe:
+            if info.num_experts % self.ep:
+                raise LayoutError(f"num_experts {info.num_experts} is not divisible by ep {self.ep}")
+            if info.moe_ffn_hidden_size % self.etp:
+                raise LayoutError(f"moe_intermediate_size {info.moe_ffn_hidden_size} is not divisible by etp {self.etp}")
+        elif self.ep > 1 or self.etp > 1:
+            raise LayoutError(f"ep={self.ep}/etp={self.etp} > 1 needs an MoE model; {info.model_type} is dense")
+        self._validate_pipeline(info.num_layers)
+
+    def _validate_pipeline(self, num_layers: int) -> None:
+        if self.pp == 1:
+            if self.first_stage_layers or self.last_stage_layers:
+                raise LayoutError("first/last_stage_layers need pp > 1")
+            return
+        rest, middle = num_layers, self.pp
+        for name in ("first_stage_layers", "last_stage_layers"):
+            n = getattr(self, name)
+            if n is not None:
+                if n < 1:
+                    raise LayoutError(f"{name}={n} must be >= 1")
+                rest -= n
+                middle -= 1
+        if rest < 0 or (middle == 0 and rest != 0):
+            raise LayoutError(
+                f"num_layers {num_layers} cannot fill pp={self.pp} stages with first={self.first_stage_layers}, "
+                f"last={self.last_stage_layers}")
+        if middle and (rest % middle or rest // middle < 1):
+            raise LayoutError(
+                f"num_layers {num_layers} (minus uneven stages: {rest}) is not divisible by the "
+                f"{middle} remaining pipeline stages of pp={self.pp}")
+
+    def transformer_config_kwargs(self) -> dict:
+        kw = dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                  expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+                  sequence_parallel=self.sequence_parallel)
+        if self.first_stage_layers is not None:
+            kw["num_layers_in_first_pipeline_stage"] = self.first_stage_layers
+        if self.last_stage_layers is not None:
+            kw["num_layers_in_last_pipeline_stage"] = self.last_stage_layers
+        if self.pp > 1:
+            kw["pipeline_dtype"] = torch.float32  # overridden with the model dtype by the builder
+        return kw
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise torch.distributed from torchrun's env (gloo on CPU, nccl on GPU); idempotent."""
+    import torch.distributed as dist
+
+    from megatron_s3ac.models import cpu_compat
+
+    cpu_compat.enable()
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if cpu_compat.cuda_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend)
+
+
+def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
+    """Create megatron's process groups for ``layout`` and seed the model-parallel RNGs."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_s3ac.models import cpu_compat
+
+    cpu_compat.enable()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    ws = dist.get_world_size()
+    if ws % (layout.tp * layout.pp) or ws % (layout.etp * layout.ep * layout.pp):
+        raise LayoutError(f"world size {ws} does not fit layout {layout}")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+    model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,244 @@
+"""Model registry: an HF ``config.json`` -> megatron-core ``TransformerConfig`` + layer spec.
+
+Each architecture is one ``Arch`` subclass registered under its HF ``model_type``. Adding an
+architecture (e.g. ``qwen3_5_moe``) means adding a class; the others are untouched. An unsupported
+model_type or feature raises ``UnsupportedModelError`` naming it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config names an architecture or a feature this project does not implement."""
+
+
+VOCAB_DIVISOR = 128  # padded vocab is a multiple of this, independent of TP, so checkpoints reshard freely
+
+
+@dataclass
+class ModelInfo:
+    """Architecture facts read once from the HF config; everything downstream uses these."""
+
+    model_type: str
+    hf: dict  # the (text) config.json as a dict
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+    tie_embeddings: bool
+    rms_eps: float
+    rope_theta: float
+    rotary_percent: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int = 0
+    top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_size: int = 0
+    moe_layers: list[int] = field(default_factory=list)  # global indices of MoE layers
+    init_std: float = 0.02
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+_REGISTRY: dict[str, "Arch"] = {}
+
+
+def register(cls):
+    """Class decorator: register an Arch under each of its ``model_types``."""
+    inst = cls()
+    for mt in cls.model_types:
+        _REGISTRY[mt] = inst
+    return cls
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_arch(model_type: str) -> "Arch":
+    if model_type not in _REGISTRY:
+        raise UnsupportedModelError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}")
+    return _REGISTRY[model_type]
+
+
+def load_hf_config(src: str | os.PathLike | dict) -> dict:
+    """Read an HF config (directory, config.json path or dict). Multimodal configs yield their text part."""
+    if isinstance(src, dict):
+        cfg = dict(src)
+    else:
+        path = os.path.join(src, "config.json") if os.path.isdir(src) else str(src)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no HF config at {path}")
+        with open(path) as f:
+            cfg = json.load(f)
+    if "model_type" not in cfg:
+        raise UnsupportedModelError(f"config has no model_type: {src}")
+    return cfg
+
+
+def model_info(src: str | os.PathLike | dict) -> ModelInfo:
+    cfg = load_hf_config(src)
+    return get_arch(cfg["model_type"]).info(cfg)
+
+
+def pad_vocab(vocab_size: int, divisor: int = VOCAB_DIVISOR) -> int:
+    return int(math.ceil(vocab_size / divisor) * divisor)
+
+
+def _rope(cfg: dict) -> tuple[float, float]:
+    """(theta, rotary_percent) from transformers-5 ``rope_parameters`` or legacy top-level keys."""
+    rp = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    rope_type = rp.get("rope_type") or rp.get("type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    if rope_type != "default":
+        raise UnsupportedModelError(f"RoPE scaling type {rope_type!r} is not supported (only 'default')")
+    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    partial = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    return float(theta), float(partial)
+
+
+class Arch:
+    """One HF architecture. Subclasses set the class flags and may override any step."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    qk_norm: ClassVar[bool] = False
+
+    def qkv_bias(self, cfg: dict) -> bool:
+        return bool(cfg.get("attention_bias", False))
+
+    def check(self, cfg: dict) -> None:
+        if cfg.get("use_sliding_window"):
+            raise UnsupportedModelError("sliding-window attention (use_sliding_window=true) is not supported")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu / SwiGLU)")
+
+    def moe_fields(self, cfg: dict) -> dict:
+        return {}
+
+    def info(self, cfg: dict) -> ModelInfo:
+        self.check(cfg)
+        heads = cfg["num_attention_heads"]
+        theta, partial = _rope(cfg)
+        vocab = cfg["vocab_size"]
+        return ModelInfo(
+            model_type=cfg["model_type"], hf=cfg,
+            num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+            ffn_hidden_size=cfg.get("intermediate_size", 0), num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=vocab, padded_vocab_size=pad_vocab(vocab),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rms_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rotary_percent=partial,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            qkv_bias=self.qkv_bias(cfg), qk_norm=self.qk_norm,
+            init_std=cfg.get("initializer_range", 0.02), **self.moe_fields(cfg))
+
+    # ---- megatron side -------------------------------------------------------------------------
+    def transformer_config_kwargs(self, info: ModelInfo) -> dict[str, Any]:
+        kw = dict(
+            num_layers=info.num_layers, hidden_size=info.hidden_size,
+            ffn_hidden_size=info.ffn_hidden_size or None,
+            num_attention_heads=info.num_heads, num_query_groups=info.num_kv_heads,
+            kv_channels=info.head_dim, normalization="RMSNorm", layernorm_epsilon=info.rms_eps,
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+            add_qkv_bias=info.qkv_bias, qk_layernorm=info.qk_norm,
+            hidden_dropout=0.0, attention_dropout=0.0, init_method_std=info.init_std,
+            bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+            masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        )
+        if info.is_moe:
+            pattern = [1 if i in set(info.moe_layers) else 0 for i in range(info.num_layers)]
+            kw.update(
+                num_moe_experts=info.num_experts, moe_router_topk=info.top_k,
+                moe_ffn_hidden_size=info.moe_ffn_hidden_size, moe_layer_freq=pattern,
+                # norm_topk_prob: softmax over the top-k logits == renormalised top-k of the full softmax
+                moe_router_pre_softmax=not info.norm_topk_prob,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+                moe_permute_fusion=False,
+            )
+            if info.ffn_hidden_size == 0:
+                kw["ffn_hidden_size"] = info.moe_ffn_hidden_size
+            if info.shared_expert_size:
+                kw.update(moe_shared_expert_intermediate_size=info.shared_expert_size,
+                          moe_shared_expert_gate=True)
+        return kw
+
+    def block_spec(self, config, info: ModelInfo, use_te: bool | None, pp_rank: int | None = None):
+        from megatron_s3ac.models.specs import decoder_block_spec
+
+        return decoder_block_spec(config, qk_layernorm=info.qk_norm, use_te=use_te, pp_rank=pp_rank)
+
+    def gpt_model_kwargs(self, info: ModelInfo) -> dict[str, Any]:
+        return dict(
+            vocab_size=info.padded_vocab_size, max_sequence_length=info.max_position_embeddings,
+            position_embedding_type="rope", rotary_base=int(info.rope_theta),
+            rotary_percent=info.rotary_percent,
+        )
+
+
+@register
+class Qwen2(Arch):
+    """Qwen2 / Qwen2.5 / DeepSeek-R1-Distill-Qwen: q/k/v bias, no qk-norm."""
+
+    model_types = ("qwen2",)
+
+    def qkv_bias(self, cfg: dict) -> bool:
+        return True  # Qwen2 always has q/k/v projection biases (no config flag)
+
+
+@register
+class Qwen3(Arch):
+    """Qwen3 dense: per-head RMSNorm on q and k, no biases."""
+
+    model_types = ("qwen3",)
+    qk_norm = True
+
+
+@register
+class Qwen3Moe(Qwen3):
+    """Qwen3-MoE: Qwen3 attention, top-k softmax router, no shared expert, optional dense layers."""
+
+    model_types = ("qwen3_moe",)
+
+    def moe_fields(self, cfg: dict) -> dict:
+        n = cfg.get("num_experts", cfg.get("num_local_experts", 0))
+        if not n:
+            raise UnsupportedModelError("qwen3_moe config has no num_experts")
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        layers = [i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
+        return dict(num_experts=n, top_k=cfg["num_experts_per_tok"],
+                    moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                    shared_expert_size=cfg.get("shared_expert_intermediate_size", 0) or 0,
+                    moe_layers=layers)
+
+
+def dtype_flags(dtype: torch.dtype) -> dict[str, Any]:
+    if dtype == torch.float32:
+        return dict(params_dtype=torch.float32)
+    if dtype == torch.bfloat16:
+        return dict(params_dtype=torch.bfloat16, bf16=True)
+    if dtype == torch.float16:
+        return dict(params_dtype=torch.float16, fp16=True)
+    raise ValueError(f"unsupported dtype {dtype}")

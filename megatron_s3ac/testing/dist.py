@@ -1,0 +1,98 @@
+"""Run a function on N gloo CPU ranks, so multi-rank tests are ordinary pytest tests.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes from a forkserver that has
+already imported torch and megatron-core (the main start-up cost, ~3-5 s per process, is paid once
+per test session), gives each its own free port, runs ``fn(*args)`` on every rank with
+torch.distributed initialised (gloo) and the CPU shim active, and returns the per-rank results.
+A failure on any rank raises ``DistributedTestError`` with that rank's traceback.
+``fn`` must be importable by name (a module-level function).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+_PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "megatron_s3ac.models.actor_critic"]
+_CTX = None
+
+
+class DistributedTestError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, queue, threads):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        from megatron_s3ac.models import cpu_compat
+
+        cpu_compat.enable()
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(*args, **kwargs)
+        queue.put((rank, True, result))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results ordered by rank."""
+    ctx = _context()
+    queue = ctx.Queue()
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, queue, threads), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    import queue as _q
+
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout)
+            except _q.Empty:
+                raise DistributedTestError(f"timed out after {timeout}s waiting for {world_size - len(results) - len(errors)} rank(s)")
+            (results if ok else errors)[rank] = payload
+            if errors:  # one rank failed: the others may be stuck in a collective
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank = min(errors)
+        raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world_size)]
