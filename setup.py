@@ -19,6 +19,7 @@ CORE = [
     "pyarrow==26.0.1",
     "numpy==2.4.6",
     "pyyaml==6.0.4",
+    "psutil==7.2.2",
 ]
 GPU = [
     "transformer-engine[pytorch]==2.9.0",

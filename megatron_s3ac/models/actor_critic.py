@@ -93,7 +93,9 @@ class ValueHead(MegatronModule):
 class Critic(torch.nn.Module):
     """GPTModel backbone + ValueHead. forward(input_ids [b,s], position_ids, attention_mask) -> values [b, s].
 
-    On a non-last pipeline stage it returns the hidden states like GPTModel does.
+    On a non-last pipeline stage it returns the hidden states like GPTModel does. The backbone is
+    ``self.module`` so megatron's wrapped-model helpers (model_type, config, ...) reach it, and the
+    checkpoint keys equal the actor's (an actor checkpoint initialises a critic backbone).
     """
 
     def __init__(self, info: ModelInfo, config: TransformerConfig, head: ValueHeadConfig = ValueHeadConfig(),
@@ -101,22 +103,28 @@ class Critic(torch.nn.Module):
         super().__init__()
         pre, post = _stage_flags(config)
         arch = get_arch(info.model_type)
-        self.model = GPTModel(config=config, transformer_layer_spec=arch.block_spec(config, info, use_te),
+        self.module = GPTModel(config=config, transformer_layer_spec=arch.block_spec(config, info, use_te),
                               pre_process=pre, post_process=post, parallel_output=True,
                               share_embeddings_and_output_weights=False, **arch.gpt_model_kwargs(info))
         if post:
-            self.model.output_layer = ValueHead(config, head)
+            self.module.output_layer = ValueHead(config, head)
         self.config = config
 
     def set_input_tensor(self, t):
-        self.model.set_input_tensor(t)
+        self.module.set_input_tensor(t)
 
     def sharded_state_dict(self, prefix: str = "", *args, **kwargs):
-        return self.model.sharded_state_dict(prefix=prefix, *args, **kwargs)
+        return self.module.sharded_state_dict(prefix=prefix, *args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)
 
     def forward(self, input_ids, position_ids, attention_mask, **kw):
-        out = self.model(input_ids, position_ids, attention_mask, **kw)
-        if self.model.post_process:
+        out = self.module(input_ids, position_ids, attention_mask, **kw)
+        if self.module.post_process:
             return out.squeeze(-1)  # [b, s, 1] -> [b, s]
         return out
 

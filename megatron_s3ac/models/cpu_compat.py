@@ -9,7 +9,8 @@ all-to-all dispatcher, and a ``te_general_gemm`` name referenced without Transfo
   * ``torch.cuda`` functions megatron calls become CPU-safe stand-ins (streams are no-ops, the "CUDA"
     RNG state is a CPU generator state so ``get_cuda_rng_tracker().fork()`` works);
   * a ``TorchFunctionMode`` rewrites any CUDA ``device=`` argument (``"cuda"``, ``cuda:N``, an int)
-    to CPU and makes ``Tensor.cuda()`` a no-op;
+    to CPU, makes ``Tensor.cuda()`` a no-op, and reports CPU tensors' ``Tensor.type()`` as the CUDA
+    type name the optimizers dispatch on;
   * ``moe_utils.te_general_gemm`` is defined as None.
 
 It is inert (returns False and changes nothing) when CUDA is available, so the same code runs on GPUs.
@@ -55,6 +56,9 @@ class _CpuDeviceMode(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers dispatch on 'torch.cuda.FloatTensor' etc.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

@@ -18,10 +18,16 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    etp: int = 1  # expert tensor parallel; 1 is the usual choice with EP (megatron's default is tp)
+    # Expert tensor parallel. None -> tp when ep == 1 (experts are TP-sharded like dense MLPs), else 1
+    # (the usual EP choice: whole experts per rank).
+    etp: int | None = None
     # Uneven pipeline: layers on the first/last stage (the rest split evenly). None = even split.
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+
+    def __post_init__(self):
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp if self.ep == 1 else 1)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -57,8 +63,12 @@ class ParallelLayout:
                 raise LayoutError(f"num_experts {info.num_experts} is not divisible by ep {self.ep}")
             if info.moe_ffn_hidden_size % self.etp:
                 raise LayoutError(f"moe_intermediate_size {info.moe_ffn_hidden_size} is not divisible by etp {self.etp}")
-        elif self.ep > 1 or self.etp > 1:
-            raise LayoutError(f"ep={self.ep}/etp={self.etp} > 1 needs an MoE model; {info.model_type} is dense")
+            if self.ep == 1 and self.etp != self.tp:
+                # megatron-core only reduces expert grads over the expert-DP group when ep > 1;
+                # with ep == 1 and etp < tp, TP ranks would train diverging expert replicas.
+                raise LayoutError(f"with ep=1, etp must equal tp (got etp={self.etp}, tp={self.tp})")
+        elif self.ep > 1:
+            raise LayoutError(f"ep={self.ep} > 1 needs an MoE model; {info.model_type} is dense")
         self._validate_pipeline(info.num_layers)
 
     def _validate_pipeline(self, num_layers: int) -> None:
@@ -74,11 +84,11 @@ class ParallelLayout:
                     raise LayoutError(f"{name}={n} must be >= 1")
                 rest -= n
                 middle -= 1
-        if rest < 0 or (middle == 0 and rest != 0):
+        if rest < middle or (middle == 0 and rest != 0):
             raise LayoutError(
                 f"num_layers {num_layers} cannot fill pp={self.pp} stages with first={self.first_stage_layers}, "
                 f"last={self.last_stage_layers}")
-        if middle and (rest % middle or rest // middle < 1):
+        if middle and rest % middle:
             raise LayoutError(
                 f"num_layers {num_layers} (minus uneven stages: {rest}) is not divisible by the "
                 f"{middle} remaining pipeline stages of pp={self.pp}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 
@@ -49,7 +50,8 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue, threads):
         cpu_compat.enable()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(*args, **kwargs)
-        queue.put((rank, True, result))
+        # plain pickle: tensors travel as bytes, not as shared-memory fds that die with this process
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -83,7 +85,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, **kwargs
                 rank, ok, payload = queue.get(timeout=timeout)
             except _q.Empty:
                 raise DistributedTestError(f"timed out after {timeout}s waiting for {world_size - len(results) - len(errors)} rank(s)")
-            (results if ok else errors)[rank] = payload
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
             if errors:  # one rank failed: the others may be stuck in a collective
                 break
     finally:

@@ -1,0 +1,51 @@
+"""Forward (and backward) over micro-batches through megatron's pipeline schedules.
+
+One entry point for every model pass of the trainer (log-probs, values, updates) at any PP size.
+A micro-batch is a dict with ``input_ids`` [b, s], optional ``position_ids`` and ``attention_mask``
+(megatron convention: bool, True = masked, [b, 1, s, s]; None = causal), plus whatever the loss needs.
+
+``loss_fn(batch, output) -> (loss_sum, num_tokens, metrics_dict)`` runs on the last stage. With
+``config.calculate_per_token_loss`` on (set by ``prepare_config``), megatron neither divides by the
+number of micro-batches nor averages over DP; ``finalize_model_grads`` divides the summed gradients by
+the total token count of the whole mini-batch across micro-batches and DP ranks: a true global
+token-mean, as the algorithms require.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+
+
+def prepare_config(config) -> None:
+    """Settings every model of this project trains with (see module docstring)."""
+    config.calculate_per_token_loss = True
+    config.variable_seq_lengths = True  # micro-batches may differ in length (PP shapes are exchanged)
+
+
+def _forward_step(data_iterator, model, loss_fn):
+    batch = next(data_iterator)
+    ids = batch["input_ids"]
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    out = model(ids, pos, batch.get("attention_mask"))
+    return out, partial(loss_fn, batch)
+
+
+def forward_backward(model_chunks: list[torch.nn.Module], microbatches: list[dict],
+                     loss_fn: Callable, forward_only: bool = False) -> list[dict]:
+    """Run all micro-batches through the schedule. Returns the per-micro-batch metrics dicts
+    (non-empty on the last pipeline stage only). Gradients accumulate in the DDP buffers."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not microbatches:
+        return []
+    fb = get_forward_backward_func()
+    s = microbatches[0]["input_ids"].shape[1]
+    b = microbatches[0]["input_ids"].shape[0]
+    return fb(forward_step_func=partial(_forward_step, loss_fn=loss_fn), data_iterator=iter(microbatches),
+              model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
+              num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+              forward_only=forward_only)
