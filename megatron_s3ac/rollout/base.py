@@ -1,0 +1,124 @@
+"""The rollout engine interface: what every engine (CPU, SGLang) takes and returns.
+
+Shapes and layouts here are the contract the trainer relies on:
+- `Sample.logprobs` [R] float32: log-prob of each sampled response token under the engine's own
+  model (the behaviour policy), computed as log_softmax(logits / temperature) before any top-p /
+  top-k truncation (SGLang's default; the trainer computes its log-probs the same way).
+- `Sample.routed_experts` [P + R - 1, num_layers, top_k]: SGLang's R3 layout. Row i holds the
+  experts used when token i (prompt tokens first, then response tokens) was the model's input;
+  the last response token is never fed forward, so it has no row. num_layers is the model's
+  num_hidden_layers (dense layers included, their rows are 0, as in SGLang); expert ids are
+  logical. Stored in the compact dtype of `routed_experts_dtype`.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def routed_experts_dtype(num_experts: int) -> np.dtype:
+    """Smallest integer dtype that holds expert ids 0..num_experts-1 (uint8, int16 or int32)."""
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 32768:
+        return np.dtype(np.int16)
+    return np.dtype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings shared by all engines.
+
+    temperature: 0 means greedy (then log-probs are reported at temperature 1, as SGLang does).
+    top_k: <= 0 disables it. top_p: 1.0 disables it.
+    stop_token_ids: extra stop tokens, on top of the model's EOS unless ignore_eos.
+    stop_strings: stop when the decoded response contains one (the engine needs a tokenizer).
+    seed: same seed + same request -> same samples.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # Accept lists from configs but keep the dataclass hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(str(s) for s in self.stop_strings))
+
+
+@dataclasses.dataclass
+class Sample:
+    """One generated sample (R = len(response_ids), P = len(prompt_ids))."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: np.ndarray  # [R] float32
+    finish_reason: str  # one of FINISH_REASONS
+    routed_experts: Optional[np.ndarray] = None  # [P + R - 1, num_layers, top_k], compact int dtype
+    response_text: Optional[str] = None  # decoded response when the engine has a tokenizer
+
+    def __post_init__(self):
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        if len(self.logprobs) != len(self.response_ids):
+            raise ValueError(f"{len(self.logprobs)} log-probs for {len(self.response_ids)} response tokens")
+        if self.routed_experts is not None:
+            rows = len(self.prompt_ids) + len(self.response_ids) - 1
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != rows:
+                raise ValueError(
+                    f"routed_experts must be [{rows}, num_layers, top_k], got {self.routed_experts.shape}"
+                )
+
+
+RolloutOutput = Sample
+
+
+class RolloutEngine(abc.ABC):
+    """A generator whose weights follow the trainer's."""
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        n_samples: int = 1,
+        return_routed_experts: bool = False,
+    ) -> list[list[Sample]]:
+        """Sample n_samples responses per prompt; returns one list of n_samples per prompt."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:
+        """Load (hf_name, tensor) pairs (HF checkpoint names); the KV/prefix cache is flushed after."""
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Free the weights and cache memory (colocated with training)."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Re-allocate what sleep() freed."""
+
+    @abc.abstractmethod
+    def flush_cache(self) -> None:
+        """Drop any cached KV/prefix state (required after a weight update)."""
+
+    def shutdown(self) -> None:
+        """Release the engine's processes and memory; default: nothing to do."""

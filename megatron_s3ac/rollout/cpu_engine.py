@@ -1,0 +1,437 @@
+"""CPU rollout engine on transformers' model classes: batched sampling with a KV cache.
+
+It is the engine of the CPU demo and of the tests, so it is exact rather than clever:
+- prompts (x n_samples) are left-padded into one batch; one prefill, then one token per step with
+  a DynamicCache; finished rows are dropped from the batch (and the cache) as soon as they finish.
+- log-probs: log_softmax(logits / temperature) of the sampled token, *before* top-p / top-k
+  truncation. That is SGLang's default and how the trainer computes the log-prob of the same token,
+  so it is the behaviour policy's log-prob. Greedy (temperature 0) reports temperature-1 log-probs.
+- routed experts: forward hooks on each MoE router record its top-k ids; the result uses SGLang's
+  R3 layout (see base.py).
+- update_weights takes HF checkpoint names (per-expert tensors, as on disk and as SGLang loads them)
+  or the in-memory names of the transformers module (fused experts), with shape checks.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, routed_experts_dtype
+
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Router capture
+# ----------------------------------------------------------------------------------------------
+def find_moe_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Global layer index -> router module of that layer's sparse MoE block.
+
+    Generic over transformers' MoE families (qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe, ...):
+    a router is a module whose class name ends in "Router" (e.g. Qwen3MoeTopKRouter) and whose
+    path contains "layers.<i>.". Vision towers and other stacks are skipped by requiring the
+    router's path to sit under the text model's decoder layers (the first "layers" stack found).
+    """
+    routers: dict[int, torch.nn.Module] = {}
+    stack_prefix = None
+    for name, module in model.named_modules():
+        if not type(module).__name__.endswith("Router"):
+            continue
+        match = None
+        for match in _LAYER_RE.finditer(name):
+            pass
+        if match is None:
+            continue
+        prefix = name[: match.start()]
+        if stack_prefix is None:
+            stack_prefix = prefix
+        if prefix != stack_prefix:
+            continue  # a second stack (e.g. a vision tower); R3 covers the text decoder only
+        routers[int(match.group(1))] = module
+    return routers
+
+
+class _RouterCapture:
+    """Records the top-k expert ids each router chose during one forward: layer -> [N, top_k]."""
+
+    def __init__(self, routers: dict[int, torch.nn.Module], top_k: int):
+        self.top_k = top_k
+        self.enabled = False
+        self.current: dict[int, torch.Tensor] = {}
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in routers.items()]
+
+    def _hook(self, layer: int):
+        def hook(module, inputs, output):
+            if not self.enabled:
+                return
+            # transformers' routers return (logits, scores, indices); take the integer tensor.
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            ids = next((t for t in reversed(outs) if torch.is_tensor(t) and not t.is_floating_point()), None)
+            if ids is None:  # a router that returns logits only: apply the usual softmax top-k
+                ids = torch.topk(outs[0].float().softmax(-1), self.top_k, dim=-1).indices
+            self.current[layer] = ids.detach().reshape(-1, self.top_k)
+
+        return hook
+
+    def pop(self) -> dict[int, torch.Tensor]:
+        out, self.current = self.current, {}
+        return out
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------------------------
+# HF name -> parameter map
+# ----------------------------------------------------------------------------------------------
+class _WeightMap:
+    """Maps HF names to where their values live in the transformers module.
+
+    transformers 5 fuses MoE experts in memory (experts.gate_up_proj [E, 2I, H]) while checkpoints
+    (and SGLang) use one tensor per expert and projection. Rather than re-implementing that layout,
+    we run transformers' own reverse conversion on *index* tensors: each checkpoint tensor comes back
+    holding the flat positions of its elements inside the in-memory parameter.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers.core_model_loading import revert_weight_conversion
+
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        unique: dict[int, str] = {}
+        for name, p in self.params.items():
+            unique.setdefault(id(p), name)
+        self.canonical = {name: unique[id(p)] for name, p in self.params.items()}  # tied -> owner
+        starts, index_sd, offset = [], {}, 0
+        for name, p in self.params.items():
+            owner = self.canonical[name]
+            if owner == name:
+                index_sd[name] = torch.arange(offset, offset + p.numel()).view(p.shape)
+                starts.append((offset, name))
+                offset += p.numel()
+        for name, owner in self.canonical.items():
+            index_sd.setdefault(name, index_sd[owner])
+        self.starts = torch.tensor([s for s, _ in starts])
+        self.start_names = [n for _, n in starts]
+        # checkpoint name -> (param owner name, flat index into it or a slice, shape)
+        self.parts: dict[str, tuple[str, object, tuple[int, ...]]] = {}
+        for ckpt_name, idx in revert_weight_conversion(model, dict(index_sd)).items():
+            flat = idx.reshape(-1)
+            k = int(torch.searchsorted(self.starts, flat[0], right=True)) - 1
+            owner, base = self.start_names[k], int(self.starts[k])
+            local = flat - base
+            if local.numel() and (local.min() < 0 or local.max() >= self.params[owner].numel()):
+                raise RuntimeError(f"checkpoint tensor {ckpt_name} spans several parameters")
+            lo = int(local[0])
+            contiguous = bool(torch.equal(local, torch.arange(lo, lo + local.numel())))
+            where = slice(lo, lo + local.numel()) if contiguous else local
+            self.parts[ckpt_name] = (owner, where, tuple(idx.shape))
+        # which checkpoint names together fill each parameter (to know when a param is complete)
+        self.parts_of: dict[str, set[str]] = {}
+        for ckpt_name, (owner, _, _) in self.parts.items():
+            self.parts_of.setdefault(owner, set()).add(ckpt_name)
+
+    def names(self) -> list[str]:
+        return sorted(set(self.parts) | set(self.params))
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> tuple[str, Optional[str]]:
+        """Copy one tensor in; returns (owner param name, checkpoint part name or None if whole)."""
+        if name in self.params:
+            owner = self.canonical[name]
+            param = self.params[owner]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"shape mismatch for {name}: got {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.copy_(tensor.to(param.dtype))
+            return owner, None
+        if name in self.parts:
+            owner, where, shape = self.parts[name]
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"shape mismatch for {name}: got {tuple(tensor.shape)}, expected {shape}")
+            flat = self.params[owner].view(-1)
+            src = tensor.detach().reshape(-1).to(flat.dtype)
+            if isinstance(where, slice):
+                flat[where] = src
+            else:
+                flat.index_copy_(0, where, src)
+            return owner, name
+        close = difflib.get_close_matches(name, self.names(), n=3)
+        raise KeyError(f"unknown weight name {name!r}; closest known names: {close}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] fp32 -> (token ids [B] int64, log-probs [B] fp32 of log_softmax(logits / T))."""
+    if params.temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, F.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+    scaled = logits / params.temperature
+    logprobs = F.log_softmax(scaled, -1)
+    filtered = scaled
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = filtered.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
+    tokens = torch.multinomial(filtered.softmax(-1), 1, generator=generator)[:, 0]
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Engine
+# ----------------------------------------------------------------------------------------------
+class CPUEngine(RolloutEngine):
+    """Generator on a transformers causal LM (fp32 by default), batched, with a KV cache."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.routers = find_moe_routers(model)
+        self.moe_layers = sorted(self.routers)
+        self.top_k = int(getattr(self.config, "num_experts_per_tok", 0) or 0)
+        num_experts = int(getattr(self.config, "num_experts", 0) or getattr(self.config, "n_routed_experts", 0) or 0)
+        self.routes_dtype = routed_experts_dtype(num_experts) if self.routers else None
+        self._capture = _RouterCapture(self.routers, self.top_k) if self.routers else None
+        self._weight_map: Optional[_WeightMap] = None
+        self._stale: set[str] = set()  # params whose memory holds no valid weights (after sleep)
+        self._partial: dict[str, set[str]] = {}
+        self._backup: Optional[dict[str, torch.Tensor]] = None
+        self._shapes = {n: (p.shape, p.dtype) for n, p in self._unique_params()}
+        gen_cfg = getattr(model, "generation_config", None)
+        eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+        eos = eos if eos is not None else getattr(self.config, "eos_token_id", None)
+        self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        pad = getattr(self.config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else 0
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, tokenizer="auto", dtype=torch.float32, **kwargs) -> "CPUEngine":
+        """Load an HF directory; tokenizer="auto" loads the directory's tokenizer if it has one."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        if tokenizer == "auto":
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path)
+            except (OSError, ValueError):
+                tokenizer = None
+        return cls(model, tokenizer=tokenizer)
+
+    @classmethod
+    def from_config(cls, config, state_dict=None, tokenizer=None, dtype=torch.float32, seed: int = 0) -> "CPUEngine":
+        """Build from an HF config; weights random (seeded) unless state_dict (HF names) is given."""
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        engine = cls(model, tokenizer=tokenizer)
+        if state_dict is not None:
+            engine.update_weights(state_dict.items() if hasattr(state_dict, "items") else state_dict)
+        return engine
+
+    def _unique_params(self):
+        return self.model.named_parameters()  # tied parameters appear once, under their first name
+
+    # -- weights --------------------------------------------------------------------------------
+    def _get_weight_map(self) -> _WeightMap:
+        if self._is_asleep():
+            raise RuntimeError("engine is asleep: call wake() first")
+        if self._weight_map is None:  # built on first use: it briefly holds an int64 index per weight
+            self._weight_map = _WeightMap(self.model)
+        return self._weight_map
+
+    def hf_weight_names(self) -> list[str]:
+        """Every name update_weights accepts (checkpoint names and in-memory names)."""
+        return self._get_weight_map().names()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (hf_name, tensor) pairs; raises KeyError on unknown names, ValueError on bad shapes."""
+        weight_map = self._get_weight_map()
+        for name, tensor in named_tensors:
+            owner, part = weight_map.load(name, torch.as_tensor(tensor))
+            if part is None:
+                self._stale.discard(owner)
+                self._partial.pop(owner, None)
+            elif owner in self._stale:
+                done = self._partial.setdefault(owner, set())
+                done.add(part)
+                if done >= weight_map.parts_of[owner]:
+                    self._stale.discard(owner)
+                    self._partial.pop(owner)
+        self.flush_cache()
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _is_asleep(self) -> bool:
+        return any(p.numel() == 0 and self._shapes[n][0].numel() > 0 for n, p in self._unique_params())
+
+    def sleep(self, keep_cpu_backup: bool = False) -> None:
+        """Free every weight's storage (tied weights stay tied: each Parameter object is kept).
+
+        Without keep_cpu_backup the values are gone, as SGLang's release without
+        enable_weights_cpu_backup: after wake() the engine refuses to generate until
+        update_weights has refilled every parameter. With it, the tensors are kept aside (on CPU
+        this frees nothing; it exists to exercise the same sleep/wake flow as the GPU engine).
+        """
+        if self._is_asleep():
+            return
+        self._backup = {} if keep_cpu_backup else None
+        for name, p in self._unique_params():
+            if keep_cpu_backup:
+                self._backup[name] = p.data
+            p.data = torch.empty(0, dtype=p.dtype)
+
+    def wake(self) -> None:
+        """Re-allocate weights: restored from the backup, or uninitialised and marked stale."""
+        if not self._is_asleep():
+            return
+        for name, p in self._unique_params():
+            shape, dtype = self._shapes[name]
+            if self._backup is not None:
+                p.data = self._backup[name]
+            else:
+                p.data = torch.empty(shape, dtype=dtype)
+                self._stale.add(name)
+        self._backup = None
+
+    def flush_cache(self) -> None:
+        """Nothing to drop: the KV cache lives only inside one generate() call."""
+
+    # -- generation -----------------------------------------------------------------------------
+    def _check_ready(self):
+        if self._is_asleep():
+            raise RuntimeError("engine is asleep: call wake() first")
+        if self._stale:
+            missing = sorted(self._stale)
+            raise RuntimeError(f"weights not loaded since wake(): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        n_samples: int = 1,
+        return_routed_experts: bool = False,
+    ) -> list[list[Sample]]:
+        """Sample n_samples responses per prompt (rows prompt-major: prompt 0's n, then prompt 1's ...)."""
+        from transformers import DynamicCache
+
+        self._check_ready()
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer; pass one to CPUEngine")
+        if return_routed_experts and self._capture is None:
+            raise ValueError("return_routed_experts: this model has no MoE router")
+        prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
+        if not prompts:
+            return [[] for _ in prompt_ids]
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        B, P = len(prompts), max(len(p) for p in prompts)
+        lens = torch.tensor([len(p) for p in prompts])
+        pads = P - lens
+        input_ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            input_ids[b, P - len(p):] = torch.tensor(p)
+            mask[b, P - len(p):] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        stop_ids_t = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        finish = [""] * B
+        routes = None
+        if return_routed_experts:
+            rows = P + params.max_new_tokens - 1
+            routes = torch.zeros((B, rows, self.num_layers, self.top_k), dtype=_torch_dtype(self.routes_dtype))
+        if self._capture is not None:
+            self._capture.enabled = return_routed_experts
+
+        cache = DynamicCache(config=self.model.config)
+        active = torch.arange(B)  # batch position -> sample row
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                             cache=cache, use_cache=True, logits_to_keep=1)
+            if routes is not None:  # prefill: prompt token j of row b sits at padded position pads[b] + j
+                for layer, ids in self._capture.pop().items():
+                    ids = ids.view(B, P, self.top_k)
+                    for b in range(B):
+                        routes[b, : lens[b], layer] = ids[b, pads[b]:].to(routes.dtype)
+            next_pos = position_ids[:, -1]
+            for step in range(params.max_new_tokens):
+                new, lp = sample_tokens(out.logits[:, -1].float(), params, generator)
+                done = torch.zeros(len(active), dtype=torch.bool)
+                for i, row in enumerate(active.tolist()):
+                    tokens[row].append(int(new[i]))
+                    logps[row].append(float(lp[i]))
+                is_stop = torch.isin(new, stop_ids_t)
+                for i, row in enumerate(active.tolist()):
+                    if is_stop[i] or (params.stop_strings and self._hit_stop_string(tokens[row], params.stop_strings)):
+                        finish[row], done[i] = "stop", True
+                    elif len(tokens[row]) >= params.max_new_tokens:
+                        finish[row], done[i] = "length", True
+                if bool(done.all()):
+                    break
+                keep = (~done).nonzero()[:, 0]
+                if len(keep) < len(active):  # drop finished rows from the batch and the cache
+                    for layer_cache in cache.layers:  # reorder_cache: also on linear-attention layers
+                        layer_cache.reorder_cache(keep)
+                    active, new, mask, next_pos = active[keep], new[keep], mask[keep], next_pos[keep]
+                mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype)], dim=1)
+                next_pos = next_pos + 1
+                out = self.model(input_ids=new[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                 cache=cache, use_cache=True, logits_to_keep=1)
+                if routes is not None:  # the fed token is response token `step` at row lens + step
+                    for layer, ids in self._capture.pop().items():
+                        routes[active, lens[active] + step, layer] = ids.to(routes.dtype)
+        finally:
+            if self._capture is not None:
+                self._capture.enabled = False
+                self._capture.pop()
+
+        samples = []
+        for row in range(B):
+            resp = tokens[row]
+            samples.append(Sample(
+                prompt_ids=prompts[row],
+                response_ids=resp,
+                logprobs=np.asarray(logps[row], dtype=np.float32),
+                finish_reason=finish[row],
+                routed_experts=(routes[row, : len(prompts[row]) + len(resp) - 1].numpy().astype(self.routes_dtype)
+                                if routes is not None else None),
+                response_text=self.tokenizer.decode(resp, skip_special_tokens=True) if self.tokenizer is not None else None,
+            ))
+        return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
+
+    def _hit_stop_string(self, response: list[int], stop_strings: tuple[str, ...]) -> bool:
+        # Decode only a tail window: a stop string that just appeared ends inside it. A token is at
+        # least one byte, so len(stop) + 8 tokens cover it even with multi-byte characters split.
+        window = max(len(s.encode()) for s in stop_strings) + 8
+        tail = self.tokenizer.decode(response[-window:], skip_special_tokens=True)
+        return any(s in tail for s in stop_strings)
+
+    def shutdown(self) -> None:
+        if self._capture is not None:
+            self._capture.remove()
+
+
+def _torch_dtype(np_dtype: np.dtype) -> torch.dtype:
+    return {np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16, np.dtype(np.int32): torch.int32}[np.dtype(np_dtype)]

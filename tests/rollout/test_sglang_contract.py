@@ -1,0 +1,191 @@
+"""Contract test: every sglang name our wrapper uses exists, with that name, in the pinned wheel.
+
+The wheel (GPU-only dependencies) is downloaded without dependencies and read with `ast`; nothing
+from it is imported. The names come from the wrapper's own declaration tuples, and the wrapper's
+source is also parsed to check those tuples cover every Engine call and sampling key it makes.
+"""
+import ast
+import inspect
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from megatron_s3ac.rollout import sglang_engine as wrapper
+
+from fake_sglang import FakeSGLangEngine
+
+CACHE = Path.home() / ".cache" / "megatron_s3ac"
+PKG = "sglang/srt/"
+
+
+def _find_or_download_wheel() -> Path:
+    pattern = f"sglang-{wrapper.SGLANG_VERSION}-*.whl"
+    found = sorted(CACHE.glob(pattern))
+    if found:
+        return found[0]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={wrapper.SGLANG_VERSION}", "--no-deps",
+                        "-d", str(CACHE)], check=True, capture_output=True, timeout=600)
+    except (subprocess.SubprocessError, OSError) as exc:
+        pytest.skip(f"cannot download the sglang=={wrapper.SGLANG_VERSION} wheel (no registry access?): {exc}")
+    found = sorted(CACHE.glob(pattern))
+    if not found:
+        pytest.skip(f"pip download left no {pattern} in {CACHE}")
+    return found[0]
+
+
+class WheelSource:
+    def __init__(self, path: Path):
+        self.zip = zipfile.ZipFile(path)
+
+    def text(self, name: str) -> str:
+        return self.zip.read(name).decode()
+
+    def tree(self, name: str) -> ast.Module:
+        return ast.parse(self.text(name))
+
+    def class_def(self, module: str, cls: str) -> ast.ClassDef:
+        for node in self.tree(module).body:
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                return node
+        raise AssertionError(f"class {cls} not found in {module}")
+
+
+@pytest.fixture(scope="module")
+def wheel():
+    return WheelSource(_find_or_download_wheel())
+
+
+def annotated_fields(cls: ast.ClassDef) -> set[str]:
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def server_args_fields(wheel: WheelSource) -> set[str]:
+    """ServerArgs is msgspec.defstruct-ed from the namespaces listed in _INPUT_NAMESPACES."""
+    tree = wheel.tree(PKG + "server_args.py")
+    imported_from = {alias.asname or alias.name: node.module
+                     for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+                     for alias in node.names}
+    namespaces = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                      and any(isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES" for t in node.targets))
+    fields = set()
+    for elt in namespaces.elts:
+        module = imported_from[elt.id].replace(".", "/") + ".py"
+        fields |= annotated_fields(wheel.class_def(module, elt.id))
+    return fields
+
+
+def engine_methods(wheel: WheelSource) -> dict[str, ast.FunctionDef]:
+    cls = wheel.class_def(PKG + "entrypoints/engine.py", "Engine")
+    return {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def params_with_defaults(fn: ast.FunctionDef) -> dict[str, object]:
+    """Parameter name -> default (a literal, or `...` when it has none / is not a literal)."""
+    args = fn.args
+    out = {a.arg: ... for a in args.posonlyargs + args.args + args.kwonlyargs}
+    positional = args.posonlyargs + args.args
+    for a, d in zip(positional[len(positional) - len(args.defaults):], args.defaults):
+        out[a.arg] = _literal(d)
+    for a, d in zip(args.kwonlyargs, args.kw_defaults):
+        if d is not None:
+            out[a.arg] = _literal(d)
+    out.pop("self", None)
+    return out
+
+
+def _literal(node):
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return ...
+
+
+def test_wheel_is_the_pinned_version(wheel):
+    meta = wheel.text(f"sglang-{wrapper.SGLANG_VERSION}.dist-info/METADATA")
+    assert f"\nVersion: {wrapper.SGLANG_VERSION}\n" in meta
+
+
+def test_server_args_fields_exist(wheel):
+    fields = server_args_fields(wheel)
+    assert len(fields) > 300  # sanity: the parse found the real field set
+    missing = [name for name in wrapper.SERVER_ARGS_USED if name not in fields]
+    assert not missing, f"ServerArgs fields missing in sglang {wrapper.SGLANG_VERSION}: {missing}"
+    # the config's launch kwargs use only declared names (extra is the caller's explicit escape hatch)
+    assert set(wrapper.SGLangConfig(model_path="m").server_args()) <= set(wrapper.SERVER_ARGS_USED)
+
+
+def test_attention_dp_uses_the_new_field(wheel):
+    assert "attn_dp_size" in wrapper.SERVER_ARGS_USED
+    assert "enable_dp_attention" not in wrapper.SERVER_ARGS_USED  # deprecated in 0.5.23
+    assert "attn_dp_size" in server_args_fields(wheel)
+
+
+def test_engine_methods_and_kwargs_exist(wheel):
+    methods = engine_methods(wheel)
+    for method, kwargs in wrapper.ENGINE_CALLS_USED.items():
+        assert method in methods, f"sglang.Engine.{method} missing"
+        params = params_with_defaults(methods[method])
+        missing = [k for k in kwargs if k not in params]
+        assert not missing, f"sglang.Engine.{method} has no parameter(s) {missing}"
+
+
+def test_wrapper_declares_every_engine_call():
+    """Parse SGLangEngine: each self.engine.<method>(kw=...) must be declared in ENGINE_CALLS_USED."""
+    cls = next(n for n in ast.parse(inspect.getsource(wrapper)).body
+               if isinstance(n, ast.ClassDef) and n.name == "SGLangEngine")
+    seen = set()
+    for node in ast.walk(cls):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "engine"):
+            method = node.func.attr
+            seen.add(method)
+            assert method in wrapper.ENGINE_CALLS_USED, f"undeclared Engine method {method}"
+            assert not node.args, f"Engine.{method} called positionally: pass keywords so they are checked"
+            for kw in node.keywords:
+                assert kw.arg in wrapper.ENGINE_CALLS_USED[method], f"undeclared kwarg {method}({kw.arg}=)"
+    assert seen == set(wrapper.ENGINE_CALLS_USED)
+
+
+def test_sampling_keys_exist(wheel):
+    fields = annotated_fields(wheel.class_def(PKG + "sampling/sampling_params.py", "SamplingParams"))
+    missing = [k for k in wrapper.SAMPLING_KEYS_USED if k not in fields]
+    assert not missing, f"sglang SamplingParams has no {missing}"
+    # and the converter emits only declared keys
+    from megatron_s3ac.rollout.base import SamplingParams
+
+    full = SamplingParams(top_k=5, stop_token_ids=(1,), stop_strings=("x",), seed=3)
+    assert set(wrapper.to_sglang_sampling_params(full)) <= set(wrapper.SAMPLING_KEYS_USED)
+
+
+def test_meta_info_keys_and_memory_tags_exist(wheel):
+    literals = {n.value for n in ast.walk(wheel.tree(PKG + "managers/tokenizer_manager.py"))
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert set(wrapper.META_INFO_KEYS_USED) <= literals
+    tags = {n.value.value for n in wheel.tree(PKG + "constants.py").body
+            if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+    assert set(wrapper.MEMORY_TAGS) <= tags
+
+
+def test_routed_experts_wire_format_is_base64_int32(wheel):
+    src = wheel.text(PKG + "managers/tokenizer_manager.py")
+    assert 'meta_info["routed_experts"]' in src and "b64encode" in src
+    capturer = wheel.text(PKG + "state_capturer/routed_experts.py")
+    assert "int32" in capturer
+
+
+def test_fake_engine_signatures_match_the_real_engine(wheel):
+    methods = engine_methods(wheel)
+    for name, fn in inspect.getmembers(FakeSGLangEngine, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        assert name in wrapper.ENGINE_CALLS_USED, f"fake has a method the wrapper does not use: {name}"
+        real = params_with_defaults(methods[name])
+        for p in list(inspect.signature(fn).parameters.values())[1:]:
+            assert p.name in real, f"fake {name}({p.name}) is not a real parameter"
+            if p.default is not inspect.Parameter.empty and real[p.name] is not ...:
+                assert p.default == real[p.name], f"fake {name}({p.name}={p.default!r}) vs real {real[p.name]!r}"
