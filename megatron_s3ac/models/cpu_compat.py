@@ -142,8 +142,6 @@ def _patch_megatron():
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
     moe_utils.maybe_move_tensor_to_cpu = _to_cpu_splits
     token_dispatcher.maybe_move_tensor_to_cpu = _to_cpu_splits
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 def enter_device_mode() -> None:
@@ -153,8 +151,20 @@ def enter_device_mode() -> None:
         _LOCAL.mode.__enter__()
 
 
+def patch_missing_te() -> None:
+    """megatron-core 0.16.1's router references ``te_general_gemm`` even without Transformer Engine
+    (a NameError on CPU and on GPU alike); define it as None so the torch path is taken."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def enable() -> bool:
-    """Make megatron-core CPU-safe in this process. Returns True if the shim is active."""
+    """Make megatron-core CPU-safe in this process. Returns True if the CPU shim is active.
+
+    The Transformer-Engine-absent fix is applied on GPUs too; everything else only without CUDA."""
+    patch_missing_te()
     if cuda_available():
         return False
     if not _STATE["enabled"]:
