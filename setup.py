@@ -1,12 +1,13 @@
 """megatron_s3ac: S3AC actor-critic RL for LLM reasoning on megatron-core."""
 from setuptools import find_packages, setup
 
-# Core pins: the CPU stack that CI and the demo run on. torch is pinned to the release whose CPU
-# wheel is available offline here; on GPUs the NGC image's torch satisfies the range below.
+# Core pins. The exact CPU environment of CI and the demo is locked in requirements-cpu.txt (used as
+# a constraints file by the Makefile). torch and transformers are ranges so the GPU extra resolves:
+# the NGC image brings its own torch, and sglang 0.5.23 pins torch 2.14.1 / transformers 5.19.0.
 CORE = [
     "torch>=2.6,<=2.14.1",
     "megatron-core==0.16.1",
-    "transformers==5.24.0",
+    "transformers>=5.19.0,<=5.24.0",
     "safetensors==0.8.0",
     "ray[default]==2.60.0",
     "math-verify==0.9.0",
