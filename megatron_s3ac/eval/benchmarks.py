@@ -1,0 +1,267 @@
+"""Benchmark files -> normalised items (prompt text, reference, kind), and the prompt template.
+
+Accepted row schemas (auto-detected per row; keys are matched case-insensitively):
+- MATH500, AIME 2024/2025, AMC23:  problem | question | prompt   +  answer | reference
+- OlympiadBench:                   question  +  final_answer (list; several answers are joined by ", ")
+- Minerva:                         problem   +  answer, or solution (its last \\boxed{} is the answer)
+- multiple choice (GPQA style):    question + choices | options (list, or dict letter -> text)
+                                   + answer (letter "C", 0-based index, or the correct choice's text)
+- GPQA raw (Idavidrein/gpqa):      Question + Correct Answer + Incorrect Answer 1..3; the four choices
+                                   are shuffled with a per-question seed, so the correct one is not
+                                   always A and every run sees the same order.
+Any row may also carry "prompt_ids" (a list of token ids): it is then fed to the model exactly, with
+no template; the trainer uses this for its held-out split, so eval sees the prompts as training does.
+Files: .jsonl / .json (list of rows) / .parquet. A row that fits no schema, has an empty field or
+an answer outside its choices is skipped and counted by reason in `Benchmark.skipped`.
+
+Kinds: "math" (scored by the rollout's math-verify reward) or "choice" (letter extraction).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import random
+import string
+from typing import Any, Iterable, Optional, Union
+
+from megatron_s3ac.rollout.rewards import extract_last_boxed
+
+KINDS = ("math", "choice")
+LETTERS = string.ascii_uppercase
+GPQA_SHUFFLE_SEED = 0
+
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+CHOICE_INSTRUCTION = "Please reason step by step, and put the letter of the correct choice within \\boxed{}."
+# Without a chat template: the instruction-bearing text followed by an answer cue.
+PLAIN_TEMPLATE = "{prompt}\n\nAnswer:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One benchmark question. For kind "choice", reference is a letter and choices holds the options."""
+
+    prompt: str  # question text (choices listed "A) ..." for kind "choice"), without instruction
+    reference: str
+    kind: str
+    choices: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()  # pre-tokenized prompt (row field "prompt_ids"): used as is
+
+
+@dataclasses.dataclass
+class Benchmark:
+    """A loaded benchmark: its items and the rows skipped while loading ({reason: count})."""
+
+    name: str
+    items: list[Item]
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading files
+# ----------------------------------------------------------------------------------------------
+def read_rows(path: str) -> tuple[list[Any], dict[str, int]]:
+    """Rows of a .jsonl / .json / .parquet file; undecodable jsonl lines are counted, not raised."""
+    skipped: collections.Counter = collections.Counter()
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist(), {}
+    if ext == ".json":
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: a .json benchmark must hold a list of rows")
+        return data, {}
+    if ext != ".jsonl":
+        raise ValueError(f"{path}: unsupported benchmark file type {ext!r} (jsonl, json, parquet)")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                skipped["bad_json"] += 1
+    return rows, dict(skipped)
+
+
+def load_benchmark(name: str, source: Union[str, Iterable[Any]]) -> Benchmark:
+    """Load a file path or an iterable of row dicts into a Benchmark (malformed rows skipped, counted)."""
+    if isinstance(source, (str, os.PathLike)):
+        rows, skipped = read_rows(os.fspath(source))
+    else:
+        rows, skipped = list(source), {}
+    counts = collections.Counter(skipped)
+    items = []
+    for row in rows:
+        item, reason = normalize_row(row)
+        if item is None:
+            counts[reason] += 1
+        else:
+            items.append(item)
+    return Benchmark(name=name, items=items, skipped=dict(counts))
+
+
+# ----------------------------------------------------------------------------------------------
+# Row normalisation
+# ----------------------------------------------------------------------------------------------
+def normalize_row(row: Any) -> tuple[Optional[Item], str]:
+    """(Item, "") for a usable row, else (None, reason)."""
+    if not isinstance(row, dict):
+        return None, "not_a_dict"
+    r = {str(k).strip().lower(): v for k, v in row.items()}
+    if "correct answer" in r:
+        item, reason = _gpqa_raw(r)
+    elif "choices" in r or "options" in r:
+        item, reason = _multiple_choice(r)
+    else:
+        item, reason = _math(r)
+    if item is None or r.get("prompt_ids") is None:
+        return item, reason
+    ids = r["prompt_ids"]
+    if not isinstance(ids, (list, tuple)) or not ids or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        return None, "bad_prompt_ids"
+    return dataclasses.replace(item, token_ids=tuple(ids)), ""
+
+
+def _text(value: Any) -> Optional[str]:
+    """A non-empty string from a str / int / float field (27.0 -> "27"), else None."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, float):
+        if value != value:  # NaN (empty parquet cell)
+            return None
+        value = int(value) if value.is_integer() else value
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    return None
+
+
+def _first(r: dict, keys: tuple[str, ...]) -> Any:
+    return next((r[k] for k in keys if r.get(k) is not None), None)
+
+
+def _math(r: dict) -> tuple[Optional[Item], str]:
+    question = _text(_first(r, ("problem", "question", "prompt")))
+    if question is None:
+        return None, "missing_question"
+    reference = None
+    if isinstance(r.get("final_answer"), (list, tuple)):  # OlympiadBench
+        parts = [_text(a) for a in r["final_answer"]]
+        reference = ", ".join(parts) if parts and all(parts) else None
+    else:
+        reference = _text(_first(r, ("answer", "final_answer", "reference")))
+    if reference is None and _text(r.get("solution")) is not None:  # Minerva: boxed in the solution
+        reference = _text(extract_last_boxed(r["solution"]))
+    if reference is None:
+        return None, "missing_answer"
+    return Item(prompt=question, reference=reference, kind="math"), ""
+
+
+def _multiple_choice(r: dict) -> tuple[Optional[Item], str]:
+    question = _text(_first(r, ("question", "problem", "prompt")))
+    if question is None:
+        return None, "missing_question"
+    raw = _first(r, ("choices", "options"))
+    if isinstance(raw, dict):  # {"A": "...", "B": "..."}
+        raw = [raw[k] for k in sorted(raw)]
+    if not isinstance(raw, (list, tuple)) or not 2 <= len(raw) <= len(LETTERS):
+        return None, "bad_choices"
+    choices = [_text(c) for c in raw]
+    if not all(choices):
+        return None, "bad_choices"
+    answer = _first(r, ("answer", "correct_answer", "label"))
+    letter = None
+    if isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(choices):
+        letter = LETTERS[answer]
+    elif isinstance(answer, str):
+        a = answer.strip().strip("()").strip()
+        if len(a) == 1 and a.upper() in LETTERS[: len(choices)]:
+            letter = a.upper()
+        elif answer.strip() in choices:
+            letter = LETTERS[choices.index(answer.strip())]
+    if letter is None:
+        return None, "bad_answer"
+    return _choice_item(question, choices, letter), ""
+
+
+def _gpqa_raw(r: dict) -> tuple[Optional[Item], str]:
+    question = _text(r.get("question"))
+    correct = _text(r.get("correct answer"))
+    wrong = [_text(r.get(f"incorrect answer {i}")) for i in (1, 2, 3)]
+    if question is None:
+        return None, "missing_question"
+    if correct is None or not all(wrong):
+        return None, "bad_choices"
+    choices = [correct] + wrong
+    # A local Random seeded by the question: the order is stable across runs and row orders, and
+    # the global `random` stream is untouched.
+    random.Random(f"{GPQA_SHUFFLE_SEED}:{question}").shuffle(choices)
+    return _choice_item(question, choices, LETTERS[choices.index(correct)]), ""
+
+
+def _choice_item(question: str, choices: list[str], letter: str) -> Item:
+    listed = "\n".join(f"{LETTERS[i]}) {c}" for i, c in enumerate(choices))
+    return Item(prompt=f"{question}\n\n{listed}", reference=letter, kind="choice", choices=tuple(choices))
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt template
+# ----------------------------------------------------------------------------------------------
+def render_prompt(item: Item, tokenizer=None, template: str = "auto") -> str:
+    """The text fed to the model.
+
+    template: "auto" (the tokenizer's chat template when it has one, else PLAIN_TEMPLATE), "chat",
+    "raw" (item.prompt exactly, no instruction: e.g. the CPU demo's "12+34=" task), or a format
+    string with a "{prompt}" field used instead of PLAIN_TEMPLATE.
+    """
+    if template == "raw":
+        return item.prompt
+    instruction = CHOICE_INSTRUCTION if item.kind == "choice" else MATH_INSTRUCTION
+    text = f"{item.prompt}\n\n{instruction}"
+    if uses_chat_template(tokenizer, template):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("template='chat' but the tokenizer has no chat template")
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    if template == "auto":
+        return PLAIN_TEMPLATE.format(prompt=text)
+    if "{prompt}" not in template:
+        raise ValueError(f"template must be 'auto', 'chat', 'raw' or contain '{{prompt}}', got {template!r}")
+    return template.format(prompt=text)
+
+
+def uses_chat_template(tokenizer, template: str = "auto") -> bool:
+    return template == "chat" or (template == "auto" and tokenizer is not None
+                                  and bool(getattr(tokenizer, "chat_template", None)))
+
+
+def prompt_ids(item: Item, tokenizer, template: str = "auto") -> list[int]:
+    """Token ids of the rendered prompt. A chat template writes its own special tokens, so none are
+    added then (as apply_chat_template(tokenize=True) does); otherwise the tokenizer's defaults apply.
+    A tokenizer that is not an HF one (not callable, e.g. the CPU demo's CharVocab) needs .encode(text)."""
+    if item.token_ids:
+        return list(item.token_ids)
+    text = render_prompt(item, tokenizer, template)
+    if not callable(tokenizer):
+        return list(tokenizer.encode(text))
+    return list(tokenizer(text, add_special_tokens=not uses_chat_template(tokenizer, template))["input_ids"])
+
+
+def decode_response(tokenizer, ids) -> str:
+    """Response text without special tokens; falls back to .decode(ids) for non-HF vocabularies."""
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    except TypeError:
+        return tokenizer.decode(ids)

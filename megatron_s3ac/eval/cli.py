@@ -1,0 +1,151 @@
+"""s3ac-eval: evaluate a model on local benchmark files; prints a table and writes a JSON report.
+
+    s3ac-eval --model CKPT_OR_HF_DIR --bench aime24=data/aime24.jsonl --bench math500=data/math500.parquet \
+              --k 1 --k-for aime24=16 --temperature 0.6 --top-p 0.95 --max-new-tokens 8192 --out report.json
+
+--model: a Hugging Face directory (config.json + weights + tokenizer); a directory holding such an
+export under hf/; or a megatron torch_dist checkpoint of this project: a training checkpoint step
+directory (its actor/ is used) or a converted checkpoint directory, turned into HF safetensors with
+megatron_s3ac.convert.mcore_to_hf first (into --convert-dir, else a temporary directory removed
+afterwards). Training checkpoints do not store their HF config: pass --hf-config DIR (config.json
++ tokenizer files of the model that was trained).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+from megatron_s3ac.eval.report import format_table, write_report
+from megatron_s3ac.eval.runner import BenchmarkSpec, evaluate
+from megatron_s3ac.rollout.base import SamplingParams
+
+
+def resolve_model_dir(path: str) -> str:
+    """The HF directory to load: `path` itself or its hf/ export; raises if neither exists."""
+    for candidate in (path, os.path.join(path, "hf")):
+        if os.path.isfile(os.path.join(candidate, "config.json")):
+            return candidate
+    raise FileNotFoundError(f"{path}: no HF model (config.json) here or under hf/")
+
+
+def mcore_checkpoint_dir(path: str):
+    """The torch_dist directory to convert: <step>/actor of a training checkpoint, or `path` itself."""
+    for candidate in (os.path.join(path, "actor"), path):
+        if os.path.isfile(os.path.join(candidate, ".metadata")):
+            return candidate
+    return None
+
+
+@contextlib.contextmanager
+def model_directory(path: str, hf_config: Optional[str] = None, convert_dir: Optional[str] = None):
+    """Yield an HF directory for `path` (see the module docstring), converting a megatron checkpoint."""
+    try:
+        hf_dir = resolve_model_dir(path)
+    except FileNotFoundError:
+        hf_dir = None
+    if hf_dir is not None:
+        yield hf_dir
+        return
+    mcore = mcore_checkpoint_dir(path)
+    if mcore is None:
+        raise FileNotFoundError(f"{path}: neither an HF model directory (config.json, or hf/config.json) "
+                                f"nor a megatron torch_dist checkpoint (.metadata, or actor/.metadata)")
+    from megatron_s3ac.convert import mcore_to_hf
+
+    with contextlib.ExitStack() as stack:
+        out = convert_dir or os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="s3ac-eval-")), "hf")
+        print(f"converting {mcore} -> {out}", file=sys.stderr)
+        mcore_to_hf(mcore, out, hf_config=hf_config, progress=False)
+        yield out
+
+
+def _pairs(values: Sequence[str], flag: str) -> list[tuple[str, str]]:
+    out = []
+    for v in values:
+        name, sep, rest = v.partition("=")
+        if not sep or not name or not rest:
+            raise SystemExit(f"{flag} expects NAME=VALUE, got {v!r}")
+        out.append((name, rest))
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="s3ac-eval", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF directory, or a checkpoint (hf/ export or torch_dist)")
+    p.add_argument("--hf-config", default=None, help="HF config/tokenizer dir for a training checkpoint")
+    p.add_argument("--convert-dir", default=None, help="keep the HF conversion of a checkpoint here")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--bench", action="append", required=True, metavar="NAME=PATH",
+                   help="benchmark file (.jsonl/.json/.parquet); a bare PATH is named by its file stem")
+    p.add_argument("--k", type=int, default=1, help="samples per prompt (avg@k, pass@k)")
+    p.add_argument("--k-for", action="append", default=[], metavar="NAME=K", help="per-benchmark k")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--template", default="auto", help="auto | chat | raw | a format string with {prompt}")
+    p.add_argument("--reward", default=None, help="reward for non-choice items (default math; e.g. arithmetic)")
+    p.add_argument("--engine", choices=("cpu", "sglang"), default="cpu")
+    p.add_argument("--tp-size", type=int, default=1, help="SGLang tensor parallel size")
+    p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
+    p.add_argument("--reward-workers", type=int, default=2)
+    p.add_argument("--verifier-timeout", type=float, default=5.0, help="seconds per answer; over it scores 0")
+    p.add_argument("--save-samples", action="store_true", help="include every response in the JSON report")
+    p.add_argument("--out", default="eval_report.json", help="JSON report path")
+    return p.parse_args(argv)
+
+
+def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded: bool = True):
+    if kind == "cpu":
+        from megatron_s3ac.rollout.cpu_engine import CPUEngine
+
+        return CPUEngine.from_pretrained(model_dir, tokenizer=tokenizer)
+    from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
+
+    # Deterministic inference: SGLang honours per-request seeds only with it.
+    return SGLangEngine(SGLangConfig(model_path=model_dir, tp_size=tp_size, enable_memory_saver=False,
+                                     enable_deterministic_inference=seeded))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    benches = {}
+    for v in args.bench:
+        name, sep, path = v.partition("=")
+        if not sep:
+            name, path = os.path.splitext(os.path.basename(v))[0], v
+        benches[name] = BenchmarkSpec(path, reward=args.reward)
+    k_for = {name: int(k) for name, k in _pairs(args.k_for, "--k-for")}
+    unknown = set(k_for) - set(benches)
+    if unknown:
+        raise SystemExit(f"--k-for names no --bench: {sorted(unknown)}")
+    for name, spec in benches.items():
+        spec.k = k_for.get(name, args.k)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens)
+    with model_directory(args.model, args.hf_config, args.convert_dir) as model_dir:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+        engine = build_engine(args.engine, model_dir, tokenizer, args.tp_size)
+        try:
+            report = evaluate(engine, tokenizer, benches, k=args.k, params=params, seed=args.seed,
+                              template=args.template, batch_size=args.batch_size,
+                              reward_workers=args.reward_workers, verifier_timeout_s=args.verifier_timeout,
+                              keep_samples=args.save_samples)
+        finally:
+            engine.shutdown()
+    report["model"] = os.path.abspath(args.model)
+    print(format_table(report))
+    write_report(report, args.out)
+    print(f"report: {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""evaluate(): generate k samples per benchmark prompt with a rollout engine, score, report.
+
+The report (JSON-serialisable dict):
+  {"seed", "sampling": {...}, "average_avg_at_k": mean avg@k over non-empty benchmarks,
+   "benchmarks": {name: {"k", "avg_at_k", "avg_at_k_ci95": [lo, hi], "pass_at_k", "pass_at_k_ci95",
+                         "num_prompts", "num_samples", "num_skipped", "skipped": {reason: n},
+                         "verifier_timeouts", "verifier_crashes", "verifier_errors",
+                         "finish_reasons": {reason: n}, "mean_response_tokens", "seconds"}}}
+Intervals: percentile bootstrap over prompts (estimators.py).
+
+It never touches training state: the engine is only asked to generate (no weight update, no
+cache of training statistics), sampling uses seeds derived from `seed` alone, and every global RNG
+(python, numpy, torch CPU/CUDA) is restored on exit, so a training run with periodic evaluation
+draws exactly the random numbers it would draw without it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+import zlib
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import numpy as np
+import torch
+
+from megatron_s3ac.eval.benchmarks import Benchmark, decode_response, load_benchmark, prompt_ids
+from megatron_s3ac.eval.estimators import summarize
+from megatron_s3ac.eval.rng import preserved_rng_state
+from megatron_s3ac.eval.scoring import score
+from megatron_s3ac.rollout.base import RolloutEngine, SamplingParams
+from megatron_s3ac.rollout.rewards import RewardPool, get_reward
+
+
+@dataclasses.dataclass
+class BenchmarkSpec:
+    """A benchmark with per-benchmark settings; None fields fall back to evaluate()'s arguments.
+
+    source: a file path, an iterable of row dicts, or a loaded Benchmark.
+    reward: registered reward for kind "math" items (default "math"; "arithmetic" for the demo).
+    template: see benchmarks.render_prompt ("auto", "chat", "raw", or a "{prompt}" format).
+    """
+
+    source: Union[str, Iterable[Any], Benchmark]
+    k: Optional[int] = None
+    reward: Optional[str] = None
+    template: Optional[str] = None
+
+
+BenchmarkSource = Union[str, Iterable[Any], Benchmark, BenchmarkSpec]
+
+
+def as_spec(name: str, source: BenchmarkSource) -> tuple[BenchmarkSpec, Benchmark]:
+    """Normalise any accepted source into (spec, loaded benchmark)."""
+    spec = source if isinstance(source, BenchmarkSpec) else BenchmarkSpec(source)
+    bench = spec.source if isinstance(spec.source, Benchmark) else load_benchmark(name, spec.source)
+    return spec, bench
+
+
+def batch_seed(seed: int, name: str, batch: int) -> int:
+    """A 31-bit sampling seed that depends only on (seed, benchmark name, batch index)."""
+    state = np.random.SeedSequence([seed, zlib.crc32(name.encode()), batch]).generate_state(1)[0]
+    return int(state) & 0x7FFFFFFF
+
+
+def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, BenchmarkSource], k: Union[int, Mapping[str, int]] = 1,
+             params: Optional[SamplingParams] = None, seed: int = 0, *, template: str = "auto",
+             reward_pool: Optional[RewardPool] = None, batch_size: int = 64, reward_workers: int = 2,
+             verifier_timeout_s: float = 5.0, keep_samples: bool = False) -> dict:
+    """Evaluate `engine` on each benchmark with k samples per prompt; returns the report dict.
+
+    k: one value, or {name: k} (missing names get 1); a BenchmarkSpec's own k wins.
+    params: sampling settings; its seed is replaced by seeds derived from `seed`.
+    reward_pool: reused if given (the trainer's), else one is started only if a benchmark needs it.
+    batch_size: prompts per engine.generate call (each expands to batch_size * k sequences).
+    keep_samples: also return per-prompt responses and correctness under "samples".
+    """
+    params = params or SamplingParams()
+    loaded = {name: as_spec(name, src) for name, src in benchmarks.items()}
+    own_pool = None
+    report: dict[str, Any] = {"seed": seed, "sampling": dataclasses.asdict(params), "benchmarks": {}}
+    with preserved_rng_state(), torch.no_grad():
+        try:
+            for name, (spec, bench) in loaded.items():
+                bench_k = spec.k or (k.get(name, 1) if isinstance(k, Mapping) else k)
+                pool = reward_pool
+                needs_pool = any(it.kind != "choice" for it in bench.items) and get_reward(spec.reward or "math").isolate
+                if needs_pool and pool is None:
+                    own_pool = own_pool or RewardPool(num_workers=reward_workers, timeout_s=verifier_timeout_s)
+                    pool = own_pool
+                report["benchmarks"][name] = _evaluate_one(
+                    engine, tokenizer, bench, spec, bench_k, params, seed, spec.template or template, pool,
+                    batch_size, keep_samples)
+        finally:
+            if own_pool is not None:
+                own_pool.close()
+    scores = [b["avg_at_k"] for b in report["benchmarks"].values() if b["num_prompts"]]
+    report["average_avg_at_k"] = float(np.mean(scores)) if scores else float("nan")
+    return report
+
+
+def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: int, params: SamplingParams,
+                  seed: int, template: str, pool, batch_size: int, keep_samples: bool) -> dict:
+    if k < 1:
+        raise ValueError(f"{bench.name}: k must be >= 1, got {k}")
+    t0 = time.monotonic()
+    items = bench.items
+    texts: list[list[str]] = []
+    finish = collections.Counter()
+    num_tokens = 0
+    for b, start in enumerate(range(0, len(items), batch_size)):
+        batch = items[start:start + batch_size]
+        ids = [prompt_ids(it, tokenizer, template) for it in batch]
+        out = engine.generate(ids, dataclasses.replace(params, seed=batch_seed(seed, bench.name, b)), n_samples=k)
+        for samples in out:
+            texts.append([s.response_text if s.response_text is not None
+                          else decode_response(tokenizer, s.response_ids) for s in samples])
+            finish.update(s.finish_reason for s in samples)
+            num_tokens += sum(len(s.response_ids) for s in samples)
+
+    correct = np.zeros((len(items), k), dtype=bool)
+    counts = collections.Counter()
+    for kind in sorted({it.kind for it in items}):
+        rows = [i for i, it in enumerate(items) if it.kind == kind]
+        responses = [t for i in rows for t in texts[i]]
+        references = [items[i].reference for i in rows for _ in range(k)]
+        nchoices = [len(items[i].choices) for i in rows for _ in range(k)]
+        ok, c = score(kind, responses, references, num_choices=nchoices, reward=spec.reward, pool=pool)
+        correct[rows] = ok.reshape(len(rows), k)
+        counts.update(c)
+
+    result = {"k": k, **summarize(correct, seed=seed),
+              "num_prompts": len(items), "num_samples": len(items) * k,
+              "num_skipped": bench.num_skipped, "skipped": dict(bench.skipped),
+              "verifier_timeouts": counts["timeouts"], "verifier_crashes": counts["crashes"],
+              "verifier_errors": counts["errors"], "finish_reasons": dict(finish),
+              "mean_response_tokens": num_tokens / max(1, len(items) * k),
+              "seconds": time.monotonic() - t0}
+    if keep_samples:
+        result["samples"] = [{"prompt": it.prompt, "reference": it.reference, "responses": texts[i],
+                              "correct": correct[i].tolist()} for i, it in enumerate(items)]
+    return result
