@@ -41,5 +41,7 @@ setup(
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require={"gpu": GPU, "test": TEST},
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": [
+        "s3ac-eval=megatron_s3ac.eval.cli:main",
+    ]},
 )
