@@ -1,0 +1,157 @@
+"""Offline HF safetensors -> megatron-core torch_dist checkpoint, streamed chunk by chunk.
+
+No model is built and no process group is started: the plan says which HF rows form which region
+of which checkpoint tensor. Every part is a contiguous byte range of a safetensors file, so each chunk
+is written as a ``torch.save`` blob (the format DCP reads) whose data bytes are copied file-to-file by
+the kernel (``copy_file_range``, like ``cp``): tensor bytes never enter the process, memory stays
+flat whatever the model size, and ``workers`` threads write separate ``.distcp`` files in parallel. The result loads with
+``dist_checkpointing.load(model.sharded_state_dict(), dir)`` at any TP/PP/EP/ETP.
+
+The checkpoint directory also holds ``s3ac_convert.json`` (the HF config and what the converter
+derived from it) and ``hf_config/`` (config, tokenizer and generation config files), so
+``mcore-to-hf`` and ``verify`` know the architecture.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_s3ac.convert.dcp_io import DistcpWriter, no_crc32
+from megatron_s3ac.convert.outdir import check_absent, copy_side_files, staged_output
+from megatron_s3ac.convert.plan import Chunk, ConversionError, Plan, build_plan
+from megatron_s3ac.convert.qwen import layers_are_stacked
+from megatron_s3ac.convert.safetensors_io import HFCheckpoint
+from megatron_s3ac.models.registry import model_info
+
+META_FILE = "s3ac_convert.json"
+HF_CONFIG_DIR = "hf_config"
+FILE_BYTES = 4 << 30  # start a new .distcp file after this many bytes (keeps files manageable)
+
+
+@dataclass
+class ConvertStats:
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+    def summary(self, what: str) -> str:
+        return f"{what}: {self.bytes / 1e9:.3f} GB in {self.seconds:.2f} s = {self.gbps:.2f} GB/s"
+
+
+def validate_hf(plan: Plan, ckpt: HFCheckpoint) -> None:
+    """Every tensor the plan needs exists with the expected shape; nothing unknown is dropped silently."""
+    for name, shape in plan.hf_shapes.items():
+        if name not in ckpt.where:
+            raise ConversionError(f"missing tensor {name} (expected shape {list(shape)}) in the HF checkpoint")
+        if ckpt.shape(name) != shape:
+            raise ConversionError(f"tensor {name} has shape {list(ckpt.shape(name))}, expected {list(shape)} "
+                                  f"from config.json")
+    unknown = sorted(set(ckpt.where) - set(plan.hf_shapes) - plan.ignorable_hf)
+    if unknown:
+        more = f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""
+        raise ConversionError(f"HF checkpoint has tensors the {plan.info.model_type} mapping does not know: "
+                              f"{', '.join(unknown[:5])}{more}")
+
+
+def key_dtypes(plan: Plan, ckpt: HFCheckpoint) -> dict[str, torch.dtype]:
+    """Checkpoint key -> dtype (that of its HF sources; a key's sources must agree)."""
+    out: dict[str, torch.dtype] = {}
+    for ch in plan.chunks:
+        for p in ch.parts:
+            dt = ckpt.dtype(p.hf)
+            if out.setdefault(ch.key, dt) != dt:
+                raise ConversionError(f"HF tensors feeding {ch.key} have different dtypes ({out[ch.key]} and {dt} "
+                                      f"for {p.hf})")
+    return out
+
+
+def chunk_segments(ch: Chunk, ckpt: HFCheckpoint, dtype: torch.dtype) -> list[tuple]:
+    """The chunk's bytes as [(fd, offset, nbytes)] ranges of the safetensors files (None fd: zeros).
+    Every part is a row range, hence one contiguous byte range: the chunk is never materialised."""
+    segs = [ckpt.row_range(p.hf, p.start, p.stop) for p in ch.parts]
+    pad = ch.numel * dtype.itemsize - sum(n for _, _, n in segs)
+    return segs + ([(None, 0, pad)] if pad else [])
+
+
+def _split(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
+    """Greedy balance by size, keeping each worker's chunks in plan order (sequential reads)."""
+    loads, out = [0] * n, [[] for _ in range(n)]
+    for ch in sorted(chunks, key=lambda c: -c.numel):
+        i = loads.index(min(loads))
+        loads[i] += ch.numel
+        out[i].append(ch)
+    order = {id(c): k for k, c in enumerate(chunks)}
+    return [sorted(lst, key=lambda c: order[id(c)]) for lst in out]
+
+
+def hf_to_mcore(hf_dir: str, out_dir: str, workers: int = 1, progress: bool = True) -> ConvertStats:
+    """Convert ``hf_dir`` into a new torch_dist checkpoint directory ``out_dir``."""
+    from tqdm import tqdm
+
+    check_absent(out_dir)
+    info = model_info(hf_dir)
+    plan = build_plan(info)
+    ckpt = HFCheckpoint(hf_dir)
+    try:
+        validate_hf(plan, ckpt)
+        dtypes = key_dtypes(plan, ckpt)
+        total = sum(ch.numel * dtypes[ch.key].itemsize for ch in plan.chunks)
+        t0 = time.time()
+        with staged_output(out_dir) as tmp:
+            writer = DistcpWriter(tmp)
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf-to-mcore", disable=not progress)
+            lock, errors = threading.Lock(), []
+
+            def work(chunks: list[Chunk], first: bool) -> None:
+                try:
+                    f = writer.open_file()
+                    if first:
+                        for uk in plan.objects:
+                            f.write_object(uk, None)  # _extra_state: None, as the local spec saves it
+                    for ch in chunks:
+                        segs, dt = chunk_segments(ch, ckpt, dtypes[ch.key]), dtypes[ch.key]
+                        for key in (ch.key, *ch.aliases):
+                            f.write_spliced(key, ch.global_shape, ch.offset, ch.shape, dt, segs)
+                        with lock:
+                            bar.update(ch.numel * dt.itemsize)
+                        if f.f.tell() > FILE_BYTES:
+                            f.close()
+                            f = writer.open_file()
+                    f.close()
+                except BaseException as e:  # noqa: BLE001  (re-raised in the main thread)
+                    errors.append(e)
+
+            shares = _split(plan.chunks, max(1, workers))
+            threads = [threading.Thread(target=work, args=(s, i == 0)) for i, s in enumerate(shares)]
+            with no_crc32():
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            bar.close()
+            if errors:
+                raise errors[0]
+            writer.finish()
+            write_metadata(tmp, plan, hf_dir)
+        return ConvertStats(total, time.time() - t0)
+    finally:
+        ckpt.close()
+
+
+def write_metadata(ckpt_dir: str, plan: Plan, hf_dir: str | None) -> None:
+    info = plan.info
+    meta = {"format": "megatron_s3ac.convert/1", "model_type": info.model_type, "hf_config": info.hf,
+            "padded_vocab_size": info.padded_vocab_size, "layers_stacked": layers_are_stacked(info),
+            "tie_embeddings": info.tie_embeddings}
+    with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
+        json.dump(meta, f, indent=1)
+    if hf_dir:
+        copy_side_files(hf_dir, os.path.join(ckpt_dir, HF_CONFIG_DIR))

@@ -1,0 +1,169 @@
+"""Offline megatron-core torch_dist checkpoint -> HF safetensors shards, streamed tensor by tensor.
+
+Accepts a checkpoint written by ``hf-to-mcore`` (architecture from its ``s3ac_convert.json``) or an
+actor checkpoint saved by training with ``dist_checkpointing.save(actor.sharded_state_dict(), dir)``
+at any layout (architecture from ``--hf-config``). Every HF tensor is assembled from the regions
+the plan names, read from whatever chunks the checkpoint has, and appended to a shard whose header
+was written up front; vocab padding is dropped, a tied model gets no ``lm_head.weight``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import threading
+import time
+
+import torch
+
+from megatron_s3ac.convert.dcp_io import DistcpCheckpoint
+from megatron_s3ac.convert.hf_to_mcore import HF_CONFIG_DIR, META_FILE, ConvertStats
+from megatron_s3ac.convert.outdir import check_absent, copy_side_files, staged_output
+from megatron_s3ac.convert.plan import ConversionError, Plan, build_plan, part_region
+from megatron_s3ac.convert.safetensors_io import INDEX, ShardWriter
+from megatron_s3ac.models.registry import ModelInfo, load_hf_config, model_info
+
+# ModelInfo fields that decide tensor names and shapes; a config that differs in any is another model.
+ARCH_FIELDS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads",
+               "head_dim", "vocab_size", "tie_embeddings", "qkv_bias", "qk_norm", "num_experts", "top_k",
+               "moe_ffn_hidden_size", "moe_layers", "shared_expert_size")
+
+
+def stored_config(mcore_dir: str) -> dict | None:
+    path = os.path.join(mcore_dir, META_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["hf_config"]
+
+
+def resolve_config(mcore_dir: str, hf_config: str | None) -> tuple[dict, ModelInfo]:
+    """The HF config of the checkpoint: ``hf_config`` if given (checked against the stored one)."""
+    stored = stored_config(mcore_dir)
+    if hf_config is None:
+        if stored is None:
+            raise ConversionError(f"{mcore_dir} has no {META_FILE} (a training checkpoint?); pass --hf-config DIR "
+                                  f"with the model's config.json")
+        return stored, model_info(stored)
+    cfg = load_hf_config(hf_config)
+    info = model_info(cfg)
+    if stored is not None:
+        mine = model_info(stored)
+        bad = [f"{f}: checkpoint {getattr(mine, f)!r} vs --hf-config {getattr(info, f)!r}"
+               for f in ARCH_FIELDS if getattr(mine, f) != getattr(info, f)]
+        if bad:
+            raise ConversionError(f"the checkpoint's config disagrees with --hf-config {hf_config}: " + "; ".join(bad))
+    return cfg, info
+
+
+def resolve_keys(plan: Plan, ck: DistcpCheckpoint) -> dict[int, str]:
+    """id(chunk) -> the key (or alias) the checkpoint stores it under; shapes must match the plan."""
+    out = {}
+    for ch in plan.chunks:
+        key = next((k for k in (ch.key, *ch.aliases) if ck.has(k)), None)
+        if key is None:
+            raise ConversionError(f"checkpoint {ck.dir} lacks tensor {ch.key} (shape {list(ch.global_shape)})")
+        if ck.global_shape(key) != ch.global_shape:
+            raise ConversionError(f"checkpoint tensor {key} has global shape {list(ck.global_shape(key))}, the config "
+                                  f"implies {list(ch.global_shape)}: config and checkpoint disagree")
+        out[id(ch)] = key
+    return out
+
+
+def plan_shards(names: list[tuple[str, tuple, torch.dtype]], max_bytes: int) -> list[list]:
+    shards, cur, size = [], [], 0
+    for name, shape, dtype in names:
+        n = math.prod(shape) * dtype.itemsize
+        if cur and size + n > max_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape, dtype))
+        size += n
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def prefetch(ck: DistcpCheckpoint, regions: list[tuple[str, tuple, tuple]], depth: int = 2):
+    """Yield ``ck.read_region(*r)`` for each region, read by a background thread at most ``depth``
+    regions ahead, so reading the checkpoint overlaps writing the shards (memory: depth + 1 regions)."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():  # the consumer may have stopped early: never block forever
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def reader():
+        try:
+            for r in regions:
+                if not put(ck.read_region(*r)):
+                    return
+        except BaseException as e:  # noqa: BLE001  (handed to the consumer)
+            put(e)
+
+    th = threading.Thread(target=reader, daemon=True)
+    th.start()
+    try:
+        for _ in regions:
+            item = q.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        th.join()
+
+
+def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, max_shard_bytes: int = 5 << 30,
+                progress: bool = True) -> ConvertStats:
+    """Write HF safetensors shards + index + config/tokenizer files of ``mcore_dir`` into new ``out_dir``."""
+    from tqdm import tqdm
+
+    check_absent(out_dir)
+    ck = DistcpCheckpoint(mcore_dir)
+    try:
+        cfg, info = resolve_config(mcore_dir, hf_config)
+        plan = build_plan(info)
+        keys = resolve_keys(plan, ck)
+        sources = plan.sources()
+        tensors = [(n, s, ck.dtype(keys[id(sources[n][0][0])])) for n, s in plan.hf_shapes.items()]
+        total = sum(math.prod(s) * d.itemsize for _, s, d in tensors)
+        shards = plan_shards(tensors, max_shard_bytes)
+        t0 = time.time()
+        with staged_output(out_dir) as tmp:
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="mcore-to-hf", disable=not progress)
+            weight_map = {}
+            regions = prefetch(ck, [(keys[id(ch)], *part_region(ch, row, part.rows))
+                                    for name, _, _ in tensors for ch, row, part in sources[name]])
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                w = ShardWriter(os.path.join(tmp, fname), shard)
+                for name, shape, _ in shard:
+                    for ch, row, part in sources[name]:
+                        bar.update(w.write(next(regions).reshape(part.rows, *shape[1:])))
+                    weight_map[name] = fname
+                w.close()
+            bar.close()
+            with open(os.path.join(tmp, INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            _write_side_files(tmp, mcore_dir, hf_config, cfg)
+        return ConvertStats(total, time.time() - t0)
+    finally:
+        ck.close()
+
+
+def _write_side_files(out: str, mcore_dir: str, hf_config: str | None, cfg: dict) -> None:
+    """config / tokenizer / generation config: from --hf-config, else those stored at conversion."""
+    src = hf_config if hf_config and os.path.isdir(hf_config) else os.path.join(mcore_dir, HF_CONFIG_DIR)
+    if os.path.isdir(src):
+        copy_side_files(src, out)
+    if not os.path.exists(os.path.join(out, "config.json")):
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
