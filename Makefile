@@ -19,7 +19,7 @@ $(STAMP): setup.py requirements-cpu.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/cpu_demo.py --out runs/cpu_demo
+	$(VENV)/bin/torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli demo examples/cpu_demo.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -m "not slow and not gpu" -q

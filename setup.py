@@ -43,5 +43,6 @@ setup(
     extras_require={"gpu": GPU, "test": TEST},
     entry_points={"console_scripts": [
         "s3ac-eval=megatron_s3ac.eval.cli:main",
+        "s3ac-convert=checkpoints_convert:main",
     ]},
 )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -92,8 +93,9 @@ def write_random_hf(out: str, cfg: dict, shard_bytes: int = 1 << 30) -> int:
     return total
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
-    """(seconds, peak RSS in bytes of that child) of a subprocess; raises on failure."""
+def timed(cmd: list[str]) -> tuple[float, int, float]:
+    """(seconds, peak RSS in bytes of that child, seconds the converter itself reports (its summary
+    line; excludes interpreter start-up and imports) or the wall time) of a subprocess."""
     subprocess.run(["sync"], check=True)
     t0 = time.time()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -103,9 +105,10 @@ def timed(cmd: list[str]) -> tuple[float, int]:
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-2000:]}")
+    m = re.search(r"GB in ([0-9.]+) s", out)
     if out.strip():
         print("   ", out.strip().splitlines()[-1])
-    return dt, ru.ru_maxrss * 1024
+    return dt, ru.ru_maxrss * 1024, float(m.group(1)) if m else dt
 
 
 def bench_size(root: str, layers: int, experts: int, workers: int, repeat: int) -> dict:
@@ -129,8 +132,9 @@ def bench_size(root: str, layers: int, experts: int, workers: int, repeat: int) 
         shutil.rmtree(cp2)
         runs["m2h"].append(timed(cli + ["mcore-to-hf", "--mcore", mc, "--out", back, "--no-progress"]))
     for k, v in runs.items():
-        r[k + "_s"] = min(t for t, _ in v)
-        r[k + "_rss"] = max(m for _, m in v)
+        r[k + "_s"] = min(t for t, _, _ in v)
+        r[k + "_rss"] = max(m for _, m, _ in v)
+        r[k + "_core_s"] = min(c for _, _, c in v)
     shutil.rmtree(base)
     return r
 
@@ -163,6 +167,11 @@ def main() -> None:
                   f"{r['h2m_rss'] / 2**20:6.0f}MB | {g / r['cp_mc_s']:7.2f}/s {g / r['m2h_s']:8.2f}/s "
                   f"{r['cp_mc_s'] / r['m2h_s']:6.2f} {r['m2h_rss'] / 2**20:6.0f}MB")
         print("(GB/s; ratio = converter throughput / cp -r throughput of the same input; RSS = converter peak)")
+        print("\nwithout the converter's ~2 s of interpreter start-up and imports (its own summary line):")
+        for r in rows:
+            g = r["GB"]
+            print(f"{g:7.2f}G hf->mcore {g / r['h2m_core_s']:5.2f}/s = {r['cp_hf_s'] / r['h2m_core_s']:.2f}x cp | "
+                  f"mcore->hf {g / r['m2h_core_s']:5.2f}/s = {r['cp_mc_s'] / r['m2h_core_s']:.2f}x cp")
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
 

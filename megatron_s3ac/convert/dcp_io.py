@@ -249,6 +249,7 @@ class DistcpCheckpoint:
         self.cache: OrderedDict = OrderedDict()
         self.cache_chunks = cache_chunks
         self.contiguous_chunks = contiguous_chunks
+        self.data_starts: dict[tuple, tuple[int, int]] = {}
 
     def byte_range(self, key: str, offset: tuple, shape: tuple):
         """(fd, byte offset, nbytes) of the region when it is one contiguous byte range of a stored
@@ -273,6 +274,9 @@ class DistcpCheckpoint:
 
     def _data_start(self, key: str, chunk_offsets: tuple, nbytes: int) -> tuple[int, int]:
         """fd and absolute offset of the tensor bytes inside a chunk's torch.save zip blob."""
+        hit = self.data_starts.get((key, chunk_offsets))
+        if hit is not None:
+            return hit
         info = self.md.storage_data[MetadataIndex(key, torch.Size(chunk_offsets))]
         f = self._file(info.relative_path)
         z = zipfile.ZipFile(_FileView(f, info.offset, info.length))
@@ -281,7 +285,9 @@ class DistcpCheckpoint:
             raise ConversionError(f"{key}: chunk at {chunk_offsets} is not a plain stored tensor of {nbytes} bytes")
         head = os.pread(f.fileno(), 30, info.offset + zi.header_offset)  # zip local file header
         name_len, extra_len = struct.unpack("<HH", head[26:30])
-        return f.fileno(), info.offset + zi.header_offset + 30 + name_len + extra_len
+        hit = self.data_starts[(key, chunk_offsets)] = (f.fileno(), info.offset + zi.header_offset + 30 + name_len
+                                                        + extra_len)
+        return hit
 
     def _file(self, relative_path: str):
         f = self.files.get(relative_path)

@@ -3,8 +3,10 @@
 Accepts a checkpoint written by ``hf-to-mcore`` (architecture from its ``s3ac_convert.json``) or an
 actor checkpoint saved by training with ``dist_checkpointing.save(actor.sharded_state_dict(), dir)``
 at any layout (architecture from ``--hf-config``). Every HF tensor is assembled from the regions
-the plan names, read from whatever chunks the checkpoint has, and appended to a shard whose header
-was written up front; vocab padding is dropped, a tied model gets no ``lm_head.weight``.
+the plan names and appended to a shard whose header was written up front; vocab padding is dropped,
+a tied model gets no ``lm_head.weight``. In our own checkpoints every region is a contiguous byte
+range of a ``.distcp`` file and is copied file-to-file by the kernel; other chunkings are read
+(``torch.load``, weights only) by a prefetch thread, overlapping the writes.
 """
 from __future__ import annotations
 
@@ -127,7 +129,8 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, max_
     from tqdm import tqdm
 
     check_absent(out_dir)
-    ck = DistcpCheckpoint(mcore_dir)
+    # Our own checkpoints store every chunk contiguous, so HF rows are byte ranges of .distcp files.
+    ck = DistcpCheckpoint(mcore_dir, contiguous_chunks=stored_config(mcore_dir) is not None)
     try:
         cfg, info = resolve_config(mcore_dir, hf_config)
         plan = build_plan(info)
@@ -140,14 +143,23 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, max_
         with staged_output(out_dir) as tmp:
             bar = tqdm(total=total, unit="B", unit_scale=True, desc="mcore-to-hf", disable=not progress)
             weight_map = {}
-            regions = prefetch(ck, [(keys[id(ch)], *part_region(ch, row, part.rows))
-                                    for name, _, _ in tensors for ch, row, part in sources[name]])
+            regions = [(keys[id(ch)], *part_region(ch, row, part.rows))
+                       for name, _, _ in tensors for ch, row, part in sources[name]]
+            ranges = [ck.byte_range(*r) for r in regions]
+            if all(ranges):  # kernel copies only (our checkpoints)
+                pieces = iter(ranges)
+            else:  # any other chunking (e.g. a training save): read, assemble, write
+                pieces = prefetch(ck, regions)
             for i, shard in enumerate(shards):
                 fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 w = ShardWriter(os.path.join(tmp, fname), shard)
                 for name, shape, _ in shard:
                     for ch, row, part in sources[name]:
-                        bar.update(w.write(next(regions).reshape(part.rows, *shape[1:])))
+                        piece = next(pieces)
+                        if isinstance(piece, tuple):
+                            bar.update(w.copy_from(*piece))
+                        else:
+                            bar.update(w.write(piece.reshape(part.rows, *shape[1:])))
                     weight_map[name] = fname
                 w.close()
             bar.close()

@@ -1,5 +1,4 @@
 """Rank bodies for run_distributed (module-level so the forkserver can import them)."""
-import torch
 
 
 def megatron_keys(hf_dirs):
