@@ -44,5 +44,6 @@ setup(
     entry_points={"console_scripts": [
         "s3ac-eval=megatron_s3ac.eval.cli:main",
         "s3ac-convert=checkpoints_convert:main",
+        "s3ac-train=megatron_s3ac.trainer.cli:main",
     ]},
 )

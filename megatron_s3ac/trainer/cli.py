@@ -1,0 +1,123 @@
+"""``s3ac-train``: the trainer's command line (run under torchrun; gloo on CPU, nccl on GPU).
+
+    torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli train  examples/cpu_demo.yaml train.steps=20
+    torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli value-pretrain cfg.yaml value_pretrain.coverage_path=cov.jsonl
+    torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli demo   examples/cpu_demo.yaml
+    s3ac-train check cfg.yaml [key=value ...]     # validate only (no torchrun needed)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def train_loop(tr) -> None:
+    """Resume if a checkpoint exists, run to ``train.steps``, checkpoint every ``save_every``."""
+    from megatron_s3ac.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from megatron_s3ac.trainer.logging import MetricsLogger, truncate_after
+
+    cfg = tr.cfg.train
+    ck = latest_checkpoint(cfg.out_dir) if cfg.resume else None
+    if ck is not None:
+        load_checkpoint(tr, ck)
+        if tr.rank == 0:
+            print(f"resumed from {ck} at step {tr.step_idx}", flush=True)
+    log = None
+    if tr.rank == 0:
+        path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        truncate_after(path, tr.step_idx) if ck is not None else (os.path.exists(path) and os.remove(path))
+        log = MetricsLogger(cfg.out_dir, cfg.steps, cfg.tensorboard, cfg.progress, initial_step=tr.step_idx)
+    while tr.step_idx < cfg.steps:
+        m = tr.step()
+        if cfg.eval_every and tr.step_idx % cfg.eval_every == 0:
+            acc = tr.evaluate()
+            if acc is not None:
+                m["eval/greedy_pass_rate"] = acc
+        if log is not None:
+            log.log(m)
+        if cfg.save_every and tr.step_idx % cfg.save_every == 0:
+            save_checkpoint(tr, cfg.keep_last)
+        if cfg.fail_at_step >= 0 and tr.step_idx == cfg.fail_at_step:
+            os._exit(9)  # tests: an abrupt death (no cleanup), like kill -9
+    if log is not None:
+        log.close()
+
+
+def _parse(argv):
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0)
+    cmd, rest = argv[0], argv[1:]
+    path = rest[0] if rest and "=" not in rest[0] else None
+    overrides = rest[1:] if path else rest
+    return cmd, path, overrides
+
+
+def main(argv=None) -> int:
+    from megatron_s3ac.trainer.config import ConfigError, load_config, to_yaml
+
+    cmd, path, overrides = _parse(sys.argv[1:] if argv is None else argv)
+    if cmd not in ("train", "value-pretrain", "demo", "check"):
+        print(f"unknown command {cmd!r}; use train | value-pretrain | demo | check", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(path, overrides)
+        if cmd == "check":
+            from megatron_s3ac.trainer.config import validate
+
+            validate(cfg, int(os.environ.get("WORLD_SIZE", "0")) or None)
+            print(to_yaml(cfg))
+            return 0
+    except ConfigError as e:
+        print(f"s3ac-train: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(cfg.train.out_dir, exist_ok=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
+    if cmd == "demo":
+        from megatron_s3ac.trainer.demo import run_demo
+
+        run_demo(cfg)
+    elif cmd == "train":
+        from megatron_s3ac.trainer.loop import Trainer
+
+        train_loop(Trainer(cfg))
+    else:
+        _value_pretrain_cmd(cfg)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def _value_pretrain_cmd(cfg) -> None:
+    """Pretrain the critic on a coverage jsonl; save it (torch_dist) for ``model.critic_init``."""
+    import json
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_s3ac.trainer.data import read_coverage
+    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.value_pretrain import value_pretrain
+
+    if not cfg.value_pretrain.coverage_path:
+        raise SystemExit("value-pretrain needs value_pretrain.coverage_path")
+    tr = Trainer(cfg)
+    rows, stats = read_coverage(cfg.value_pretrain.coverage_path)
+    f = open(os.path.join(cfg.train.out_dir, "value_pretrain.jsonl"), "w") if tr.rank == 0 else None
+    summary = value_pretrain(tr, rows, log=(lambda m: f.write(json.dumps(m) + "\n")) if f else None)
+    out = os.path.join(cfg.train.out_dir, "critic_pretrained")
+    if tr.rank == 0:
+        os.makedirs(out, exist_ok=True)
+        print({**stats, **summary})
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist_checkpointing.save(tr.critic.sharded_state_dict(), out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

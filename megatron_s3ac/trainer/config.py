@@ -1,0 +1,269 @@
+"""One YAML per experiment + ``key=value`` command-line overrides, validated before heavy work.
+
+The schema is a tree of dataclasses (OmegaConf structured config): unknown keys and wrong types are
+rejected by OmegaConf with the offending key named; ``validate`` then checks the cross-field rules
+(and the parallel layout against the model config) and raises ``ConfigError`` listing every problem.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+ALGORITHMS = ("s3ac", "grpo_x", "reinforce_pp", "flash_reinforce")
+
+
+class ConfigError(ValueError):
+    """An invalid experiment config; the message lists every broken rule by its dotted key."""
+
+
+@dataclass
+class ModelCfg:
+    hf_config: Optional[str] = None  # HF dir or config.json (architecture; engine weights if hf_weights)
+    tiny: Optional[str] = None  # "arithmetic_moe": the CPU demo's tiny Qwen3-MoE (no files needed)
+    actor_init: Optional[str] = None  # megatron torch_dist dir (checkpoints_convert hf->mcore)
+    critic_init: Optional[str] = None  # torch_dist dir of a (value-pretrained) critic
+    critic_head: str = "linear"  # linear | bounded
+    engine_hf_dir: Optional[str] = None  # HF dir the rollout engine loads (else built from config)
+
+
+@dataclass
+class LayoutCfg:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+
+
+@dataclass
+class DataCfg:
+    task: str = "arithmetic"  # arithmetic | math
+    path: Optional[str] = None  # jsonl / parquet (DAPO-Math-17k or MATH-1460 schema)
+    num_prompts: int = 2000  # arithmetic: size of the synthetic train set
+    eval_prompts: int = 200  # arithmetic: held-out set for pass rates
+    max_operand: int = 99
+    max_prompt_tokens: int = 1024
+    apply_chat_template: bool = True
+    seed: int = 1
+
+
+@dataclass
+class RolloutCfg:
+    prompts_per_step: int = 32
+    k: int = 4  # responses per prompt (1 = single rollout)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 6
+    reward: str = "arithmetic"
+    colocate: bool = True  # engine sleeps while training (GPU); no-op on the CPU engine
+
+
+@dataclass
+class AlgoCfg:
+    name: str = "s3ac"
+    actor_lr: float = 1e-4
+    critic_lr_mult: float = 5.0
+    actor_minibatches: int = 8
+    actor_epochs: int = 1
+    critic_minibatches: int = 8
+    critic_epochs: int = 2
+    micro_batch_size: int = 0  # rows per micro-batch (0 = whole mini-batch on this rank)
+    eps_low: float = 0.2  # CISPO clip-higher: [1 - eps_low, 1 + eps_high]
+    eps_high: float = 0.28
+    actor_clip_grad: float = 1.0
+    critic_clip_grad: float = 10.0
+    value_clip: float = 0.2
+    critic_lambda: float = 1.0
+    actor_alpha: float = 1.5  # length-adaptive lambda = 1 - 1/(alpha T)
+    tis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    mis_threshold: float = 2.0  # nats: mask a response whose max log-ratio exceeds this
+    dynamic_sampling: bool = True  # DAPO group filter (K > 1)
+    grpo_normalize_std: bool = True
+    flash_delta: float = 3e-3
+    weight_decay: float = 0.0
+
+
+@dataclass
+class DAPSCfg:
+    enabled: bool = True
+    n_c: float = 4.0
+    a_min: float = 0.1
+    warmup_steps: int = 2
+    rampup_steps: int = 4
+    half_life_steps: float = 100.0
+
+
+@dataclass
+class ValuePretrainCfg:
+    enabled: bool = True
+    coverage_path: Optional[str] = None  # jsonl from tools/build_coverage_data.py
+    epochs: int = 2
+    lr: float = 5e-4
+    batch_size: int = 64
+    clip_grad: float = 10.0
+    freeze_attention_and_router: bool = True
+
+
+@dataclass
+class DemoCfg:
+    warmup_lr: float = 3e-3
+    warmup_batch: int = 64
+    warmup_max_steps: int = 1500
+    warmup_eval_every: int = 100
+    target_pass_rate: float = 0.2  # stop SFT once greedy pass rate reaches this (band 10-60%)
+    coverage_checkpoints: int = 3  # warm-up checkpoints rolled out for coverage data
+    coverage_prompts: int = 128
+    coverage_k: int = 2
+
+
+@dataclass
+class TrainCfg:
+    steps: int = 40
+    seed: int = 1234
+    out_dir: str = "runs/default"
+    save_every: int = 0  # 0 = never
+    keep_last: int = 2
+    resume: bool = True
+    eval_every: int = 10
+    threads: int = 1
+    tensorboard: bool = True
+    progress: bool = True
+    r3: str = "auto"  # auto (on for MoE when megatron_s3ac.r3 exists) | on | off
+    fail_at_step: int = -1  # testing: os._exit(9) after this step (simulates kill -9)
+
+
+@dataclass
+class Config:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    actor_layout: LayoutCfg = field(default_factory=LayoutCfg)
+    critic_layout: Optional[LayoutCfg] = None  # None: same as the actor
+    data: DataCfg = field(default_factory=DataCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    algo: AlgoCfg = field(default_factory=AlgoCfg)
+    daps: DAPSCfg = field(default_factory=DAPSCfg)
+    value_pretrain: ValuePretrainCfg = field(default_factory=ValuePretrainCfg)
+    demo: DemoCfg = field(default_factory=DemoCfg)
+    train: TrainCfg = field(default_factory=TrainCfg)
+
+
+def load_config(path: Optional[str] = None, overrides: list[str] = ()) -> Config:
+    """YAML file (optional) merged onto the defaults, then ``key=value`` overrides; validated."""
+    base = OmegaConf.structured(Config)
+    try:
+        if path is not None:
+            if not os.path.exists(path):
+                raise ConfigError(f"config file not found: {path}")
+            base = OmegaConf.merge(base, OmegaConf.load(path))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise ConfigError(f"overrides must be key=value, got {bad}")
+            base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+    except ConfigError:
+        raise
+    except Exception as e:  # OmegaConf names the key and the type it expected
+        raise ConfigError(f"invalid config: {e}") from None
+    cfg: Config = OmegaConf.to_object(base)
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Cross-field checks; raises ConfigError listing every problem (cheap: reads configs only)."""
+    errs = []
+    a, r, d = cfg.algo, cfg.rollout, cfg.data
+    if a.name not in ALGORITHMS:
+        errs.append(f"algo.name={a.name!r} must be one of {ALGORITHMS}")
+    if a.name == "grpo_x" and r.k < 2:
+        errs.append("algo.name=grpo_x needs rollout.k >= 2 (group baseline)")
+    for key in ("actor_minibatches", "actor_epochs", "critic_minibatches", "critic_epochs"):
+        if getattr(a, key) < 1:
+            errs.append(f"algo.{key}={getattr(a, key)} must be >= 1")
+    if a.micro_batch_size < 0:
+        errs.append("algo.micro_batch_size must be >= 0")
+    for key in ("actor_lr", "critic_lr_mult", "actor_clip_grad", "critic_clip_grad", "actor_alpha"):
+        if not getattr(a, key) > 0:
+            errs.append(f"algo.{key}={getattr(a, key)} must be > 0")
+    if not 0 <= a.eps_low <= 1 or a.eps_high < 0:
+        errs.append(f"algo.eps_low must be in [0, 1] and eps_high >= 0, got {a.eps_low}, {a.eps_high}")
+    if not 0 <= a.critic_lambda <= 1:
+        errs.append(f"algo.critic_lambda={a.critic_lambda} must be in [0, 1]")
+    if not 0 < a.icepop_low < 1 < a.icepop_high:
+        errs.append(f"algo.icepop_low/high must satisfy 0 < low < 1 < high, got {a.icepop_low}, {a.icepop_high}")
+    if r.k < 1 or r.prompts_per_step < 1:
+        errs.append("rollout.k and rollout.prompts_per_step must be >= 1")
+    if r.prompts_per_step * r.k < a.actor_minibatches:
+        errs.append(f"rollout batch {r.prompts_per_step}x{r.k} is smaller than algo.actor_minibatches={a.actor_minibatches}")
+    if r.max_new_tokens < 1 or r.temperature <= 0:
+        errs.append("rollout.max_new_tokens must be >= 1 and rollout.temperature > 0 (training needs sampling)")
+    try:
+        from megatron_s3ac.rollout.rewards import get_reward
+
+        get_reward(r.reward)
+    except KeyError as e:
+        errs.append(f"rollout.reward: {e.args[0]}")
+    if d.task not in ("arithmetic", "math"):
+        errs.append(f"data.task={d.task!r} must be 'arithmetic' or 'math'")
+    if d.task == "math" and (d.path is None or not os.path.exists(d.path)):
+        errs.append(f"data.path={d.path!r} does not exist (task=math needs a jsonl/parquet prompt set)")
+    if (cfg.model.tiny is None) == (cfg.model.hf_config is None):
+        errs.append("set exactly one of model.tiny and model.hf_config")
+    if cfg.model.tiny is not None and cfg.model.tiny != "arithmetic_moe":
+        errs.append(f"model.tiny={cfg.model.tiny!r}: only 'arithmetic_moe' exists")
+    if cfg.model.tiny is not None and d.task != "arithmetic":
+        errs.append("model.tiny=arithmetic_moe uses the character vocabulary: data.task must be arithmetic")
+    for key in ("hf_config", "actor_init", "critic_init", "engine_hf_dir"):
+        p = getattr(cfg.model, key)
+        if p is not None and not os.path.exists(p):
+            errs.append(f"model.{key}={p!r} does not exist")
+    if cfg.value_pretrain.coverage_path and not os.path.exists(cfg.value_pretrain.coverage_path):
+        errs.append(f"value_pretrain.coverage_path={cfg.value_pretrain.coverage_path!r} does not exist")
+    if cfg.train.r3 not in ("auto", "on", "off"):
+        errs.append(f"train.r3={cfg.train.r3!r} must be auto, on or off")
+    if cfg.train.keep_last < 1:
+        errs.append("train.keep_last must be >= 1")
+    if not errs:
+        errs += _layout_errors(cfg, world_size)
+    if errs:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+def _layout_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
+    from megatron_s3ac.models.parallel import LayoutError
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+    if world_size is None:
+        return []
+    info = model_info_for(cfg)
+    out = []
+    for name, lay in (("actor_layout", cfg.actor_layout), ("critic_layout", cfg.critic_layout or cfg.actor_layout)):
+        try:
+            layout_of(lay).validate(info, world_size)
+        except LayoutError as e:
+            out.append(f"{name}: {e}")
+    return out
+
+
+def layout_of(lay: LayoutCfg):
+    from megatron_s3ac.models.parallel import ParallelLayout
+
+    return ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp)
+
+
+def model_info_for(cfg: Config):
+    from megatron_s3ac.models.registry import model_info
+
+    if cfg.model.tiny is not None:
+        from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+
+        return model_info(tiny_arithmetic_hf_config().to_dict())
+    return model_info(cfg.model.hf_config)

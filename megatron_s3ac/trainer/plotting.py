@@ -1,0 +1,64 @@
+"""Paper-style training curves (PNG) from a run directory's metrics.jsonl / value_pretrain.jsonl."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+PANELS = [  # (title, metric keys, file)
+    ("reward / accuracy", ["rollout/pass_rate", "eval/greedy_pass_rate"], "reward.png"),
+    ("rollout entropy (nats/token)", ["rollout/entropy"], "entropy.png"),
+    ("response length (tokens)", ["rollout/response_len"], "response_length.png"),
+    ("value loss", ["critic/value_loss_tok"], "value_loss.png"),
+    ("explained variance", ["critic/explained_variance"], "explained_variance.png"),
+    ("trajectories discarded by the group filter", ["filter/discarded_trajectories"], "discarded.png"),
+]
+
+
+def _read(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(l) for l in f if l.strip()]
+
+
+def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
+    """Write one PNG per panel (and a combined curves.png); returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _read(os.path.join(run_dir, "metrics.jsonl"))
+    vpt = _read(os.path.join(run_dir, "value_pretrain.jsonl"))
+    out_dir = out_dir or os.path.join(run_dir, "plots")
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    fig_all, axes = plt.subplots(2, 4, figsize=(18, 7))
+    panels = PANELS + [("value pretraining loss", ["vpt/value_loss"], "vpt_loss.png"),
+                       ("value pretraining explained variance", ["vpt/explained_variance"], "vpt_ev.png")]
+    for ax_all, (title, keys, fname) in zip(axes.ravel(), panels):
+        src = vpt if fname.startswith("vpt") else rows
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        any_data = False
+        for a in (ax, ax_all):
+            for k in keys:
+                pts = [(r["step"], r[k]) for r in src if k in r and r[k] is not None and math.isfinite(r[k])]
+                if pts:
+                    any_data = True
+                    a.plot(*zip(*pts), label=k, marker="." if len(pts) < 50 else None)
+            a.set_title(title)
+            a.set_xlabel("value-pretraining step" if fname.startswith("vpt") else "rollout step")
+            if any_data:
+                a.legend(fontsize=7)
+        fig.tight_layout()
+        if any_data:
+            path = os.path.join(out_dir, fname)
+            fig.savefig(path, dpi=90)
+            written.append(path)
+        plt.close(fig)
+    fig_all.tight_layout()
+    path = os.path.join(out_dir, "curves.png")
+    fig_all.savefig(path, dpi=80)
+    plt.close(fig_all)
+    return [path] + written

@@ -1,0 +1,184 @@
+"""Trainer: config validation, a few-step end-to-end run at world size 2 (EP=2 and TP=2), value
+pretraining freezing, NaN-skip, critic LR/epochs, atomic checkpoints, resume after kill -9."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.trainer.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=8", "rollout.k=4", "rollout.max_new_tokens=4",
+         "data.num_prompts=200", "data.eval_prompts=16", "algo.actor_minibatches=4", "algo.critic_minibatches=4",
+         "daps.warmup_steps=0", "daps.rampup_steps=1", "train.progress=false", "train.tensorboard=false"]
+
+
+# ---- config validation (no ranks) ------------------------------------------------------------
+@pytest.mark.parametrize("overrides,msg", [
+    (["algo.name=ppo"], "algo.name='ppo' must be one of"),
+    (["algo.name=grpo_x", "rollout.k=1"], "grpo_x needs rollout.k >= 2"),
+    (["algo.critic_epochs=0"], "algo.critic_epochs=0 must be >= 1"),
+    (["rollout.reward=nope"], "unknown reward 'nope'"),
+    (["data.task=math", "model.tiny=null", "model.hf_config=/nonexistent"], "data.path=None does not exist"),
+    (["model.tiny=null"], "set exactly one of model.tiny and model.hf_config"),
+    (["algo.icepop_low=2.0"], "icepop_low/high"),
+    (["algo.actor_lr=abc"], "actor_lr"),
+    (["algo.no_such_key=1"], "no_such_key"),
+    (["notakeyvalue"], "key=value"),
+])
+def test_config_errors(overrides, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, SMALL + overrides)
+
+
+def test_config_layout_checked_against_model():
+    from megatron_s3ac.trainer.config import validate
+
+    cfg = load_config(None, SMALL + ["actor_layout.ep=3"])
+    with pytest.raises(ConfigError, match="num_experts 4 is not divisible by ep 3"):
+        validate(cfg, world_size=3)
+
+
+def test_example_configs_validate():
+    for name in ("cpu_demo.yaml", "cpu_demo_grpo.yaml"):
+        load_config(os.path.join(ROOT, "examples", name))
+
+
+# ---- end to end on 2 ranks ---------------------------------------------------------------------
+def _e2e(overrides, out_dir):
+    from megatron_s3ac.trainer.loop import Trainer
+
+    # a random model gets (almost) no rewards: without the group filter every step updates
+    cfg = load_config(None, SMALL + ["algo.dynamic_sampling=false"] + overrides + [f"train.out_dir={out_dir}"])
+    tr = Trainer(cfg)
+    res = {"steps": [tr.step() for _ in range(2)]}
+    if tr.critic_opt is not None:
+        res["lr"] = (tr.actor_opt.param_groups[0]["lr"], tr.critic_opt.param_groups[0]["lr"])
+    # a non-finite loss skips the optimizer step and leaves the weights unchanged
+    before = [p.detach().clone() for p in tr.actor.parameters()]
+    real = tr._actor_loss
+
+    def nan_loss(mb, logits):
+        loss, n, met = real(mb, logits)
+        loss = loss * float("nan")
+        met["loss_sum"] = loss.detach()
+        return loss, n, met
+
+    tr._actor_loss = nan_loss
+    if tr.critic is not None:
+        tr._critic_loss = lambda mb, v, _f=tr._critic_loss: (lambda l, n, m: (l * float("inf"), n, dict(m, loss_sum=l.detach() * float("inf"))))(*_f(mb, v))
+    res["nan_step"] = tr.step()
+    res["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, tr.actor.parameters()))
+    return res
+
+
+@pytest.mark.parametrize("layout", [["actor_layout.ep=2"], ["actor_layout.tp=2"]], ids=["ep2", "tp2"])
+def test_s3ac_few_steps_world2(layout, tmp_path):
+    r0 = run_distributed(_e2e, 2, layout, str(tmp_path))[0]
+    for m in r0["steps"]:
+        assert m["mismatch/train_rollout_kl"] == pytest.approx(0.0, abs=1e-5)  # weight sync is exact
+        assert m["rollout/response_len"] > 0
+        if "actor/opt_steps" in m:
+            assert m["actor/opt_steps"] >= 1
+            # critic: epochs x mini-batches optimizer steps
+            assert m["critic/opt_steps"] == 2 * 4
+            assert all(v == v for k, v in m.items() if k.startswith(("actor/grad_norm", "critic/value_loss")))
+    actor_lr, critic_lr = r0["lr"]
+    assert critic_lr == pytest.approx(5 * actor_lr)
+    nan = r0["nan_step"]
+    if "actor/opt_steps" in nan:
+        assert nan["actor/opt_steps"] == 0 and nan["actor/skipped_minibatches"] > 0
+        assert nan["skipped_steps_total"] == 1
+        assert r0["unchanged"]
+
+
+@pytest.mark.parametrize("algo", ["grpo_x", "reinforce_pp", "flash_reinforce"])
+def test_baselines_run(algo, tmp_path):
+    k = ["rollout.k=1", "algo.actor_minibatches=2"] if algo != "grpo_x" else []
+    r0 = run_distributed(_e2e, 2, ["actor_layout.ep=2", f"algo.name={algo}", "daps.enabled=false"] + k, str(tmp_path))[0]
+    assert all("critic/opt_steps" not in m for m in r0["steps"])
+    assert r0["unchanged"]
+
+
+# ---- value pretraining ---------------------------------------------------------------------------
+def _vpt(out_dir):
+    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.value_pretrain import value_pretrain
+
+    cfg = load_config(None, SMALL + ["actor_layout.ep=2", f"train.out_dir={out_dir}", "value_pretrain.batch_size=8"])
+    tr = Trainer(cfg)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt_ids": p.ids, "response_ids": torch.randint(3, 15, (3,), generator=g).tolist(),
+             "reward": float(i % 2 * 2 - 1)} for i, p in enumerate(tr.prompts[:32])]
+    before = {n: p.detach().clone() for n, p in tr.critic.named_parameters()}
+    hist = []
+    summary = value_pretrain(tr, rows, log=hist.append)
+    frozen_kinds = (".self_attention.", ".input_layernorm.", ".mlp.router.")
+    changed = {n: not torch.equal(before[n], p) for n, p in tr.critic.named_parameters()}
+    return summary, changed, frozen_kinds, hist
+
+
+def test_value_pretrain_freezes_attention_and_router(tmp_path):
+    summary, changed, kinds, hist = run_distributed(_vpt, 2, str(tmp_path))[0]
+    assert summary["vpt/steps"] == 2 * 4  # 2 epochs x 32 rows / batch 8
+    assert summary["vpt/frozen_params"] > 0
+    for n, c in changed.items():
+        if any(k in "." + n for k in kinds):
+            assert not c, f"frozen {n} changed"
+    assert changed["module.output_layer.weight"] if "module.output_layer.weight" in changed else changed["output_layer.weight"]
+    assert any(c for n, c in changed.items() if ".experts." in n)
+    for m in hist:
+        assert 0 <= m["vpt/head_sq_share"] <= 1 and m["vpt/clipped"] in (0.0, 1.0)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+def test_latest_checkpoint_ignores_partial_saves(tmp_path):
+    from megatron_s3ac.trainer.checkpoint import latest_checkpoint
+
+    root = tmp_path / "checkpoints"
+    (root / "step_000002").mkdir(parents=True)
+    (root / "step_000002" / "COMPLETE").touch()
+    (root / "step_000004.tmp").mkdir()  # killed during save: never renamed
+    (root / "step_000006").mkdir()  # no COMPLETE marker
+    assert latest_checkpoint(str(tmp_path)) == str(root / "step_000002")
+
+
+def _torchrun(args, env_extra=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_s3ac.trainer.cli", "train"] + args
+    # output to a file, not a pipe: helper processes that dist_checkpointing spawned can outlive a
+    # killed rank and would keep a pipe open
+    out = next(a.split("=", 1)[1] for a in args if a.startswith("train.out_dir="))
+    log = out + f".{sum(1 for a in args if 'fail_at' in a)}.{len(os.listdir(os.path.dirname(out)))}.log"
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=300)
+    r.stderr = open(log).read()
+    return r
+
+
+def _metrics(d):
+    with open(os.path.join(d, "metrics.jsonl")) as f:
+        rows = [json.loads(l) for l in f]
+    drop = ("time/",)
+    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
+
+
+@pytest.mark.slow
+def test_resume_after_kill_matches_uninterrupted(tmp_path):
+    common = SMALL + ["actor_layout.ep=2", "train.steps=4", "train.save_every=2", "train.eval_every=0"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = _torchrun(common + [f"train.out_dir={a}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _torchrun(common + [f"train.out_dir={b}", "train.fail_at_step=3"])
+    assert r.returncode != 0  # died after step 3, checkpoint of step 2 on disk
+    assert os.path.exists(b / "checkpoints" / "step_000002" / "COMPLETE")
+    r = _torchrun(common + [f"train.out_dir={b}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ma, mb = _metrics(a), _metrics(b)
+    assert [m["step"] for m in mb] == [0, 1, 2, 3]
+    assert ma == mb
