@@ -140,3 +140,65 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
     model_parallel_cuda_manual_seed(seed)
+
+
+def _state_modules():
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return parallel_state, mrandom
+
+
+def _snapshot() -> dict:
+    import re
+
+    snap = {}
+    for mod in _state_modules():
+        for name, val in vars(mod).items():
+            if re.fullmatch(r"_[A-Z][A-Z0-9_]*", name):
+                snap[(mod.__name__, name)] = val
+    return snap
+
+
+def _restore(snap: dict) -> None:
+    mods = {m.__name__: m for m in _state_modules()}
+    for (mod, name), val in snap.items():
+        setattr(mods[mod], name, val)
+
+
+class ParallelContext:
+    """megatron's parallel state (process groups, ranks, RNG tracker) for one layout.
+
+    megatron-core keeps its process groups in module globals, so one process has one layout at a
+    time. A context captures those globals after creating its groups; ``with ctx.active():``
+    swaps them in, so an actor and a critic can live in one job at different layouts (e.g. actor
+    TP=2, critic EP=2): build and run each model inside its own context. Contexts must be created
+    in the same order on every rank (group creation is collective).
+    """
+
+    def __init__(self, layout: ParallelLayout, seed: int = 1234):
+        from megatron.core import parallel_state
+
+        _, mrandom = _state_modules()
+        outer = _snapshot() if parallel_state.model_parallel_is_initialized() else None
+        parallel_state.destroy_model_parallel()  # clears the globals only; existing groups live on
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False  # a fresh tracker for this layout
+        initialize_model_parallel(layout, seed)
+        self.layout = layout
+        self._snap = _snapshot()
+        if outer is not None:
+            _restore(outer)
+
+    def active(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def _ctx():
+            saved = _snapshot()
+            _restore(self._snap)
+            try:
+                yield self
+            finally:
+                _restore(saved)
+
+        return _ctx()
