@@ -60,3 +60,18 @@ def save_tiny_hf(model_type: str, out_dir: str, seed: int = 0, **overrides) -> s
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def char_tokenizer(chars: str = "0123456789+="):
+    """A real HF fast tokenizer with one token per character; ids 0/1/2 are <pad>/<eos>/<bos>,
+    unknown characters map to <pad>. For tiny arithmetic/text models in tests and demos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")

@@ -8,9 +8,9 @@ import os
 import random
 import time
 
-from transformers import PreTrainedTokenizerFast
 
 from megatron_s3ac.rollout.rewards import register_reward
+from megatron_s3ac.testing.tiny_models import char_tokenizer as _char_tokenizer
 from megatron_s3ac.testing.tiny_models import save_tiny_hf
 
 SLEEP_REWARD = "eval_test_sleep_forever"
@@ -18,17 +18,9 @@ SLEEP_REWARD = "eval_test_sleep_forever"
 CHARS = "0123456789+="
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character; ids 0/1/2 are <pad>/<eos>/<bos>; unknown characters map to <pad>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
-    for c in CHARS:
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+def char_tokenizer():
+    """One token per character of CHARS (shared implementation in megatron_s3ac.testing)."""
+    return _char_tokenizer(CHARS)
 
 
 def save_tiny_model(out_dir: str) -> str:

@@ -3,22 +3,16 @@
 A uniquely named module (not conftest) so `from rollout_fixtures import ...` cannot pick up another
 directory's conftest.
 """
-from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig
+from transformers import Qwen3MoeConfig
+
+from megatron_s3ac.testing.tiny_models import char_tokenizer as _char_tokenizer
 
 CHARS = "0123456789+=abcdefghijklmnopqrstuvwxyz .,"
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character; ids 0/1/2 are <pad>/<eos>/<bos>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
-    for c in CHARS:
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+def char_tokenizer():
+    """One token per character of CHARS (shared implementation in megatron_s3ac.testing)."""
+    return _char_tokenizer(CHARS)
 
 
 def tiny_moe_config(**overrides) -> Qwen3MoeConfig:
