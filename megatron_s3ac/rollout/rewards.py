@@ -166,9 +166,20 @@ def _limit_memory(memory_limit_mb: Optional[int]) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
+def _warm_up() -> None:
+    """Parse and verify one answer before declaring the worker ready: math-verify builds its LaTeX
+    grammar and sympy caches lazily, and on a cold machine that first call can exceed math-verify's
+    own 2 s limit, silently scoring a correct answer -1. Not counted against any answer's time."""
+    try:
+        math_reward("\\boxed{\\frac{1}{2}}", "0.5")
+    except Exception:
+        pass
+
+
 def _worker_main(conn, memory_limit_mb: Optional[int]) -> None:
     """Worker loop: receive (task_id, fn, response, reference), send (task_id, reward, status)."""
     _limit_memory(memory_limit_mb)
+    _warm_up()
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -224,7 +235,8 @@ class RewardPool:
         if start_method == "forkserver":
             # Forks from a server that already imported math-verify (sympy): replacing a killed
             # worker costs milliseconds instead of a fresh interpreter plus imports.
-            self._ctx.set_forkserver_preload(["megatron_s3ac.rollout.rewards", "math_verify"])
+            self._ctx.set_forkserver_preload(["megatron_s3ac.rollout.rewards", "math_verify",
+                                             "megatron_s3ac.rollout._warm_rewards"])
         self._workers = [_Worker(self._ctx, memory_limit_mb) for _ in range(num_workers)]
         self._startup_failures = 0
 
