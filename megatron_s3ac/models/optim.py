@@ -27,5 +27,6 @@ def build_optimizer(ddp_models: list, lr: float, weight_decay: float = 0.0, clip
 
     cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                           adam_beta1=adam_betas[0], adam_beta2=adam_betas[1], adam_eps=adam_eps,
-                          use_distributed_optimizer=distributed_optimizer, bf16=bf16, params_dtype=torch.float32)
+                          use_distributed_optimizer=distributed_optimizer, bf16=bf16,
+                          params_dtype=torch.bfloat16 if bf16 else torch.float32)
     return get_megatron_optimizer(cfg, ddp_models)
