@@ -17,13 +17,26 @@ def _tp():
         ps.get_tensor_model_parallel_group()
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
-    """fp32 logits / T with padded-vocab columns of this TP shard set to -inf. [..., V_local]."""
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                      fresh_copy: bool = False) -> torch.Tensor:
+    """fp32 logits / T with padded-vocab columns of this TP shard set to -inf. [..., V_local].
+
+    May return ``logits`` itself (fp32, T = 1, no padding here) unless ``fresh_copy``."""
     rank, _, _ = _tp()
     v_local = logits.shape[-1]
-    cols = torch.arange(rank * v_local, (rank + 1) * v_local, device=logits.device)
-    out = logits.float() / temperature
-    return out.masked_fill(cols >= vocab_size, float("-inf"))
+    # The logits are [b, s, V/tp] and large (151936 columns for Qwen): make at most one fp32 copy.
+    # Only a shard that holds padded columns is masked; T = 1 skips the division.
+    out = logits.float()
+    fresh = out is not logits
+    if temperature != 1.0:
+        out = out.div_(temperature) if fresh else out / temperature
+        fresh = True
+    first_pad = vocab_size - rank * v_local  # local index of the first padded column
+    if not fresh and (fresh_copy or first_pad < v_local):
+        out = out.clone()
+    if first_pad < v_local:
+        out[..., max(first_pad, 0):] = float("-inf")
+    return out
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
@@ -31,7 +44,8 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_
     """log p(targets) from sharded logits. logits [b, s, V_local], targets [b, s] -> [b, s] (differentiable)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    masked = mask_padded_vocab(logits, vocab_size, temperature)
+    # megatron's cross-entropy works in place on its input: never hand it the model's logits.
+    masked = mask_padded_vocab(logits, vocab_size, temperature, fresh_copy=True)
     return -vocab_parallel_cross_entropy(masked, targets)
 
 
