@@ -6,11 +6,24 @@
 * ``verify.verify(hf_dir, mcore_dir, tp, pp, ep)``: transformers vs megatron logits (own module:
   it imports transformers).
 The mapping itself is a ``Plan`` (``plan.py``) built per HF model_type (``qwen.py``).
+Names are imported on first use (PEP 562), so ``import megatron_s3ac.convert.<module>`` (the CLI)
+pays only for what that module needs.
 """
-from megatron_s3ac.convert.plan import Chunk, ConversionError, Part, Plan, build_plan, register_plan
-from megatron_s3ac.convert.hf_to_mcore import ConvertStats, hf_to_mcore
-from megatron_s3ac.convert.mcore_to_hf import mcore_to_hf
-from megatron_s3ac.convert.export import export_hf_weights
+import importlib
+
+_WHERE = {"Chunk": "plan", "ConversionError": "plan", "Part": "plan", "Plan": "plan", "build_plan": "plan",
+          "register_plan": "plan", "ConvertStats": "hf_to_mcore", "hf_to_mcore": "hf_to_mcore",
+          "mcore_to_hf": "mcore_to_hf", "export_hf_weights": "export"}
+
+
+def __getattr__(name):
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["Chunk", "ConversionError", "ConvertStats", "Part", "Plan", "build_plan", "export_hf_weights",
            "hf_to_mcore", "mcore_to_hf", "register_plan"]

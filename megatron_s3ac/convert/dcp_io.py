@@ -8,6 +8,8 @@ one ``torch.save`` blob per chunk (DCP's reader ``torch.load``s each, ``weights_
 ``DistcpWriter`` appends chunks as they are produced and writes ``.metadata`` last, so no more than
 the chunks in flight are ever in memory. ``DistcpCheckpoint`` reads any region of any key from
 whatever chunking the checkpoint has (ours, or a training save at any TP/PP/EP).
+``.metadata`` is written and read by ``dcp_meta`` (same bytes DCP reads; no DCP import, which is a
+large part of the CLI's start-up); unusual metadata files fall back to DCP's own reader.
 """
 from __future__ import annotations
 
@@ -16,18 +18,14 @@ import io
 import json
 import os
 import math
-import pickle
 import struct
 import threading
 import zipfile
 from collections import OrderedDict
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
-    TensorStorageMetadata)
 
+from megatron_s3ac.convert.dcp_meta import DType, dump_metadata, load_metadata
 from megatron_s3ac.convert.plan import ConversionError, box_slices, overlap
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -110,9 +108,9 @@ class DistcpWriter:
 
     def __init__(self, out_dir: str):
         self.dir = out_dir
-        self.tensors: dict[str, TensorStorageMetadata] = {}
-        self.storage: dict[MetadataIndex, _StorageInfo] = {}
-        self.objects: dict[str, BytesStorageMetadata] = {}
+        self.tensors: dict[str, tuple] = {}  # key -> (global shape, dtype name, [(offsets, sizes)])
+        self.storage: dict[tuple, tuple] = {}  # (key, offsets or None) -> (file, byte offset, length)
+        self.objects: list[str] = []
         self.lock = threading.Lock()
         self.nfiles = 0
 
@@ -121,29 +119,28 @@ class DistcpWriter:
             self.nfiles += 1
             return ItemFile(self, f"__0_{self.nfiles - 1}.distcp")
 
-    def _record_tensor(self, key, global_shape, offset, shape, dtype, info: _StorageInfo) -> None:
+    def _record_tensor(self, key, global_shape, offset, shape, dtype, info: tuple) -> None:
+        dtype = str(dtype).removeprefix("torch.")
+        offset, shape, global_shape = (tuple(int(x) for x in t) for t in (offset, shape, global_shape))
         with self.lock:
             md = self.tensors.get(key)
             if md is None:
-                md = self.tensors[key] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape), chunks=[])
-            elif md.properties.dtype != dtype or tuple(md.size) != tuple(global_shape):
+                md = self.tensors[key] = (global_shape, dtype, [])
+            elif md[1] != dtype or md[0] != global_shape:
                 raise ConversionError(f"{key}: chunks disagree on dtype/global shape "
-                                      f"({md.properties.dtype} {tuple(md.size)} vs {dtype} {tuple(global_shape)})")
-            md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(shape)))
-            self.storage[MetadataIndex(key, torch.Size(offset))] = info
+                                      f"({md[1]} {md[0]} vs {dtype} {global_shape})")
+            md[2].append((offset, shape))
+            self.storage[(key, offset)] = info
 
-    def _record_object(self, unique_key: str, info: _StorageInfo) -> None:
+    def _record_object(self, unique_key: str, info: tuple) -> None:
         with self.lock:
-            self.objects[unique_key] = BytesStorageMetadata()
-            self.storage[MetadataIndex(unique_key)] = info
+            self.objects.append(unique_key)
+            self.storage[(unique_key, None)] = info
 
     def finish(self) -> None:
         """Write ``.metadata``, ``metadata.json`` and ``common.pt`` (after all ItemFiles are closed)."""
-        md = Metadata(state_dict_metadata={**self.tensors, **self.objects}, storage_data=self.storage,
-                      storage_meta=StorageMeta(checkpoint_id=self.dir))
         with open(os.path.join(self.dir, ".metadata"), "wb") as f:
-            pickle.dump(md, f)
+            f.write(dump_metadata(self.tensors, self.objects, self.storage, self.dir))
         with open(os.path.join(self.dir, "metadata.json"), "w") as f:
             json.dump(MEGATRON_METADATA, f)
         torch.save({}, os.path.join(self.dir, "common.pt"))
@@ -165,7 +162,7 @@ class ItemFile:
         torch.save(t, self.f)  # callers run under ``no_crc32()`` (a process-wide switch)
         end = self.f.tell()
         self.w._record_tensor(key, global_shape, offset, tuple(t.shape), t.dtype,
-                              _StorageInfo(self.name, start, end - start))
+                              (self.name, start, end - start))
         return end - start
 
     def write_spliced(self, key, global_shape, offset, shape, dtype, segments) -> int:
@@ -190,7 +187,7 @@ class ItemFile:
         if not stream.done:
             raise ConversionError(f"{key}: torch.save did not write the tensor data in one piece")
         end = self.f.tell()
-        self.w._record_tensor(key, global_shape, offset, tuple(shape), dtype, _StorageInfo(self.name, start, end - start))
+        self.w._record_tensor(key, global_shape, offset, tuple(shape), dtype, (self.name, start, end - start))
         return end - start
 
     def write_object(self, unique_key: str, obj) -> None:
@@ -202,7 +199,7 @@ class ItemFile:
             blob = self.blobs[repr(obj)] = buf.getvalue()
         start = self.f.tell()
         self.f.write(blob)
-        self.w._record_object(unique_key, _StorageInfo(self.name, start, self.f.tell() - start))
+        self.w._record_object(unique_key, (self.name, start, self.f.tell() - start))
 
     def close(self) -> None:
         self.f.close()
@@ -244,7 +241,14 @@ class DistcpCheckpoint:
         if not os.path.exists(os.path.join(ckpt_dir, ".metadata")):
             raise ConversionError(f"{ckpt_dir} is not a torch_dist checkpoint (no .metadata)")
         self.dir = ckpt_dir
-        self.md = FileSystemReader(ckpt_dir).read_metadata()
+        self.md = load_metadata(os.path.join(ckpt_dir, ".metadata"))
+        if self.md is None:  # metadata with more than DCP's plain classes: DCP's own reader
+            from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+            self.md = FileSystemReader(ckpt_dir).read_metadata()
+        # (key, chunk offsets or None) -> (relative path, byte offset, length)
+        self.storage = {(i.fqn, None if getattr(i, "offset", None) is None else tuple(int(x) for x in i.offset)):
+                        (s.relative_path, s.offset, s.length) for i, s in self.md.storage_data.items()}
         self.files: dict[str, object] = {}
         self.cache: OrderedDict = OrderedDict()
         self.cache_chunks = cache_chunks
@@ -277,16 +281,15 @@ class DistcpCheckpoint:
         hit = self.data_starts.get((key, chunk_offsets))
         if hit is not None:
             return hit
-        info = self.md.storage_data[MetadataIndex(key, torch.Size(chunk_offsets))]
-        f = self._file(info.relative_path)
-        z = zipfile.ZipFile(_FileView(f, info.offset, info.length))
+        path, off, length = self.storage[(key, tuple(chunk_offsets))]
+        f = self._file(path)
+        z = zipfile.ZipFile(_FileView(f, off, length))
         zi = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
         if zi.compress_type != zipfile.ZIP_STORED or zi.file_size != nbytes:
             raise ConversionError(f"{key}: chunk at {chunk_offsets} is not a plain stored tensor of {nbytes} bytes")
-        head = os.pread(f.fileno(), 30, info.offset + zi.header_offset)  # zip local file header
+        head = os.pread(f.fileno(), 30, off + zi.header_offset)  # zip local file header
         name_len, extra_len = struct.unpack("<HH", head[26:30])
-        hit = self.data_starts[(key, chunk_offsets)] = (f.fileno(), info.offset + zi.header_offset + 30 + name_len
-                                                        + extra_len)
+        hit = self.data_starts[(key, chunk_offsets)] = (f.fileno(), off + zi.header_offset + 30 + name_len + extra_len)
         return hit
 
     def _file(self, relative_path: str):
@@ -296,22 +299,22 @@ class DistcpCheckpoint:
         return f
 
     def has(self, key: str) -> bool:
-        return isinstance(self.md.state_dict_metadata.get(key), TensorStorageMetadata)
+        return hasattr(self.md.state_dict_metadata.get(key), "chunks")  # a tensor, not a byte object
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.md.state_dict_metadata[key].size)
 
     def dtype(self, key: str) -> torch.dtype:
-        return self.md.state_dict_metadata[key].properties.dtype
+        dt = self.md.state_dict_metadata[key].properties.dtype
+        return dt.torch() if isinstance(dt, DType) else dt
 
     def _load_chunk(self, key: str, offsets: tuple) -> torch.Tensor:
         ck = (key, offsets)
         if ck in self.cache:
             self.cache.move_to_end(ck)
             return self.cache[ck]
-        info = self.md.storage_data[MetadataIndex(key, torch.Size(offsets))]
-        f = self._file(info.relative_path)
-        t = torch.load(_FileView(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        path, off, length = self.storage[(key, tuple(offsets))]
+        t = torch.load(_FileView(self._file(path), off, length), map_location="cpu", weights_only=True)
         self.cache[ck] = t
         while len(self.cache) > self.cache_chunks:
             self.cache.popitem(last=False)
@@ -324,7 +327,7 @@ class DistcpCheckpoint:
         for c in md.chunks:  # the common case for our own checkpoints: a region is one stored chunk
             if tuple(c.offsets) == tuple(offset) and tuple(c.sizes) == tuple(shape):
                 return self._load_chunk(key, tuple(offset))
-        out = torch.empty(shape, dtype=md.properties.dtype)
+        out = torch.empty(shape, dtype=self.dtype(key))
         filled = 0
         for c in md.chunks:
             ov = overlap(offset, shape, tuple(c.offsets), tuple(c.sizes))

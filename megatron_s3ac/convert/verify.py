@@ -101,13 +101,13 @@ def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, e
     from megatron_s3ac.models.registry import load_hf_config, model_info
 
     cfg = load_hf_config(hf_dir)
+    info = model_info(cfg)  # vocab_size etc. from the text config (VL checkpoints nest it)
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=g)
+    tokens = torch.randint(0, info.vocab_size, (batch, seq), generator=g)
     ref = hf_logits(hf_dir, tokens)
-    info = model_info(cfg)
     layout = make_layout(tp, pp, ep, etp if info.is_moe else None)
     layout.validate(info, world_size_for(layout))  # fail here, not inside N ranks
-    got = megatron_logits(cfg, mcore_dir, tokens, layout)[..., :cfg["vocab_size"]].float()
+    got = megatron_logits(cfg, mcore_dir, tokens, layout)[..., :info.vocab_size].float()
     diff = (got - ref).abs().max().item()
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     return VerifyResult(diff, top1, ref, got)

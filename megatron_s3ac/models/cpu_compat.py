@@ -177,3 +177,40 @@ def enable() -> bool:
 
 def is_enabled() -> bool:
     return _STATE["enabled"]
+
+
+# ---- Gated DeltaNet without flash-linear-attention (Qwen3.5-MoE) ----------------------------------
+def have_fla() -> bool:
+    """Whether flash-linear-attention (fla: Triton kernels for the gated delta rule) is importable."""
+    try:
+        import fla.modules.l2norm  # noqa: F401
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """fla's l2norm (``x / sqrt(sum(x^2) + eps)``), as transformers' reference writes it."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def patch_missing_fla() -> bool:
+    """megatron-core 0.16.1's ``GatedDeltaNet`` raises ImportError without fla and its forward then
+    calls the fla names ``l2norm`` / ``chunk_gated_delta_rule`` (``l2norm`` is never defined). When
+    fla is absent (CPU, or a GPU without the wheel) bind those module names to torch versions:
+    ``l2norm`` as above and megatron's own ``torch_chunk_gated_delta_rule`` (same file, the
+    transformers reference algorithm), and let the constructor pass. The causal conv1d already falls
+    back to ``torch.nn.Conv1d`` without the causal_conv1d package. Applied on CPU and GPU alike;
+    a no-op when fla is installed. Returns True if the torch path is in use."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    if getattr(gdn, "_s3ac_torch_path", False):
+        return True
+    if gdn.HAVE_FLA:
+        return False
+    gdn.l2norm = _torch_l2norm
+    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+    gdn.HAVE_FLA = True  # only lets __init__ pass: the names above are the torch kernels
+    gdn._s3ac_torch_path = True
+    return True

@@ -12,9 +12,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
-
 
 class UnsupportedModelError(ValueError):
     """The HF config names an architecture or a feature this project does not implement."""
@@ -154,6 +151,8 @@ class Arch:
 
     # ---- megatron side -------------------------------------------------------------------------
     def transformer_config_kwargs(self, info: ModelInfo) -> dict[str, Any]:
+        import torch.nn.functional as F  # lazily: config reading (the converter CLI) needs no torch
+
         kw = dict(
             num_layers=info.num_layers, hidden_size=info.hidden_size,
             ffn_hidden_size=info.ffn_hidden_size or None,
@@ -234,7 +233,9 @@ class Qwen3Moe(Qwen3):
                     moe_layers=layers)
 
 
-def dtype_flags(dtype: torch.dtype) -> dict[str, Any]:
+def dtype_flags(dtype) -> dict[str, Any]:
+    import torch
+
     if dtype == torch.float32:
         return dict(params_dtype=torch.float32)
     if dtype == torch.bfloat16:
@@ -242,3 +243,7 @@ def dtype_flags(dtype: torch.dtype) -> dict[str, Any]:
     if dtype == torch.float16:
         return dict(params_dtype=torch.float16, fp16=True)
     raise ValueError(f"unsupported dtype {dtype}")
+
+
+# Architectures that live in their own modules register themselves on import.
+from megatron_s3ac.models import qwen3_5 as _qwen3_5  # noqa: E402,F401  (qwen3_5_moe)

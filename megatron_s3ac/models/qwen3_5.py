@@ -1,0 +1,151 @@
+"""Qwen3.5-MoE (the Intern-S2 397B / 35B architecture) on megatron-core 0.16.1.
+
+HF model_types: ``qwen3_5_moe`` (``Qwen3_5MoeForConditionalGeneration`` checkpoints; the language model
+is the ``text_config``, HF tensors under ``model.language_model.``) and ``qwen3_5_moe_text``
+(``Qwen3_5MoeForCausalLM``, tensors under ``model.``). Only the language model is built; the vision
+tower and the MTP head are dropped (a later issue), and asking for MTP layers raises.
+
+What the architecture needs from megatron-core, and where it comes from:
+  * hybrid layers from ``layer_types`` (or ``full_attention_interval``): ``linear_attention`` ->
+    megatron's Gated DeltaNet (``megatron/core/ssm/gated_delta_net.py``), ``full_attention`` ->
+    SelfAttention with ``attention_output_gate`` (per-head sigmoid gate, HF's [q, gate] per head);
+    megatron's config fields ``experimental_attention_variant='gated_delta_net'`` and
+    ``linear_attention_freq`` (a 1/0 list) record the pattern (and make checkpoints per-layer);
+  * zero-centred RMSNorm ``x * (1 + w)`` for the input / pre-MLP / q / k / final norms:
+    ``layernorm_zero_centered_gamma`` (checkpoint weights equal HF's); the GDN output norm is a plain
+    gated RMSNorm ``w * x`` in HF and is kept plain here (checkpoint ``out_norm.weight`` == HF
+    ``linear_attn.norm.weight``, no +-1: our converter copies bytes. NB Megatron-Bridge's checkpoints
+    store ``w - 1`` for it, because TE's norm is zero-centred there);
+  * MoE on every layer: softmax top-k router with renormalised top-k, shared expert with a sigmoid
+    gate (``moe_shared_expert_gate``);
+  * partial RoPE (``rotary_percent``). HF's mRoPE equals 1-D RoPE for text (all three position
+    axes are the text position), which is all this model receives.
+
+Kernels: without flash-linear-attention (CPU, or a GPU without fla) the GDN runs megatron's own torch
+``torch_chunk_gated_delta_rule`` (``cpu_compat.patch_missing_fla``). megatron-core 0.16.1's GDN
+ignores the attention mask, so packed sequences and left padding are refused (``TorchGatedDeltaNet``).
+The megatron modules and layer specs are in ``qwen3_5_spec.py`` (imported when a model is built).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_s3ac.models.registry import Arch, ModelInfo, UnsupportedModelError, _rope, pad_vocab, register
+
+HF_PREFIX = {"qwen3_5_moe": "model.language_model.", "qwen3_5_moe_text": "model."}
+# HF expert layout the converter reads/writes: published Qwen3.5 / Intern-S2 checkpoints store fused
+# experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); transformers 5.x
+# ``save_pretrained`` writes one tensor per expert and projection. Choose with this config key.
+EXPERT_LAYOUT_KEY = "s3ac_hf_experts"
+EXPERT_LAYOUTS = ("fused", "per_expert")
+
+
+def text_config(cfg: dict) -> dict:
+    """The language-model part of an HF config dict (``text_config`` of a ConditionalGeneration one)."""
+    if cfg.get("model_type") == "qwen3_5_moe":
+        if not isinstance(cfg.get("text_config"), dict):
+            raise UnsupportedModelError("qwen3_5_moe config has no text_config")
+        return cfg["text_config"]
+    return cfg
+
+
+def layer_types(tc: dict) -> list[str]:
+    n = tc["num_hidden_layers"]
+    types = tc.get("layer_types")
+    if types is None:
+        interval = tc.get("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise UnsupportedModelError(f"layer_types has {len(types)} entries for {n} layers")
+    bad = sorted(set(types) - {"linear_attention", "full_attention"})
+    if bad:
+        raise UnsupportedModelError(f"layer type(s) {bad} are not supported (only linear_attention, full_attention)")
+    return list(types)
+
+
+def rope(tc: dict) -> tuple[float, float]:
+    """(theta, rotary_percent) as transformers derives them: Qwen3.5 defaults partial_rotary_factor
+    to 0.25 when a config does not give it."""
+    rp = dict(tc.get("rope_parameters") or {})
+    if "partial_rotary_factor" not in rp and "partial_rotary_factor" not in tc:
+        tc = {**tc, "partial_rotary_factor": 0.25}
+    for key in ("mrope_section", "mrope_interleaved"):
+        rp.pop(key, None)  # text positions: mRoPE == 1-D RoPE
+    return _rope({**tc, "rope_parameters": rp})
+
+
+def expert_layout(cfg: dict) -> str:
+    lay = cfg.get(EXPERT_LAYOUT_KEY, "fused")
+    if lay not in EXPERT_LAYOUTS:
+        raise UnsupportedModelError(f"{EXPERT_LAYOUT_KEY}={lay!r}: must be one of {EXPERT_LAYOUTS}")
+    return lay
+
+
+@register
+class Qwen35Moe(Arch):
+    """Qwen3.5-MoE language model: GDN + gated attention hybrid, MoE with a gated shared expert."""
+
+    model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
+    qk_norm = True
+
+    def check(self, cfg: dict) -> None:
+        tc = text_config(cfg)
+        super().check(tc)
+        if tc.get("attention_bias"):
+            raise UnsupportedModelError("qwen3_5_moe with attention_bias=true is not supported")
+        layer_types(tc)
+        expert_layout(cfg)
+        nk, nv = tc.get("linear_num_key_heads", 16), tc.get("linear_num_value_heads", 32)
+        if nv % nk:
+            raise UnsupportedModelError(f"linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}")
+
+    def info(self, cfg: dict) -> ModelInfo:
+        self.check(cfg)
+        # the converter's plan for this architecture lives in convert/qwen3_5.py; registering it here
+        # (on first use, not at import: convert imports the registry) makes build_plan find it.
+        import megatron_s3ac.convert.qwen3_5  # noqa: F401
+
+        tc = text_config(cfg)
+        heads = tc.get("num_attention_heads", 16)
+        theta, partial = rope(tc)
+        n = tc.get("num_hidden_layers", 40)
+        return ModelInfo(
+            model_type=cfg["model_type"], hf=cfg, num_layers=n, hidden_size=tc.get("hidden_size", 2048),
+            ffn_hidden_size=0, num_heads=heads, num_kv_heads=tc.get("num_key_value_heads", 2),
+            head_dim=tc.get("head_dim", 256), vocab_size=tc.get("vocab_size", 248320),
+            padded_vocab_size=pad_vocab(tc.get("vocab_size", 248320)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
+            rms_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=theta, rotary_percent=partial,
+            max_position_embeddings=tc.get("max_position_embeddings", 32768), qkv_bias=False, qk_norm=True,
+            init_std=tc.get("initializer_range", 0.02),
+            num_experts=tc.get("num_experts", 256), top_k=tc.get("num_experts_per_tok", 8),
+            moe_ffn_hidden_size=tc.get("moe_intermediate_size", 512), norm_topk_prob=True,
+            shared_expert_size=tc.get("shared_expert_intermediate_size", 512) or 0,
+            moe_layers=list(range(n)))
+
+    def transformer_config_kwargs(self, info: ModelInfo) -> dict[str, Any]:
+        tc = text_config(info.hf)
+        kw = super().transformer_config_kwargs(info)
+        kw.update(
+            layernorm_zero_centered_gamma=True,
+            attention_output_gate=True,
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=[1 if t == "linear_attention" else 0 for t in layer_types(tc)],
+            linear_conv_kernel_dim=tc.get("linear_conv_kernel_dim", 4),
+            linear_key_head_dim=tc.get("linear_key_head_dim", 128),
+            linear_value_head_dim=tc.get("linear_value_head_dim", 128),
+            linear_num_key_heads=tc.get("linear_num_key_heads", 16),
+            linear_num_value_heads=tc.get("linear_num_value_heads", 32),
+        )
+        return kw
+
+    def block_spec(self, config, info: ModelInfo, use_te: bool | None, pp_rank: int | None = None):
+        if getattr(config, "mtp_num_layers", None):
+            raise UnsupportedModelError(
+                "qwen3_5_moe MTP layers are not supported (mtp_num_layers must be unset): the converter "
+                "drops the mtp.* tensors and the model is built without the MTP head")
+        if config.context_parallel_size > 1:
+            raise UnsupportedModelError("qwen3_5_moe: megatron-core 0.16.1's Gated DeltaNet has no context parallel")
+        from megatron_s3ac.models.qwen3_5_spec import qwen3_5_block_spec
+
+        return qwen3_5_block_spec(config, use_te=bool(use_te), pp_rank=pp_rank)

@@ -1,0 +1,154 @@
+"""Qwen3.5-MoE modules and layer specs for megatron-core 0.16.1 (see ``qwen3_5.py`` for the architecture).
+
+Torch spec (CPU, and GPUs without Transformer Engine): megatron's ``GatedDeltaNet`` (torch kernels when
+flash-linear-attention is absent), megatron's ``SelfAttention`` with the output gate and SDPA core
+attention, ``SequentialMLP`` experts + gated ``SharedExpertMLP``, and zero-centred RMSNorms.
+Checkpoint keys are those of megatron's TE hybrid spec (fused input norms), so a checkpoint loads with
+either spec.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_s3ac.models.registry import UnsupportedModelError
+from megatron_s3ac.models.specs import SPNorm
+
+
+# ---- modules -----------------------------------------------------------------------------------
+class ZeroCenteredNorm(SPNorm):
+    """SPNorm that honours ``config.layernorm_zero_centered_gamma``: RMSNorm ``x_hat * (1 + w)`` with w
+    initialised to 0, computed in fp32 and cast back like HF's ``Qwen3_5MoeRMSNorm``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(config, hidden_size, eps)
+        self.zero_centered = bool(config.layernorm_zero_centered_gamma)
+        if self.zero_centered:
+            if not self.rms:
+                raise ValueError("ZeroCenteredNorm: zero-centred gamma is implemented for RMSNorm only")
+            with torch.no_grad():
+                self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centered:
+            return super().forward(x)
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _gdn_class():
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from megatron_s3ac.models import cpu_compat
+
+    cpu_compat.patch_missing_fla()
+
+    class TorchGatedDeltaNet(GatedDeltaNet):
+        """megatron's GatedDeltaNet with two changes: the gated output norm runs eagerly (megatron
+        wraps it in torch.compile, which needs a compiler toolchain on CPU and changes nothing
+        numerically), and an attention mask other than causal is refused, because megatron-core
+        0.16.1's GDN ignores masks (packed samples would leak state into each other, left padding
+        would feed pad tokens into the recurrence)."""
+
+        def forward(self, hidden_states, attention_mask, *args, **kwargs):
+            if attention_mask is not None and not _is_causal(attention_mask):
+                raise NotImplementedError(
+                    "qwen3_5_moe: megatron-core 0.16.1's Gated DeltaNet ignores attention masks, so packed "
+                    "sequences (block-diagonal masks) and left padding are not supported; use right "
+                    "padding with a causal mask (attention_mask=None)")
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+
+        def _apply_gated_norm(self, x, gate):
+            x_dtype = x.dtype
+            y = self.out_norm(x.reshape(-1, x.shape[-1]))
+            y = y * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())
+            return y.to(x_dtype)
+
+    return TorchGatedDeltaNet
+
+
+_GDN = None
+
+
+def gated_delta_net_class():
+    global _GDN
+    if _GDN is None:
+        _GDN = _gdn_class()
+    return _GDN
+
+
+def _is_causal(mask: torch.Tensor) -> bool:
+    """megatron convention (True = masked): exactly the upper triangle of every [s, s] block."""
+    s = mask.shape[-1]
+    if mask.shape[-2] != s:
+        return False
+    causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
+    return bool((mask.bool() == causal).all())
+
+
+# ---- layer specs --------------------------------------------------------------------------------
+def _attention_layer_spec(config):
+    """Gated full attention + MoE, torch modules; norms zero-centred; TE-spec checkpoint names."""
+    from megatron_s3ac.models.specs import gpt_layer_spec
+
+    spec = gpt_layer_spec(config.num_moe_experts, qk_layernorm=True, use_te=False)
+    sub = spec.submodules
+    sub.input_layernorm = ZeroCenteredNorm
+    sub.pre_mlp_layernorm = ZeroCenteredNorm
+    attn = sub.self_attention.submodules
+    attn.q_layernorm = ZeroCenteredNorm
+    attn.k_layernorm = ZeroCenteredNorm
+    # TE fuses the input norm into linear_qkv; the MoE pre-MLP norm stays ``pre_mlp_layernorm``.
+    sub.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    return spec
+
+
+def _gdn_layer_spec(config, moe_spec):
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    gdn = ModuleSpec(module=gated_delta_net_class(), submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=SPNorm, out_proj=RowParallelLinear))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=ZeroCenteredNorm, self_attention=gdn, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=ZeroCenteredNorm, mlp=moe_spec, mlp_bda=get_bias_dropout_add,
+        # TE fuses the input norm into in_proj (TELayerNormColumnParallelLinear)
+        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.in_proj.layer_norm_"}))
+
+
+def _te_block_spec(config, pp_rank):
+    """megatron's TE hybrid spec, with the GDN output norm made plain (see module docstring).
+    Not exercised on this project's CPU machines (no Transformer Engine): use_te=True is opt-in."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec)
+
+    block = get_transformer_block_with_experimental_attention_variant_spec(config, pp_rank=pp_rank)
+    for spec in block.layer_specs:
+        attn = spec.submodules.self_attention
+        if getattr(attn.submodules, "out_norm", None) is not None:
+            attn.module = gated_delta_net_class()
+            attn.submodules.out_norm = SPNorm
+    return block
+
+
+def qwen3_5_block_spec(config, use_te: bool = False, pp_rank: int | None = None):
+    """TransformerBlockSubmodules with this pipeline stage's layers: GDN or gated attention by
+    ``config.linear_attention_freq``, MoE on every layer. Torch modules unless ``use_te``."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_s3ac.models.specs import moe_layer_pattern
+
+    if not all(moe_layer_pattern(config)):
+        raise UnsupportedModelError("qwen3_5_moe: every layer is an MoE layer")
+    if use_te:
+        return _te_block_spec(config, pp_rank)
+    attn_spec = _attention_layer_spec(config)
+    gdn_spec = _gdn_layer_spec(config, attn_spec.submodules.mlp)
+    specs = [gdn_spec if la else attn_spec for la in config.linear_attention_freq]
+    n = get_num_layers_to_build(config, pp_rank=pp_rank)
+    off = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=specs[off:off + n], layer_norm=ZeroCenteredNorm)
