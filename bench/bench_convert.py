@@ -167,7 +167,7 @@ def main() -> None:
                   f"{r['h2m_rss'] / 2**20:6.0f}MB | {g / r['cp_mc_s']:7.2f}/s {g / r['m2h_s']:8.2f}/s "
                   f"{r['cp_mc_s'] / r['m2h_s']:6.2f} {r['m2h_rss'] / 2**20:6.0f}MB")
         print("(GB/s; ratio = converter throughput / cp -r throughput of the same input; RSS = converter peak)")
-        print("\nwithout the converter's ~2 s of interpreter start-up and imports (its own summary line):")
+        print("\nwithout the converter's interpreter start-up and imports (its own summary line):")
         for r in rows:
             g = r["GB"]
             print(f"{g:7.2f}G hf->mcore {g / r['h2m_core_s']:5.2f}/s = {r['cp_hf_s'] / r['h2m_core_s']:.2f}x cp | "

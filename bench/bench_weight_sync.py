@@ -1,0 +1,139 @@
+"""GB/s of the weight sync trainer -> CPU engine (export + update_weights) vs a plain memcpy.
+
+A Qwen3-shaped dense model of a few hundred MB (fp32) is built at TP=2 on two gloo CPU ranks (random
+weights, no checkpoint); rank 0 holds a ``CPUEngine`` of the same config. ``sync_weights`` is timed
+(the first sync also builds the engine's name map, so the first and the following ones are reported),
+next to a ``dst.copy_(src)`` of the same number of bytes on the same rank in the same run, plus the
+export alone (no engine) and ``update_weights`` alone (tensors already assembled). After the last
+sync the engine's and the trainer's log-probs of a token sequence are compared.
+
+Run: .venv/bin/python bench/bench_weight_sync.py [--hidden 768 --ffn 2048 --layers 8 --vocab 32000]
+"""
+import argparse
+import time
+
+import torch
+
+
+def _config(a):
+    from megatron_s3ac.testing.tiny_models import tiny_config
+
+    return tiny_config("qwen3", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
+                       num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
+                       num_key_value_heads=2, head_dim=64)
+
+
+def trainer_log_probs(model, info, tokens):
+    """log p(tokens[:, 1:]) from the TP=2 actor (PP=1), on every rank."""
+    from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
+
+    with torch.no_grad():
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0)
+        logits = model(tokens, pos, None)
+        return vocab_parallel_log_probs(logits[:, :-1], tokens[:, 1:], info.vocab_size)
+
+
+def engine_log_probs(engine, tokens):
+    with torch.no_grad():
+        logits = engine.model(input_ids=tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def _rank(a):
+    import torch.distributed as dist
+
+    from megatron_s3ac.convert.export import export_hf_weights
+    from megatron_s3ac.models.actor_critic import build_actor, build_transformer_config
+    from megatron_s3ac.models.parallel import initialize_model_parallel
+    from megatron_s3ac.models.registry import model_info
+    from megatron_s3ac.convert.verify import make_layout
+    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.weight_sync import sync_weights
+
+    cfg = _config(a)
+    info = model_info(cfg.to_dict())
+    layout = make_layout(tp=2)
+    initialize_model_parallel(layout, seed=1)
+    model = build_actor(info, build_transformer_config(info, layout)).eval()
+    rank = dist.get_rank()
+    engine = CPUEngine.from_config(cfg, seed=0) if rank == 0 else None
+    out = {}
+    bb = a.bucket_mb << 20
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    nbytes = 0
+    for bucket in export_hf_weights([model], info, bb):
+        nbytes += sum(t.nbytes for _, t in bucket)
+    dist.barrier()
+    out["export_s"] = time.perf_counter() - t0
+
+    syncs = []
+    for _ in range(a.repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        st = sync_weights([model], info, engine, bucket_bytes=bb)
+        dist.barrier()
+        syncs.append((time.perf_counter() - t0, st.bytes))
+    out["syncs"] = syncs
+
+    if rank == 0:
+        out["bytes"] = nbytes
+        # update_weights alone, from assembled full tensors (what the export hands over)
+        full = [(n, t.clone()) for b in export_hf_weights([model], info, bb) for n, t in b]
+    else:
+        for _ in export_hf_weights([model], info, bb):
+            pass
+    if rank == 0:
+        t0 = time.perf_counter()
+        engine.update_weights(full)
+        out["update_s"] = time.perf_counter() - t0
+        del full
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        src.fill_(1)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # touch pages
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        out["memcpy_s"] = best
+        del src, dst
+    tokens = torch.randint(0, a.vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+    lp = trainer_log_probs(model, info, tokens)
+    if rank == 0:
+        out["lp_diff"] = (engine_log_probs(engine, tokens) - lp).abs().max().item()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--ffn", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args()
+
+    from megatron_s3ac.testing.dist import run_distributed
+
+    r = run_distributed(_rank, 2, a, timeout=1800)[0]
+    gb = r["bytes"] / 1e9
+    mem = gb / r["memcpy_s"]
+    print(f"model: hidden {a.hidden}, ffn {a.ffn}, layers {a.layers}, vocab {a.vocab}: {gb:.3f} GB fp32, "
+          f"trainer TP=2 (2 gloo CPU ranks, 1 thread each), bucket {a.bucket_mb} MB")
+    print(f"memcpy (torch copy_, same bytes, rank 0): {r['memcpy_s']:.3f} s = {mem:.2f} GB/s")
+    rows = [("export only (TP gather + HF assembly)", r["export_s"]),
+            ("update_weights only (engine copy-in)", r["update_s"])]
+    for i, (s, b) in enumerate(r["syncs"]):
+        assert b == r["bytes"], (b, r["bytes"])
+        rows.append((f"sync_weights #{i + 1}{' (builds engine name map)' if i == 0 else ''}", s))
+    for what, s in rows:
+        print(f"{what:48s} {s:7.3f} s = {gb / s:6.2f} GB/s = {gb / s / mem:5.3f}x memcpy")
+    print(f"engine vs trainer max |log-prob diff| after sync: {r['lp_diff']:.2e}")
+
+
+if __name__ == "__main__":
+    main()

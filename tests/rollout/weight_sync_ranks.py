@@ -1,0 +1,56 @@
+"""Rank bodies for tests/rollout/test_weight_sync.py (module-level: the forkserver imports them by name)."""
+import torch
+
+
+def perturb_(model) -> None:
+    """p += 0.05 * sin(1000 p): elementwise in the value, so replicated copies (norms on every TP rank,
+    tied embedding / output layer on two PP stages) stay equal and any sharding perturbs alike."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.sin(1000.0 * p))
+
+
+def trainer_log_probs(model, info, tokens):
+    """log p(tokens[:, 1:]) [b, s-1] from the megatron actor (on the last stage's TP rank 0 / DP 0; else None)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
+    from megatron_s3ac.models.pipeline import forward_backward
+
+    def loss_fn(batch, output):  # output: logits [b, s, Vp / tp]
+        lp = vocab_parallel_log_probs(output[:, :-1], batch["input_ids"][:, 1:], info.vocab_size)
+        return output.sum() * 0, torch.tensor(1), {"lp": lp.detach()}
+
+    with torch.no_grad():
+        out = forward_backward([model], [{"input_ids": tokens}], loss_fn, forward_only=True)
+    last = ps.get_pipeline_model_parallel_world_size() == 1 or ps.is_pipeline_last_stage()
+    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    return out[0]["lp"].clone() if last and first else None
+
+
+def engine_log_probs(engine, tokens):
+    with torch.no_grad():
+        logits = engine.model(input_ids=tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def sync_rank(hf_dir, ckpt_dir, tp, pp, ep, engine_rank, bucket_bytes, tokens):
+    """Load the converted checkpoint at the layout, perturb, sync into a CPU engine on ``engine_rank``.
+    Returns {'trainer': lp or None, 'before'/'after': engine lp or None, 'stats': SyncStats}."""
+    import torch.distributed as dist
+
+    from megatron_s3ac.convert.verify import load_actor, make_layout
+    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.weight_sync import sync_weights
+
+    info, model = load_actor(hf_dir, ckpt_dir, make_layout(tp, pp, ep))
+    perturb_(model)
+    engine = None
+    out = {"trainer": trainer_log_probs(model, info, tokens), "before": None, "after": None}
+    if dist.get_rank() == engine_rank:
+        engine = CPUEngine.from_pretrained(hf_dir, tokenizer=None)
+        out["before"] = engine_log_probs(engine, tokens)
+    out["stats"] = sync_weights([model], info, engine, bucket_bytes=bucket_bytes)
+    if engine is not None:
+        out["after"] = engine_log_probs(engine, tokens)
+    return out
