@@ -29,13 +29,20 @@ def collate(samples: list[dict], pad_to: int = 8) -> dict:
     t = torch.arange(T)
     mask = (t[None] < R[:, None]).float()
     idx = (P[:, None] - 1 + t[None]).clamp(max=L - 1)
-    return {"tokens": tokens, "idx": idx, "mask": mask, "rollout_logp": beh,
-            "scores": torch.tensor([float(s["reward"]) for s in samples]),
-            "pid": torch.tensor([int(s["pid"]) for s in samples]), "prompt_len": P, "resp_len": R}
+    out = {"tokens": tokens, "idx": idx, "mask": mask, "rollout_logp": beh,
+           "scores": torch.tensor([float(s["reward"]) for s in samples]),
+           "pid": torch.tensor([int(s["pid"]) for s in samples]), "prompt_len": P, "resp_len": R}
+    if n and samples[0].get("routes") is not None:
+        # R3: per-sample rollout routes [P + R - 1, num_layers, top_k], compact dtype; kept as a list
+        # (ragged) and aligned to each micro-batch's layout by the trainer (r3.align)
+        out["routes"] = [s["routes"] for s in samples]
+    return out
 
 
 def select_rows(batch: dict, rows: torch.Tensor) -> dict:
-    return {k: v[rows] for k, v in batch.items()}
+    """Rows of every entry: tensors are indexed, lists (per-sample ragged data) picked."""
+    idx = rows.tolist()
+    return {k: (v[rows] if torch.is_tensor(v) else [v[i] for i in idx]) for k, v in batch.items()}
 
 
 def shard_rows(rows: torch.Tensor, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,8 @@ order, RNG, step.
 Layout: ``<out>/checkpoints/step_000010/{actor,critic}/`` (torch_dist), ``{actor,critic}_optim/rank{r}.pt`` +
 ``trainer_state.pt`` (rank 0) + ``rng_rank{r}.pt`` + ``COMPLETE``. Written into ``step_000010.tmp``
 and renamed only after every rank finished, so a kill during the save leaves the previous checkpoint
-as the latest one; stale ``.tmp`` dirs are removed on the next save. The last ``keep_last`` are kept.
+as the latest one; stale ``.tmp`` dirs are removed on the next save. The last ``keep_last`` are kept,
+plus the best one by periodic evaluation (``checkpoints/BEST`` names it).
 """
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ def _inner(opt) -> list:
     return [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
 
 
+def best_step(tr) -> int | None:
+    """Step of the best periodic evaluation so far (rank 0's evaluator), or None."""
+    ev = getattr(tr, "evaluator", None)
+    return None if ev is None else ev.best_step
+
+
+def _write_best_marker(root: str, step: int) -> None:
+    """``checkpoints/BEST`` names the best evaluated checkpoint (written atomically)."""
+    tmp = os.path.join(root, "BEST.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"step_{step:06d}\n")
+    os.replace(tmp, os.path.join(root, "BEST"))
+
+
 def save_checkpoint(tr, keep_last: int) -> str:
     from megatron.core import dist_checkpointing
 
@@ -71,15 +86,20 @@ def save_checkpoint(tr, keep_last: int) -> str:
                os.path.join(tmp, f"rng_rank{tr.rank}.pt"))
     if tr.rank == 0:
         torch.save({"step": tr.step_idx, "skipped_steps": tr.skipped_steps, "stream": tr.stream.state_dict(),
-                    "daps": tr.daps.state_dict() if tr.daps is not None else None},
+                    "daps": tr.daps.state_dict() if tr.daps is not None else None,
+                    "evaluator": tr.evaluator.state_dict() if getattr(tr, "evaluator", None) is not None else None},
                    os.path.join(tmp, "trainer_state.pt"))
     dist.barrier()
     if tr.rank == 0:
         open(os.path.join(tmp, "COMPLETE"), "w").close()
         os.replace(tmp, final)  # atomic on one filesystem
         done = sorted(int(m[1]) for d in os.listdir(root) if (m := _STEP_RE.match(d)))
+        best = best_step(tr)
         for s in done[:-keep_last]:
-            shutil.rmtree(os.path.join(root, f"step_{s:06d}"), ignore_errors=True)
+            if s != best:  # the best evaluated checkpoint survives the rotation
+                shutil.rmtree(os.path.join(root, f"step_{s:06d}"), ignore_errors=True)
+        if best is not None:
+            _write_best_marker(root, best)
     dist.barrier()
     return final
 
@@ -97,6 +117,8 @@ def load_checkpoint(tr, path: str) -> None:
     tr.stream.load_state_dict(st["stream"])
     if tr.daps is not None and st["daps"] is not None:
         tr.daps.load_state_dict(st["daps"])
+    if getattr(tr, "evaluator", None) is not None and st.get("evaluator") is not None:
+        tr.evaluator.load_state_dict(st["evaluator"])
     rng = torch.load(os.path.join(path, f"rng_rank{tr.rank}.pt"), weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

@@ -12,7 +12,12 @@ import sys
 
 
 def train_loop(tr) -> None:
-    """Resume if a checkpoint exists, run to ``train.steps``, checkpoint every ``save_every``."""
+    """Resume if a checkpoint exists, run to ``train.steps``; held-out evaluation every ``eval_every``
+    steps (rank 0, logged in that step's metrics row); checkpoint every ``save_every`` steps, and also
+    at a step whose evaluation is the best so far (kept from the keep-last-K rotation)."""
+    import torch
+    import torch.distributed as dist
+
     from megatron_s3ac.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from megatron_s3ac.trainer.logging import MetricsLogger, truncate_after
 
@@ -26,16 +31,17 @@ def train_loop(tr) -> None:
     if tr.rank == 0:
         path = os.path.join(cfg.out_dir, "metrics.jsonl")
         truncate_after(path, tr.step_idx) if ck is not None else (os.path.exists(path) and os.remove(path))
-        log = MetricsLogger(cfg.out_dir, cfg.steps, cfg.tensorboard, cfg.progress, initial_step=tr.step_idx)
+        log = MetricsLogger(cfg.out_dir, cfg.steps, cfg.tensorboard, cfg.progress, initial_step=tr.step_idx,
+                            desc=tr.cfg.algo.name)
     while tr.step_idx < cfg.steps:
         m = tr.step()
-        if cfg.eval_every and tr.step_idx % cfg.eval_every == 0:
-            acc = tr.evaluate()
-            if acc is not None:
-                m["eval/greedy_pass_rate"] = acc
+        m.update(tr.periodic_eval())  # rank 0 only; after the step's weight sync
+        best = torch.tensor([float(m.get("eval/is_best", 0.0))])
+        if tr.world > 1:
+            dist.broadcast(best, src=0)  # saving is collective: every rank must agree (eval runs on rank 0)
         if log is not None:
             log.log(m)
-        if cfg.save_every and tr.step_idx % cfg.save_every == 0:
+        if cfg.save_every and (tr.step_idx % cfg.save_every == 0 or best.item() > 0):
             save_checkpoint(tr, cfg.keep_last)
         if cfg.fail_at_step >= 0 and tr.step_idx == cfg.fail_at_step:
             os._exit(9)  # tests: an abrupt death (no cleanup), like kill -9
@@ -82,7 +88,11 @@ def main(argv=None) -> int:
     elif cmd == "train":
         from megatron_s3ac.trainer.loop import Trainer
 
-        train_loop(Trainer(cfg))
+        tr = Trainer(cfg)
+        try:
+            train_loop(tr)
+        finally:
+            tr.close()
     else:
         _value_pretrain_cmd(cfg)
     import torch.distributed as dist

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, Optional
 
 from omegaconf import OmegaConf
 
@@ -85,6 +85,12 @@ class AlgoCfg:
     grpo_normalize_std: bool = True
     flash_delta: float = 3e-3
     weight_decay: float = 0.0
+    # the critic's V estimates an expected return in [reward_min, reward_max]; values outside that
+    # range are estimation error and would flip advantage signs (V < -1 gives a wrong answer A > 0):
+    # clamp them before GAE and DAPS (the critic's own regression target is unaffected)
+    clamp_values: bool = True
+    reward_min: float = -1.0
+    reward_max: float = 1.0
 
 
 @dataclass
@@ -121,6 +127,25 @@ class DemoCfg:
 
 
 @dataclass
+class EvalCfg:
+    """Held-out evaluation every ``train.eval_every`` steps (megatron_s3ac.eval.PeriodicEvaluator) on
+    rank 0's engine; the best step by ``eval/average`` (mean avg@k over the sets) is kept from the
+    checkpoint rotation. Also gives the demo's before/after pass rates."""
+    heldout: bool = True  # arithmetic task: the held-out split (data.eval_prompts) as benchmark "heldout"
+    benchmarks: Dict[str, str] = field(default_factory=dict)  # name -> jsonl/json/parquet (eval schemas)
+    k: int = 1  # samples per prompt (avg@k, pass@k); per-set k: k_for
+    k_for: Dict[str, int] = field(default_factory=dict)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 0  # 0: rollout.max_new_tokens
+    greedy: bool = True  # also log the greedy (T=0, k=1) pass rate of each set: eval/<name>/greedy
+    seed: int = 0  # sampling seed: the same at every evaluation (curves move with the weights only)
+    template: str = "auto"  # prompt template for file sets (eval docs); the held-out split is pre-tokenized
+    reward: Optional[str] = None  # verifier for math items (default: rollout.reward)
+    batch_size: int = 256  # prompts per engine.generate call
+
+
+@dataclass
 class TrainCfg:
     steps: int = 40
     seed: int = 1234
@@ -128,11 +153,12 @@ class TrainCfg:
     save_every: int = 0  # 0 = never
     keep_last: int = 2
     resume: bool = True
-    eval_every: int = 10
+    eval_every: int = 10  # periodic held-out evaluation (see EvalCfg); 0 = never
     threads: int = 1
     tensorboard: bool = True
     progress: bool = True
-    r3: str = "auto"  # auto (on for MoE when megatron_s3ac.r3 exists) | on | off
+    r3: str = "auto"  # routing replay (R3): auto (on for MoE models) | on (refused for dense) | off
+    r3_agreement_every: int = 1  # native-vs-rollout routing agreement every N steps (extra forward; 0 = never)
     fail_at_step: int = -1  # testing: os._exit(9) after this step (simulates kill -9)
 
 
@@ -147,6 +173,7 @@ class Config:
     daps: DAPSCfg = field(default_factory=DAPSCfg)
     value_pretrain: ValuePretrainCfg = field(default_factory=ValuePretrainCfg)
     demo: DemoCfg = field(default_factory=DemoCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
     train: TrainCfg = field(default_factory=TrainCfg)
 
 
@@ -168,6 +195,8 @@ def load_config(path: Optional[str] = None, overrides: list[str] = ()) -> Config
     except Exception as e:  # OmegaConf names the key and the type it expected
         raise ConfigError(f"invalid config: {e}") from None
     cfg: Config = OmegaConf.to_object(base)
+    # YAML 1.1 reads a bare on/off as a boolean, which OmegaConf turns into "True"/"False"
+    cfg.train.r3 = {"True": "on", "False": "off"}.get(cfg.train.r3, cfg.train.r3)
     validate(cfg)
     return cfg
 
@@ -228,8 +257,26 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         errs.append(f"value_pretrain.coverage_path={cfg.value_pretrain.coverage_path!r} does not exist")
     if cfg.train.r3 not in ("auto", "on", "off"):
         errs.append(f"train.r3={cfg.train.r3!r} must be auto, on or off")
+    elif cfg.train.r3 == "on" and not errs:
+        try:
+            if not model_info_for(cfg).is_moe:
+                errs.append("train.r3=on but the model has no MoE layers (routing replay needs routers)")
+        except Exception:  # noqa: BLE001 - an unreadable model config is reported by the model checks
+            pass
     if cfg.train.keep_last < 1:
         errs.append("train.keep_last must be >= 1")
+    e = cfg.eval
+    for name, path in e.benchmarks.items():
+        if not os.path.exists(path):
+            errs.append(f"eval.benchmarks.{name}={path!r} does not exist")
+    if e.heldout and "heldout" in e.benchmarks:
+        errs.append("eval.benchmarks.heldout clashes with the built-in held-out split (eval.heldout=true)")
+    if e.k < 1 or any(v < 1 for v in e.k_for.values()):
+        errs.append("eval.k and eval.k_for values must be >= 1")
+    if set(e.k_for) - set(e.benchmarks) - ({"heldout"} if e.heldout else set()):
+        errs.append(f"eval.k_for names unknown sets: {sorted(set(e.k_for) - set(e.benchmarks) - {'heldout'})}")
+    if e.temperature < 0 or not 0 < e.top_p <= 1 or e.max_new_tokens < 0:
+        errs.append("eval.temperature must be >= 0, eval.top_p in (0, 1], eval.max_new_tokens >= 0")
     if not errs:
         errs += _layout_errors(cfg, world_size)
     if errs:

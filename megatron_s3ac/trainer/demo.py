@@ -66,9 +66,24 @@ def supervised_warmup(tr, log) -> list[list[dict]]:
                  "warmup/sampled_pass_rate": sum(r["reward"] > 0 for r in recs) / len(recs)})
             if acc >= d.target_pass_rate:
                 break
-    for grp in tr.actor_opt.param_groups:
-        grp["lr"] = tr.cfg.algo.actor_lr
+    # RL starts from fresh Adam moments at the RL learning rate: the warm-up's momentum points along
+    # the supervised gradient and its second moments were sized for lr warmup_lr
+    tr.reset_optimizer(tr.actor_opt, tr.cfg.algo.actor_lr)
     return snapshots[-d.coverage_checkpoints:]
+
+
+def export_eval_inputs(tr, out: str, tag: str) -> None:
+    """Rank 0: the engine's current model as an HF directory (``OUT/hf_<tag>``) and the held-out set as
+    a benchmark file (``OUT/heldout.jsonl``, pre-tokenized rows), so the table's pass rates can be
+    re-derived by standalone evaluation (``megatron_s3ac.eval.runner.evaluate`` on a fresh engine)."""
+    if tr.rank != 0:
+        return
+    tr.engine.model.save_pretrained(os.path.join(out, f"hf_{tag}"))
+    path = os.path.join(out, "heldout.jsonl")
+    with open(path + ".tmp", "w") as f:
+        for p in tr.eval_prompts:
+            f.write(json.dumps({"prompt": p.text, "answer": p.reference, "prompt_ids": list(p.ids)}) + "\n")
+    os.replace(path + ".tmp", path)
 
 
 def run_demo(cfg) -> dict:
@@ -93,6 +108,7 @@ def run_demo(cfg) -> dict:
         tr.init_critic_from_actor()
     tr.sync_weights()
     before = {"greedy": tr.evaluate(), "sampled": tr.evaluate(greedy=False)}
+    export_eval_inputs(tr, out, "warmup")
     t_warm = time.time() - t_start
     vpt = {}
     if tr.uses_critic and cfg.value_pretrain.enabled:
@@ -112,17 +128,26 @@ def run_demo(cfg) -> dict:
     t_vpt = time.time() - t_start
     train_loop(tr)
     after = {"greedy": tr.evaluate(), "sampled": tr.evaluate(greedy=False)}
+    export_eval_inputs(tr, out, "final")
+    tr.close()
     total = time.time() - t_start
+    e = cfg.eval
     res = {"before": before, "after": after, "wall_s": total, "warmup_s": t_warm, "value_pretrain_s": t_vpt - t_warm,
-           "rl_s": total - t_vpt, "algo": cfg.algo.name, "rl_steps": cfg.train.steps, **vpt}
+           "rl_s": total - t_vpt, "algo": cfg.algo.name, "rl_steps": cfg.train.steps,
+           "eval": {"set": os.path.abspath(os.path.join(out, "heldout.jsonl")),
+                    "models": {"before": os.path.abspath(os.path.join(out, "hf_warmup")),
+                               "after": os.path.abspath(os.path.join(out, "hf_final"))},
+                    "seed": e.seed, "batch_size": e.batch_size, "sampled_temperature": e.temperature, "sampled_k": e.k,
+                    "max_new_tokens": e.max_new_tokens or cfg.rollout.max_new_tokens}, **vpt}
     if tr.rank == 0:
         from megatron_s3ac.trainer.plotting import plot_run
 
         pngs = plot_run(out)
         print("\n  pass rate on %d held-out prompts (%s)" % (len(tr.eval_prompts), cfg.algo.name))
-        print("  %-22s %8s %8s" % ("", "before", "after"))
+        print("  %-26s %8s %8s" % ("", "before", "after"))
+        labels = {"greedy": "greedy (T=0)", "sampled": f"sampled (T={cfg.eval.temperature:g}, avg@{cfg.eval.k})"}
         for k in ("greedy", "sampled"):
-            print("  %-22s %7.1f%% %7.1f%%" % (k + (" (T=0)" if k == "greedy" else " (T=1)"), 100 * before[k], 100 * after[k]))
+            print("  %-26s %7.1f%% %7.1f%%" % (labels[k], 100 * before[k], 100 * after[k]))
         print(f"  wall time {total:.0f} s (warm-up {t_warm:.0f} s, value pretraining {t_vpt - t_warm:.0f} s, "
               f"RL {total - t_vpt:.0f} s); curves: {', '.join(pngs)}")
         with open(os.path.join(out, "demo_result.json"), "w") as f:

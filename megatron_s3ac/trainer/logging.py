@@ -9,7 +9,7 @@ import os
 
 class MetricsLogger:
     def __init__(self, out_dir: str, total_steps: int, tensorboard: bool = True, progress: bool = True,
-                 initial_step: int = 0, name: str = "metrics.jsonl"):
+                 initial_step: int = 0, name: str = "metrics.jsonl", desc: str = "s3ac"):
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, name)
         self._f = open(self.path, "a")
@@ -25,7 +25,7 @@ class MetricsLogger:
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=initial_step, desc="s3ac", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True)
 
     def log(self, m: dict) -> None:
         row = {k: (v if isinstance(v, (int, str)) else float(v)) for k, v in m.items()}

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.trainer.batch import collate, micro_batches, select_rows, shard_rows
-from megatron_s3ac.trainer.config import Config, layout_of, model_info_for, validate
+from megatron_s3ac.trainer.config import Config, ConfigError, layout_of, model_info_for, validate
 
 
 def _world_mean(d: dict) -> dict:
@@ -47,6 +47,18 @@ def _merge_metrics(ms: list[dict], prefix: str) -> dict:
                 continue
             out.setdefault(k, []).append(float(v))
     return {f"{prefix}/{k}": sum(v) / len(v) for k, v in out.items()}
+
+
+def _r3_setting(cfg: Config, info):
+    """(R3Config, on?) from ``train.r3``: auto = on for MoE models; on for a dense model is refused."""
+    from megatron_s3ac.r3.config import R3Config, R3ConfigError
+
+    r3 = R3Config(enabled={"auto": None, "on": True, "off": False}[cfg.train.r3],
+                  agreement_every=cfg.train.r3_agreement_every)
+    try:
+        return r3, r3.is_on(info)
+    except R3ConfigError as e:
+        raise ConfigError(f"train.r3: {e}") from None
 
 
 class Trainer:
@@ -71,9 +83,16 @@ class Trainer:
         self.pad_to = 8 * self.layout.tp
         self.uses_critic = cfg.algo.name == "s3ac"
         self._build_models()
+        self._moe_layers = []
+        if self.r3_on:
+            from megatron_s3ac.r3.replay import local_moe_layers
+
+            self._moe_layers = local_moe_layers([self.actor_ddp])
         self._build_data()
         self.engine = self._build_engine() if self.rank == 0 else None
+        self._build_eval()
         self.step_idx = 0
+        self._last_v0 = None
         self.skipped_steps = 0
         self.logger = None
         self.sync_weights()
@@ -88,7 +107,17 @@ class Trainer:
 
         cfg, a = self.cfg, self.cfg.algo
         torch.manual_seed(cfg.train.seed)
-        self.actor_config = build_transformer_config(self.info, self.layout)
+        self.r3, self.r3_on = _r3_setting(cfg, self.info)
+        self.actor_config = build_transformer_config(self.info, self.layout,
+                                                     **(self.r3.transformer_config_overrides(self.info)
+                                                        if self.r3_on else {}))
+        if self.r3_on:
+            from megatron_s3ac.r3.config import R3ConfigError, check_replay_config
+
+            try:  # refuse settings under which replay would be skipped or undone silently
+                check_replay_config(self.actor_config)
+            except R3ConfigError as e:
+                raise ConfigError(f"train.r3: {e}") from None
         self.actor = build_actor(self.info, self.actor_config)
         if cfg.model.actor_init:
             self.actor.load_state_dict(dist_checkpointing.load(self.actor.sharded_state_dict(), cfg.model.actor_init))
@@ -159,6 +188,17 @@ class Trainer:
     def decode(self, ids) -> str:
         return self.vocab.decode(ids) if hasattr(self.vocab, "chars") else self.vocab.decode(ids, skip_special_tokens=True)
 
+    @staticmethod
+    def reset_optimizer(opt, lr: float) -> None:
+        """Fresh Adam moments and step counters at learning rate ``lr`` (e.g. after the supervised
+        warm-up: its momentum and second moments belong to another objective and another LR)."""
+        for o in [c.optimizer for c in getattr(opt, "chained_optimizers", [opt])]:
+            o.state.clear()
+            for g in o.param_groups:
+                g["lr"] = lr
+        for g in opt.param_groups:
+            g["lr"] = lr
+
     # ---- weight sync -------------------------------------------------------------------------
     def sync_weights(self):
         """Collective: every rank iterates the export; rank 0 loads it into its engine."""
@@ -192,10 +232,76 @@ class Trainer:
             return torch.zeros((), requires_grad=False), torch.tensor(1), res
 
         ddp.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._replay(ddp, mbs):
             outs = forward_backward([ddp], mbs, loss_fn, forward_only=True)
         ddp.train()
         return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+
+    # ---- R3: routing replay ------------------------------------------------------------------
+    def _align_routes(self, mb: dict):
+        """The rollout's routes of one micro-batch, in the order this rank's routers see its tokens
+        (padded rows from position 0, every sample fed whole: its last token gets a filler row;
+        only this rank's MoE layers, so dense layers are skipped)."""
+        import numpy as np
+
+        from megatron_s3ac.r3.align import align_microbatch, padded_placements, pad_last_row, sp_split
+
+        lengths = (mb["prompt_len"] + mb["resp_len"]).tolist()
+        routes = []
+        for r, n in zip(mb["routes"], lengths):
+            r = np.asarray(r)
+            while r.shape[0] < n - 1:  # an empty response was collated as one pad token
+                r = pad_last_row(r, self.info.num_experts)
+            routes.append(r[: n - 1])
+        sp_rank, sp_size = sp_split(self.actor_config)
+        return align_microbatch(routes, padded_placements(lengths), tuple(mb["input_ids"].shape),
+                                self._moe_layers, self.info.num_experts, sp_rank=sp_rank, sp_size=sp_size)
+
+    def _replay(self, ddp, mbs: list[dict]):
+        """Context that replays the rollout's routes in the actor's forward(s) of ``mbs`` (R3)."""
+        import contextlib
+
+        if not (self.r3_on and ddp is self.actor_ddp and mbs and "routes" in mbs[0]):
+            return contextlib.nullcontext()
+        from megatron_s3ac.r3.replay import routing_replay
+
+        return routing_replay([ddp], [self._align_routes(mb) for mb in mbs])
+
+    def _r3_metrics(self, batch: dict, old_logp: torch.Tensor) -> dict:
+        """r3/agreement: share of (token, MoE layer) pairs where the trainer's native top-k equals the
+        rollout's (an extra forward-only pass, every ``train.r3_agreement_every`` steps);
+        r3/logprob_abs_diff, r3/kl_k3: train (replayed) vs rollout log-prob gap; r3/native_*: the same
+        gap with native routing (what replay removes)."""
+        from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
+        from megatron_s3ac.models.pipeline import forward_backward
+        from megatron_s3ac.r3.metrics import gap_means, logprob_gap, record_native_routes, routing_agreement
+
+        mask, beh = batch["mask"], batch["rollout_logp"]
+        out = {f"r3/{k}": v for k, v in gap_means([logprob_gap(old_logp, beh, mask)]).items()}
+        every = self.cfg.train.r3_agreement_every
+        if not every or self.step_idx % every:
+            return out
+        rows = torch.arange(len(batch["tokens"]))
+        mbs = micro_batches(batch, rows, torch.ones(len(rows), dtype=torch.bool), self.cfg.algo.micro_batch_size)
+        routes = [self._align_routes(mb) for mb in mbs]
+        vocab, temp = self.info.vocab_size, self.cfg.rollout.temperature
+
+        def loss_fn(mb, logits):
+            lp = vocab_parallel_log_probs(logits, torch.roll(mb["input_ids"], -1, dims=1), vocab, temp)
+            return torch.zeros(()), torch.tensor(1), {"logp": lp.gather(1, mb["idx"]).detach()}
+
+        self.actor_ddp.eval()
+        with torch.no_grad(), record_native_routes([self.actor_ddp]) as native:
+            res = forward_backward([self.actor_ddp], mbs, loss_fn, forward_only=True)
+        self.actor_ddp.train()
+        agree, total = routing_agreement(native, routes)
+        t = torch.tensor([agree, total], dtype=torch.float64)
+        dist.all_reduce(t)  # ratio of sums: right whether ranks saw the same tokens (DP) or shards (SP)
+        out["r3/agreement"] = float(t[0] / t[1].clamp(min=1))
+        if res:
+            native_lp = torch.cat([o["logp"] for o in res])
+            out.update({f"r3/native_{k}": v for k, v in gap_means([logprob_gap(native_lp, beh, mask)]).items()})
+        return out
 
     def critic_v0(self, pids: torch.Tensor) -> torch.Tensor:
         """V(s_0) [n] for prompt indices (state = the prompt; output at its last token)."""
@@ -217,7 +323,8 @@ class Trainer:
                 mbs = micro_batches(batch, rows, real, self.cfg.algo.micro_batch_size, extra)
                 ddp.zero_grad_buffer()
                 opt.zero_grad()
-                out = forward_backward([ddp], mbs, loss_fn)
+                with self._replay(ddp, mbs):
+                    out = forward_backward([ddp], mbs, loss_fn)
                 finite = torch.tensor([float(all(math.isfinite(float(o["loss_sum"])) for o in out))])
                 dist.all_reduce(finite, op=dist.ReduceOp.MIN)
                 if finite.item() < 1:  # weights unchanged: drop the reduced grads, no optimizer step
@@ -238,10 +345,26 @@ class Trainer:
     # ---- one step ----------------------------------------------------------------------------
     def select_prompts(self) -> tuple[torch.Tensor, dict]:
         n = self.cfg.rollout.prompts_per_step
+        self._last_v0 = None
         if self.daps is None:
             return self.stream.take(n), {}
-        sel = self.daps.fill(draw=self.stream.take, score=self.critic_v0, batch_size=n, step=self.step_idx)
-        return sel.ids, dict(sel.stats)
+        # small chunks: daps/acceptance_rate = accepted / drawn counts the whole last chunk as considered,
+        # so with fill's default chunk (2x batch) it read 0.5 at every step, even when all were accepted
+        sel = self.daps.fill(draw=self.stream.take, score=self._v0_for_daps, batch_size=n, step=self.step_idx,
+                             chunk_size=max(1, n // 4))
+        stats = dict(sel.stats)
+        if self._last_v0 is not None:
+            stats["daps/v0_mean"] = float(self._last_v0.mean())
+        return sel.ids, stats
+
+    def _v0_for_daps(self, pids: torch.Tensor) -> torch.Tensor:
+        v0 = self._clamp_values(self.critic_v0(pids))
+        self._last_v0 = v0
+        return v0
+
+    def _clamp_values(self, v: torch.Tensor) -> torch.Tensor:
+        a = self.cfg.algo
+        return v.clamp(a.reward_min, a.reward_max) if a.clamp_values else v
 
     def rollout(self, pids: torch.Tensor) -> list[dict]:
         """Rank 0 generates and scores; every rank receives the same list of sample dicts."""
@@ -253,7 +376,8 @@ class Trainer:
         if self.rank == 0:
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                     seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
-            groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k)
+            groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
+                                          return_routed_experts=self.r3_on)
             fn = get_reward(r.reward).fn  # TODO(math at scale): RewardPool workers for isolate=True rewards
             out = []
             for pid, group in zip(pids.tolist(), groups):
@@ -265,7 +389,7 @@ class Trainer:
                         rew = -1.0
                     out.append({"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
                                 "logprobs": (s.logprobs.tolist() or [0.0]), "reward": rew, "pid": pid,
-                                "finish": s.finish_reason})
+                                "finish": s.finish_reason, "routes": s.routed_experts})
             payload = [out]
         dist.broadcast_object_list(payload, src=0)
         return payload[0]
@@ -301,16 +425,30 @@ class Trainer:
         old_logp, ent = old["logp"], old["entropy"]
         m["rollout/entropy"] = float(A.masked_mean(ent, mask))
         m["mismatch/train_rollout_kl"] = float(A.approx_kl(old_logp, batch["rollout_logp"], mask))
+        self.last_batch, self.last_old_logp = batch, old_logp  # for tests and debugging (references only)
+        if self.r3_on:
+            m.update(self._r3_metrics(batch, old_logp))
         extra = {"old_logp": old_logp}
         rew_tok = A.terminal_rewards(batch["scores"], mask)
         if a.name == "s3ac":
             values = self._forward_only(self.critic_ddp, batch, "values")["values"]
+            v_gae = self._clamp_values(values)
             lam = A.length_adaptive_lambda(mask.sum(1), alpha=a.actor_alpha)
-            adv, _ = A.compute_gae(rew_tok, values, mask, lam=lam)
-            _, returns = A.compute_gae(rew_tok, values, mask, lam=a.critic_lambda)
+            adv, _ = A.compute_gae(rew_tok, v_gae, mask, lam=lam)
+            _, returns = A.compute_gae(rew_tok, v_gae, mask, lam=a.critic_lambda)
             extra.update(old_values=values, returns=returns)
             m["critic/explained_variance"] = float(A.explained_variance(values, returns, mask))
             m["critic/v0_mean"] = float(values[:, 0].mean())
+            m["critic/values_out_of_range_frac"] = float(A.masked_mean(
+                ((values < a.reward_min) | (values > a.reward_max)).float(), mask))
+            # sign check: with +-1 rewards, A at the last token = R - V(s_T-1); a correct answer's
+            # advantage must be positive and a wrong one's negative
+            last = A.terminal_rewards(torch.ones_like(batch["scores"]), mask).bool()
+            pos, neg = batch["scores"] > 0, batch["scores"] <= 0
+            if pos.any():
+                m["adv/last_token_correct"] = float(adv[last][pos].mean())
+            if neg.any():
+                m["adv/last_token_wrong"] = float(adv[last][neg].mean())
         elif a.name == "grpo_x":
             adv = A.grpo_advantages(batch["scores"], cfg.rollout.k, normalize_std=a.grpo_normalize_std, mask=mask)
         elif a.name == "reinforce_pp":
@@ -375,17 +513,81 @@ class Trainer:
         met["value_loss_tok"] = (loss.detach() / mask.sum().clamp(min=1))
         return loss, mask.sum().long(), met
 
-    # ---- evaluation (rank 0; no collectives) -------------------------------------------------
-    def evaluate(self, prompts=None, greedy: bool = True) -> float | None:
-        from megatron_s3ac.rollout.base import SamplingParams
+    # ---- evaluation (rank 0 only: the engine generates, nothing of the training state is touched) --
+    def _build_eval(self):
+        """Held-out sets and the PeriodicEvaluator (rank 0; the engine lives there)."""
+        from megatron_s3ac.eval.periodic import PeriodicEvaluator
+        from megatron_s3ac.eval.runner import BenchmarkSpec
         from megatron_s3ac.rollout.rewards import get_reward
 
+        cfg, e = self.cfg, self.cfg.eval
+        self.evaluator = self.reward_pool = None
+        self.eval_sets = {}
         if self.rank != 0:
+            return
+        reward = e.reward or cfg.rollout.reward
+        if e.heldout and self.eval_prompts:  # pre-tokenized: the exact ids the trainer would feed
+            rows = [{"prompt": p.text, "answer": p.reference, "prompt_ids": list(p.ids)} for p in self.eval_prompts]
+            self.eval_sets["heldout"] = BenchmarkSpec(rows, reward=reward, k=e.k_for.get("heldout"))
+        for name, path in e.benchmarks.items():
+            self.eval_sets[name] = BenchmarkSpec(path, reward=reward, k=e.k_for.get(name))
+        if not self.eval_sets:
+            return
+        if get_reward(reward).isolate:  # one verifier pool for the whole run, not one per evaluation
+            from megatron_s3ac.rollout.rewards import RewardPool
+
+            self.reward_pool = RewardPool(num_workers=2)
+        self.evaluator = PeriodicEvaluator(self.eval_sets, every_n_steps=cfg.train.eval_every, k=e.k,
+                                           params=self._eval_params(greedy=False), seed=e.seed,
+                                           template=e.template, report_dir=os.path.join(cfg.train.out_dir, "eval"),
+                                           reward_pool=self.reward_pool, batch_size=e.batch_size)
+        self.eval_sets = self.evaluator.benchmarks  # loaded once (files validated at start-up)
+
+    def _eval_params(self, greedy: bool):
+        from megatron_s3ac.rollout.base import SamplingParams
+
+        e = self.cfg.eval
+        return SamplingParams(temperature=0.0 if greedy else e.temperature, top_p=1.0 if greedy else e.top_p,
+                              max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens)
+
+    def eval_report(self, greedy: bool, sets: dict | None = None) -> dict | None:
+        """``megatron_s3ac.eval.runner.evaluate`` on the engine's current weights (rank 0; None elsewhere):
+        greedy = T 0 and k 1, else the eval section's sampling settings and k."""
+        from megatron_s3ac.eval.runner import evaluate
+
+        sets = self.eval_sets if sets is None else sets
+        if self.rank != 0 or not sets:
             return None
-        prompts = prompts if prompts is not None else self.eval_prompts
-        if not prompts:
+        e = self.cfg.eval
+        return evaluate(self.engine, self.vocab, sets, k=1 if greedy else e.k, params=self._eval_params(greedy),
+                        seed=e.seed, template=e.template, reward_pool=self.reward_pool, batch_size=e.batch_size)
+
+    def evaluate(self, greedy: bool = True, name: str = "heldout") -> float | None:
+        """Pass rate (avg@k) of one evaluation set, by the same code as ``s3ac-eval`` and the periodic
+        evaluation: greedy (T = 0) or sampled (eval.temperature, eval.k). Rank 0 only (None elsewhere)."""
+        if self.rank != 0 or name not in self.eval_sets:
             return None
-        params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=self.cfg.rollout.max_new_tokens, seed=0)
-        outs = self.engine.generate([p.ids for p in prompts], params, n_samples=1)
-        fn = get_reward(self.cfg.rollout.reward).fn
-        return sum(fn(self.decode(o[0].response_ids), p.reference) > 0 for o, p in zip(outs, prompts)) / len(prompts)
+        spec = self.eval_sets[name]
+        if greedy:
+            import dataclasses
+
+            spec = dataclasses.replace(spec, k=1)
+        return self.eval_report(greedy, {name: spec})["benchmarks"][name]["avg_at_k"]
+
+    def periodic_eval(self) -> dict:
+        """Every ``train.eval_every`` steps (after the step's weight sync): eval/<set>/avg@k, pass@k,
+        eval/average, eval/is_best (+ eval/<set>/greedy). Rank 0 computes; returns {} elsewhere."""
+        if self.evaluator is None or not self.evaluator.should_run(self.step_idx):
+            return {}
+        m = self.evaluator.run(self.step_idx, self.engine, self.vocab)
+        if self.cfg.eval.greedy:
+            import dataclasses
+
+            rep = self.eval_report(True, {n: dataclasses.replace(s, k=1) for n, s in self.eval_sets.items()})
+            m.update({f"eval/{n}/greedy": b["avg_at_k"] for n, b in rep["benchmarks"].items()})
+        return m
+
+    def close(self) -> None:
+        if getattr(self, "reward_pool", None) is not None:
+            self.reward_pool.close()
+            self.reward_pool = None

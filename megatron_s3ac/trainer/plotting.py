@@ -4,9 +4,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
-PANELS = [  # (title, metric keys, file)
-    ("reward / accuracy", ["rollout/pass_rate", "eval/greedy_pass_rate"], "reward.png"),
+EVAL_KEY = re.compile(r"^eval/(.+)/(avg@\d+|greedy)$")
+
+PANELS = [  # (title, metric keys, file); an entry of None = the per-benchmark keys found in the run
+    ("reward / accuracy", ["rollout/pass_rate"], "reward.png"),
+    ("held-out evaluation (per benchmark)", None, "eval.png"),
     ("rollout entropy (nats/token)", ["rollout/entropy"], "entropy.png"),
     ("response length (tokens)", ["rollout/response_len"], "response_length.png"),
     ("value loss", ["critic/value_loss_tok"], "value_loss.png"),
@@ -22,6 +26,12 @@ def _read(path: str) -> list[dict]:
         return [json.loads(l) for l in f if l.strip()]
 
 
+def eval_keys(rows: list[dict]) -> list[str]:
+    """Per-benchmark evaluation curves of a run: eval/<set>/avg@k and eval/<set>/greedy, then eval/average."""
+    keys = sorted({k for r in rows for k in r if EVAL_KEY.match(k)})
+    return keys + (["eval/average"] if len({EVAL_KEY.match(k)[1] for k in keys}) > 1 else [])
+
+
 def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     """Write one PNG per panel (and a combined curves.png); returns the paths written."""
     import matplotlib
@@ -34,11 +44,12 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     out_dir = out_dir or os.path.join(run_dir, "plots")
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    fig_all, axes = plt.subplots(2, 4, figsize=(18, 7))
+    fig_all, axes = plt.subplots(3, 3, figsize=(16, 10))
     panels = PANELS + [("value pretraining loss", ["vpt/value_loss"], "vpt_loss.png"),
                        ("value pretraining explained variance", ["vpt/explained_variance"], "vpt_ev.png")]
     for ax_all, (title, keys, fname) in zip(axes.ravel(), panels):
         src = vpt if fname.startswith("vpt") else rows
+        keys = eval_keys(rows) if keys is None else keys
         fig, ax = plt.subplots(figsize=(5, 3.5))
         any_data = False
         for a in (ax, ax_all):
@@ -46,7 +57,8 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
                 pts = [(r["step"], r[k]) for r in src if k in r and r[k] is not None and math.isfinite(r[k])]
                 if pts:
                     any_data = True
-                    a.plot(*zip(*pts), label=k, marker="." if len(pts) < 50 else None)
+                    a.plot(*zip(*pts), label=k, marker="." if len(pts) < 50 else None,
+                           linestyle="--" if k.endswith("/greedy") else "-")
             a.set_title(title)
             a.set_xlabel("value-pretraining step" if fname.startswith("vpt") else "rollout step")
             if any_data:

@@ -182,3 +182,146 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
     ma, mb = _metrics(a), _metrics(b)
     assert [m["step"] for m in mb] == [0, 1, 2, 3]
     assert ma == mb
+
+
+# ---- R3: routing replay in the trainer (EP=2) ----------------------------------------------------
+def _r3(out_dir):
+    import numpy as np
+
+    from megatron_s3ac.trainer.loop import Trainer
+
+    cfg = load_config(None, SMALL + ["actor_layout.ep=2", "algo.name=grpo_x", "daps.enabled=false",
+                                     "algo.dynamic_sampling=false", f"train.out_dir={out_dir}"])
+    tr = Trainer(cfg)
+    res = {"r3_on": tr.r3_on, "moe_layers": list(tr._moe_layers)}
+    m = tr.step()
+    b = tr.last_batch
+    res["faithful"] = {k: v for k, v in m.items() if k.startswith(("r3/", "mismatch/"))}
+    res["max_gap"] = float(((tr.last_old_logp - b["rollout_logp"]).abs() * b["mask"]).max())
+    res["routes_rows"] = [int(np.asarray(r).shape[0]) for r in b["routes"]]
+    res["lens"] = (b["prompt_len"] + b["resp_len"]).tolist()
+    # corrupt the rollout routes (rank 0 scores and broadcasts, so every rank gets the same corruption):
+    # with replay active the trainer must follow them, so its log-probs leave the engine's
+    real = tr.rollout
+
+    def scrambled(pids):
+        out = real(pids)
+        for s in out:
+            s["routes"] = (np.asarray(s["routes"]).astype(np.int64) + 1) % 4  # another expert pair, still distinct
+        return out
+
+    tr.rollout = scrambled
+    m = tr.step()
+    b = tr.last_batch
+    res["scrambled"] = {k: v for k, v in m.items() if k.startswith(("r3/", "mismatch/"))}
+    res["scrambled_max_gap"] = float(((tr.last_old_logp - b["rollout_logp"]).abs() * b["mask"]).max())
+    return res
+
+
+def test_r3_replays_engine_routes_world2(tmp_path):
+    r0 = run_distributed(_r3, 2, str(tmp_path))[0]
+    assert r0["r3_on"] and r0["moe_layers"] == [0, 1]  # auto: on for the MoE model, every MoE layer
+    assert r0["routes_rows"] == [n - 1 for n in r0["lens"]]  # the engine's routed experts travel with samples
+    f = r0["faithful"]
+    assert f["r3/agreement"] == pytest.approx(1.0)  # same weights: native top-k == rollout routes
+    assert r0["max_gap"] < 1e-5 and f["r3/logprob_abs_diff"] < 1e-5  # fp32: old log-probs == engine's
+    s = r0["scrambled"]
+    assert s["r3/agreement"] < 0.5  # native routing no longer matches the (corrupted) rollout routes
+    assert r0["scrambled_max_gap"] > 1e-3  # replay is active: the trainer followed the given routes
+    assert s["r3/native_logprob_abs_diff"] < 1e-5 < s["r3/logprob_abs_diff"]
+
+
+def test_r3_config_refusals():
+    from megatron_s3ac.trainer.config import validate
+    from megatron_s3ac.trainer.loop import _r3_setting
+
+    with pytest.raises(ConfigError, match="train.r3"):
+        load_config(None, SMALL + ["train.r3=sometimes"])
+    cfg = load_config(None, SMALL + ["train.r3=off"])
+    from megatron_s3ac.trainer.config import model_info_for
+
+    assert _r3_setting(cfg, model_info_for(cfg))[1] is False
+    cfg = load_config(None, SMALL)
+    assert _r3_setting(cfg, model_info_for(cfg))[1] is True  # auto -> on for MoE
+
+    class Dense:
+        is_moe, model_type = False, "qwen3"
+
+    cfg = load_config(None, SMALL + ["train.r3=on"])
+    with pytest.raises(ConfigError, match="no MoE layers"):
+        _r3_setting(cfg, Dense())
+    validate(cfg)
+
+
+# ---- periodic evaluation ----------------------------------------------------------------------
+def _eval_vs_no_eval(out_dir):
+    from megatron_s3ac.trainer.cli import train_loop
+    from megatron_s3ac.trainer.loop import Trainer
+
+    common = SMALL + ["actor_layout.ep=2", "train.steps=3", "algo.dynamic_sampling=false"]
+    runs = {}
+    for name, extra in (("eval", ["train.eval_every=1", "train.save_every=1", "train.keep_last=1", "eval.k=2"]),
+                        ("plain", ["train.eval_every=0"])):
+        cfg = load_config(None, common + extra + [f"train.out_dir={out_dir}/{name}"])
+        tr = Trainer(cfg)
+        train_loop(tr)
+        runs[name] = tr.evaluator.history if tr.evaluator is not None else None
+        tr.close()
+    return runs
+
+
+def test_eval_mid_training_leaves_training_identical_world2(tmp_path):
+    from megatron_s3ac.trainer.plotting import plot_run
+
+    history = run_distributed(_eval_vs_no_eval, 2, str(tmp_path))[0]
+    with_eval, plain = _metrics(tmp_path / "eval"), _metrics(tmp_path / "plain")
+    assert all("eval/heldout/avg@2" in m and "eval/heldout/greedy" in m and "eval/average" in m for m in with_eval)
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("eval/")} for m in ms]  # noqa: E731
+    assert strip(with_eval) == plain  # same seed: evaluation changed no training number
+    # the best evaluated checkpoint survives keep_last=1, and BEST names it
+    steps, avg = zip(*history["eval"])
+    best = steps[max(range(len(avg)), key=lambda i: (avg[i], -i))]
+    ck = tmp_path / "eval" / "checkpoints"
+    assert (ck / "BEST").read_text().strip() == f"step_{best:06d}"
+    assert sorted(os.listdir(ck)) == sorted({"BEST", f"step_{best:06d}", "step_000003"})
+    assert os.path.exists(tmp_path / "eval" / "eval" / "eval_step3.json")
+    pngs = plot_run(str(tmp_path / "eval"))
+    assert any(p.endswith("eval.png") for p in pngs)
+
+
+def _mini_demo(out_dir):
+    from megatron_s3ac.trainer.demo import run_demo
+
+    cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo.yaml"), [
+        "rollout.prompts_per_step=16", "rollout.k=4", "data.num_prompts=300", "data.eval_prompts=24",
+        "demo.warmup_max_steps=40", "demo.warmup_eval_every=20", "demo.target_pass_rate=1.0",
+        "demo.coverage_prompts=16", "demo.coverage_k=2", "demo.coverage_checkpoints=2", "value_pretrain.batch_size=16",
+        "train.steps=2", "train.eval_every=1", "eval.k=3", "eval.batch_size=16", "train.progress=false",
+        "train.tensorboard=false",
+        f"train.out_dir={out_dir}"])
+    return run_demo(cfg)
+
+
+def test_standalone_eval_reproduces_demo_pass_rates_world2(tmp_path):
+    """Issue 8: evaluating the saved warm-up and trained models with the eval package on a fresh engine
+    gives exactly the before/after pass rates the demo reports (and the trainer's periodic eval logs)."""
+    from megatron_s3ac.eval.runner import BenchmarkSpec, evaluate
+    from megatron_s3ac.rollout.base import SamplingParams
+    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.trainer.data import CharVocab
+
+    res = run_distributed(_mini_demo, 2, str(tmp_path))[0]
+    e = res["eval"]
+    bench = {"heldout": BenchmarkSpec(e["set"], reward="arithmetic")}
+    for when in ("before", "after"):
+        engine = CPUEngine.from_pretrained(e["models"][when], tokenizer=None)
+        # same seed and batch size: the sampling seeds are per (seed, set, batch index)
+        greedy = evaluate(engine, CharVocab(), bench, k=1, seed=e["seed"], batch_size=e["batch_size"],
+                          params=SamplingParams(temperature=0.0, max_new_tokens=e["max_new_tokens"]))
+        sampled = evaluate(engine, CharVocab(), bench, k=e["sampled_k"], seed=e["seed"], batch_size=e["batch_size"],
+                           params=SamplingParams(temperature=e["sampled_temperature"], max_new_tokens=e["max_new_tokens"]))
+        assert greedy["benchmarks"]["heldout"]["avg_at_k"] == res[when]["greedy"]
+        assert sampled["benchmarks"]["heldout"]["avg_at_k"] == res[when]["sampled"]
+    last = _metrics(tmp_path)[-1]  # the periodic evaluation after the last step saw the same model
+    assert last["eval/heldout/greedy"] == res["after"]["greedy"]
+    assert last["eval/heldout/avg@3"] == res["after"]["sampled"]
