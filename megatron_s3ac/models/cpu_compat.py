@@ -195,6 +195,28 @@ def _torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Te
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
+def fla_refusal() -> str | None:
+    """Why fla cannot be used on this machine although it imports, or None.
+
+    fla 0.6 refuses its gated-delta-rule backward with 3.4 <= Triton < 3.7.1 on Hopper unless
+    tilelang is installed (wrong results upstream; seen on an H200 with Triton 3.6)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return None
+    try:
+        import triton
+        from packaging.version import Version
+    except Exception:
+        return None
+    v = Version(triton.__version__.split("+")[0])
+    if not Version("3.4.0") <= v < Version("3.7.1"):
+        return None
+    try:
+        import tilelang  # noqa: F401
+        return None
+    except Exception:
+        return f"Triton {v} on a Hopper GPU without tilelang"
+
+
 def patch_missing_fla() -> bool:
     """megatron-core 0.16.1's ``GatedDeltaNet`` raises ImportError without fla and its forward then
     calls the fla names ``l2norm`` / ``chunk_gated_delta_rule`` (``l2norm`` is never defined). When
@@ -202,13 +224,17 @@ def patch_missing_fla() -> bool:
     ``l2norm`` as above and megatron's own ``torch_chunk_gated_delta_rule`` (same file, the
     transformers reference algorithm), and let the constructor pass. The causal conv1d already falls
     back to ``torch.nn.Conv1d`` without the causal_conv1d package. Applied on CPU and GPU alike;
-    a no-op when fla is installed. Returns True if the torch path is in use."""
+    a no-op when fla is installed and usable (see ``fla_refusal``). Returns True if the torch path
+    is in use."""
     from megatron.core.ssm import gated_delta_net as gdn
 
     if getattr(gdn, "_s3ac_torch_path", False):
         return True
     if gdn.HAVE_FLA:
-        return False
+        why = fla_refusal()
+        if why is None:
+            return False
+        logging.getLogger(__name__).warning("flash-linear-attention not used (%s): torch GDN kernel instead", why)
     gdn.l2norm = _torch_l2norm
     gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
     gdn.HAVE_FLA = True  # only lets __init__ pass: the names above are the torch kernels

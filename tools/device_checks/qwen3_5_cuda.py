@@ -86,14 +86,15 @@ def run(d):
 
     from megatron.core import dist_checkpointing, parallel_state
 
-    from megatron_s3ac.models.cpu_compat import have_fla
+    from megatron_s3ac.models.cpu_compat import have_fla, patch_missing_fla
 
     assert torch.cuda.is_available(), "needs CUDA"
     torch.cuda.set_device(0)
     _setup("nccl")
     ref = torch.load(os.path.join(d, "ref.pt"), weights_only=True)
     cfg = json.loads(ref["cfg"])
-    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "fla": have_fla()}
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "fla_installed": have_fla(),
+           "fla_used": not patch_missing_fla()}
     for dtype in (torch.float32, torch.bfloat16):
         info, m = _model(cfg, dtype, "cuda")
         m.load_state_dict(dist_checkpointing.load(m.sharded_state_dict(), os.path.join(d, "ckpt")))
