@@ -74,6 +74,10 @@ class Trainer:
         validate(cfg, self.world)
         if cfg.critic_layout is not None and cfg.critic_layout != cfg.actor_layout:
             raise NotImplementedError("a critic layout different from the actor's is not implemented yet")
+        if cfg.actor_layout.pp > 1:
+            # Forward-only outputs (old log-probs, values) live on the last stage and are not yet
+            # broadcast back to the rank that computes advantages; weight sync already handles PP.
+            raise NotImplementedError("the trainer's loop does not support pp > 1 yet (actor_layout.pp)")
         self.info = model_info_for(cfg)
         self.layout = layout_of(cfg.actor_layout)
         initialize_model_parallel(self.layout, seed=cfg.train.seed)
@@ -201,15 +205,12 @@ class Trainer:
 
     # ---- weight sync -------------------------------------------------------------------------
     def sync_weights(self):
-        """Collective: every rank iterates the export; rank 0 loads it into its engine."""
-        from megatron_s3ac.trainer.weights import export_hf_weights
+        """Collective: every rank joins the export; rank 0's engine receives every pipeline stage's
+        tensors (rollout.weight_sync gathers stages to the engine rank)."""
+        from megatron_s3ac.rollout.weight_sync import sync_weights
 
-        it = export_hf_weights(self.actor, self.info)
-        if self.engine is not None:
-            self.engine.update_weights(it)
-        else:
-            for _ in it:
-                pass
+        chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
+        return sync_weights(chunks, self.info, self.engine)
 
     # ---- forward passes ----------------------------------------------------------------------
     def _forward_only(self, ddp, batch: dict, what: str) -> dict:
