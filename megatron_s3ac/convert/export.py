@@ -13,6 +13,8 @@ all ranks with that PP rank) must iterate the generator to the end, in lockstep.
 (rank 0 of that group: tp = ep = dp = 0) yields lists of full ``(hf_name, tensor)``; every other rank
 yields an empty list per bucket. Each stage emits only its own layers (the first stage the embedding,
 the last the final norm and, when untied, ``lm_head``). Tensors keep the model's dtype and device.
+Names are the plan's, i.e. those of the HF checkpoint layout of ``info.model_type`` (for a
+vision-language checkpoint such as ``qwen3_5_moe``: ``model.language_model.*``; no vision tensors).
 """
 from __future__ import annotations
 

@@ -191,8 +191,29 @@ def have_fla() -> bool:
 
 
 def _torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
-    """fla's l2norm (``x / sqrt(sum(x^2) + eps)``), as transformers' reference writes it."""
+    """fla's l2norm (``x / sqrt(sum(x^2) + eps)``), computed in fp32 like fla's kernel and transformers'
+    reference, and *returned* in fp32: the torch kernel below works in fp32 anyway, so q / k are not
+    rounded back to bf16 in between (as in transformers, which normalises inside its fp32 kernel).
+    A no-op cast for fp32 inputs."""
+    x = x.float()
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _torch_chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
+    """megatron's ``torch_chunk_gated_delta_rule`` (the transformers reference algorithm: inputs, chunk
+    products and the recurrent state in fp32), with the output cast to ``value``'s dtype, i.e. the
+    model's (q / k arrive in fp32 from ``_torch_l2norm``). fla returns the input dtype too."""
+    from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
+
+    out, state = torch_chunk_gated_delta_rule(query, key, value, g=g, beta=beta, **kwargs)
+    return out.to(value.dtype), state
+
+
+def torch_gdn_in_use() -> bool:
+    """Whether ``patch_missing_fla`` bound the torch GDN kernels (fla absent or refused)."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    return bool(getattr(gdn, "_s3ac_torch_path", False))
 
 
 def fla_refusal() -> str | None:
@@ -221,8 +242,11 @@ def patch_missing_fla() -> bool:
     """megatron-core 0.16.1's ``GatedDeltaNet`` raises ImportError without fla and its forward then
     calls the fla names ``l2norm`` / ``chunk_gated_delta_rule`` (``l2norm`` is never defined). When
     fla is absent (CPU, or a GPU without the wheel) bind those module names to torch versions:
-    ``l2norm`` as above and megatron's own ``torch_chunk_gated_delta_rule`` (same file, the
-    transformers reference algorithm), and let the constructor pass. The causal conv1d already falls
+    ``l2norm`` and ``chunk_gated_delta_rule`` to the fp32 torch versions above (megatron's own
+    ``torch_chunk_gated_delta_rule``, the transformers reference algorithm, wrapped), and let the
+    constructor pass. Precision: under bf16 the normalised q / k, the chunk products and the
+    recurrent state are fp32 and only the kernel's output is cast back (the decay ``g`` is fp32 too,
+    see ``qwen3_5_spec.TorchGatedDeltaNet``); in fp32 nothing changes. The causal conv1d already falls
     back to ``torch.nn.Conv1d`` without the causal_conv1d package. Applied on CPU and GPU alike;
     a no-op when fla is installed and usable (see ``fla_refusal``). Returns True if the torch path
     is in use."""
@@ -236,7 +260,7 @@ def patch_missing_fla() -> bool:
             return False
         logging.getLogger(__name__).warning("flash-linear-attention not used (%s): torch GDN kernel instead", why)
     gdn.l2norm = _torch_l2norm
-    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+    gdn.chunk_gated_delta_rule = _torch_chunk_gated_delta_rule
     gdn.HAVE_FLA = True  # only lets __init__ pass: the names above are the torch kernels
     gdn._s3ac_torch_path = True
     return True

@@ -22,7 +22,9 @@ What the architecture needs from megatron-core, and where it comes from:
     axes are the text position), which is all this model receives.
 
 Kernels: without flash-linear-attention (CPU, or a GPU without fla) the GDN runs megatron's own torch
-``torch_chunk_gated_delta_rule`` (``cpu_compat.patch_missing_fla``). megatron-core 0.16.1's GDN
+``torch_chunk_gated_delta_rule`` (``cpu_compat.patch_missing_fla``). Under bf16 the GDN core (q/k
+l2norm, decay ``-exp(A_log) * softplus(.)``, chunked recurrence) is computed in fp32 and only its output
+is cast back, as in transformers and fla (bit-identical to before in fp32). megatron-core 0.16.1's GDN
 ignores the attention mask, so packed sequences and left padding are refused (``TorchGatedDeltaNet``).
 The megatron modules and layer specs are in ``qwen3_5_spec.py`` (imported when a model is built).
 """

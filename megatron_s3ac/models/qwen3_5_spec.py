@@ -37,26 +37,90 @@ class ZeroCenteredNorm(SPNorm):
 
 
 def _gdn_class():
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    import torch.nn.functional as F
+    from megatron.core.ssm import gated_delta_net as gdn
 
     from megatron_s3ac.models import cpu_compat
 
     cpu_compat.patch_missing_fla()
 
-    class TorchGatedDeltaNet(GatedDeltaNet):
-        """megatron's GatedDeltaNet with two changes: the gated output norm runs eagerly (megatron
-        wraps it in torch.compile, which needs a compiler toolchain on CPU and changes nothing
-        numerically), and an attention mask other than causal is refused, because megatron-core
-        0.16.1's GDN ignores masks (packed samples would leak state into each other, left padding
-        would feed pad tokens into the recurrence)."""
+    class TorchGatedDeltaNet(gdn.GatedDeltaNet):
+        """megatron's GatedDeltaNet with three changes:
 
-        def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        * an attention mask other than causal is refused, because megatron-core 0.16.1's GDN ignores
+          masks (packed samples would leak state into each other, left padding would feed pad tokens
+          into the recurrence);
+        * the decay ``g = -exp(A_log) * softplus(alpha + dt_bias)`` is computed in fp32 from an fp32
+          copy of ``A_log`` (megatron takes ``A_log.exp()`` in the parameter dtype: in bf16 every
+          head's decay rate is off by up to 2^-9 relative, a systematic bias that compounds over a
+          long sequence; transformers and fla compute it in fp32). That line is the only numerical
+          difference between ``forward`` below and megatron-core 0.16.1's (training path; for
+          inference and packed sequences megatron's own forward is called, and raises). In fp32 it
+          is the same computation, bit for bit (tests/qwen3_5/test_bf16.py);
+        * the gated output norm runs eagerly (megatron wraps it in torch.compile, which needs a
+          compiler toolchain on CPU and changes nothing numerically).
+
+        The kernels (``l2norm``, ``chunk_gated_delta_rule``) are looked up in megatron's module at
+        call time: fla's, or the fp32 torch kernels bound by ``cpu_compat.patch_missing_fla``.
+        """
+
+        def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                    attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
+                    inference_params=None, **kwargs):
             if attention_mask is not None and not _is_causal(attention_mask):
                 raise NotImplementedError(
                     "qwen3_5_moe: megatron-core 0.16.1's Gated DeltaNet ignores attention masks, so packed "
                     "sequences (block-diagonal masks) and left padding are not supported; use right "
                     "padding with a causal mask (attention_mask=None)")
-            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            if inference_context is not None or inference_params is not None or packed_seq_params is not None:
+                # megatron raises NotImplementedError for these
+                return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
+                                       attention_bias, packed_seq_params, sequence_len_offset,
+                                       inference_params=inference_params, **kwargs)
+            seq_len, batch, _ = hidden_states.shape
+            seq_len = seq_len * self.sp_size
+            qkvzba, _ = self.in_proj(hidden_states)
+            qkvzba = qkvzba.transpose(0, 1)  # [s, b, x] -> [b, s, x]
+            qkv, gate, beta, alpha = torch.split(
+                qkvzba, [(self.qk_dim * 2 + self.v_dim) // self.tp_size, self.v_dim // self.tp_size,
+                         self.num_value_heads // self.tp_size, self.num_value_heads // self.tp_size], dim=-1)
+            gate = gate.reshape(batch, seq_len, -1, self.value_head_dim)
+            beta = beta.reshape(batch, seq_len, -1)
+            alpha = alpha.reshape(batch, seq_len, -1)
+
+            qkv = qkv.transpose(1, 2).contiguous()  # [b, s, d] -> [b, d, s]
+            if (gdn.causal_conv1d_fn is None) or self.config.deterministic_mode:
+                qkv = self.act_fn(self.conv1d(qkv)[..., :seq_len])
+            else:
+                assert self.activation in ["silu", "swish"]
+                qkv = gdn.causal_conv1d_fn(x=qkv, weight=self.conv1d.weight.squeeze(1), bias=self.conv1d.bias,
+                                           activation=self.activation)
+            qkv = qkv.transpose(1, 2)
+            query, key, value = torch.split(
+                qkv, [self.qk_dim // self.tp_size, self.qk_dim // self.tp_size, self.v_dim // self.tp_size], dim=-1)
+            query = query.reshape(batch, seq_len, -1, self.key_head_dim)
+            key = key.reshape(batch, seq_len, -1, self.key_head_dim)
+            value = value.reshape(batch, seq_len, -1, self.value_head_dim)
+            if self.use_qk_l2norm:
+                query = gdn.l2norm(query.contiguous())
+                key = gdn.l2norm(key.contiguous())
+            if self.num_value_heads // self.num_key_heads > 1:
+                query = query.repeat_interleave(self.num_value_heads // self.num_key_heads, dim=2)
+                key = key.repeat_interleave(self.num_value_heads // self.num_key_heads, dim=2)
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+            gate, beta, alpha = gate.contiguous(), beta.contiguous(), alpha.contiguous()
+
+            g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)  # fp32 (see class doc)
+            beta = beta.sigmoid()
+
+            kernel = gdn.chunk_gated_delta_rule
+            if self.config.deterministic_mode and not cpu_compat.torch_gdn_in_use():
+                kernel = gdn.torch_chunk_gated_delta_rule  # megatron's choice next to fla
+            core_attn_out, _ = kernel(query, key, value, g=g, beta=beta, initial_state=None,
+                                      output_final_state=False, use_qk_l2norm_in_kernel=False)
+            norm_out = self._apply_gated_norm(core_attn_out, gate)
+            norm_out = norm_out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
+            return self.out_proj(norm_out)
 
         def _apply_gated_norm(self, x, gate):
             x_dtype = x.dtype

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -30,6 +30,34 @@ def routed_experts_dtype(num_experts: int) -> np.dtype:
     if num_experts <= 32768:
         return np.dtype(np.int16)
     return np.dtype(np.int32)
+
+
+def tensor_nbytes(tensor: Any) -> int:
+    """Bytes of a torch tensor or numpy array (numel x element size), without touching its data."""
+    if hasattr(tensor, "element_size"):  # torch.Tensor
+        return int(tensor.numel()) * int(tensor.element_size())
+    return int(tensor.nbytes)  # numpy array (or anything exposing nbytes)
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    """Group (name, tensor) pairs, lazily and in order, into lists of at most ``bucket_bytes`` bytes.
+
+    A tensor larger than ``bucket_bytes`` goes alone in its own bucket. Only the current bucket is
+    held (references, no copies), so a generator of tensors is never materialised as a whole. The one
+    bucketing rule of the weight-update paths (SGLangEngine.update_weights, RemoteEngine.update_weights).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor_nbytes(tensor)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,13 @@ It is the engine of the CPU demo and of the tests, so it is exact rather than cl
 - routed experts: forward hooks on each MoE router record its top-k ids; the result uses SGLang's
   R3 layout (see base.py).
 - update_weights takes HF checkpoint names (per-expert tensors, as on disk and as SGLang loads them)
-  or the in-memory names of the transformers module (fused experts), with shape checks.
+  or the in-memory names of the transformers module (fused experts), with shape checks. The text
+  model's tensors may come under either HF prefix, ``model.language_model.`` (vision-language
+  checkpoints) or ``model.`` (causal-LM ones), whichever class the engine holds (``LM_PREFIXES``).
+- vision-language checkpoints (e.g. ``Qwen3_5MoeForConditionalGeneration``): by default the engine
+  holds transformers' text-only causal LM of them (``AutoModelForCausalLM``, the vision tower is not
+  loaded); ``multimodal=True`` loads the full model (``AutoModelForImageTextToText``, as SGLang does),
+  whose vision weights a weight sync of the language model leaves untouched.
 """
 from __future__ import annotations
 
@@ -24,6 +30,14 @@ import torch.nn.functional as F
 from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, routed_experts_dtype
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+# HF names of a text model's tensors: ``model.language_model.<rest>`` in a vision-language checkpoint
+# (Qwen3_5MoeForConditionalGeneration, Qwen3-VL, ...; lm_head and model.visual.* at the top level),
+# ``model.<rest>`` in a causal-LM one. The trainer's exporter names tensors like the checkpoint it was
+# converted from (convert/<family>.py), the engine may hold either class (a text-only causal LM is
+# what AutoModelForCausalLM makes of a VL checkpoint or config): ``_WeightMap.resolve`` maps one
+# convention onto the other. This is the only place the engine handles that prefix.
+LM_PREFIXES = ("model.language_model.", "model.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,9 +153,24 @@ class _WeightMap:
     def names(self) -> list[str]:
         return sorted(set(self.parts) | set(self.params))
 
+    def resolve(self, name: str) -> str:
+        """``name`` if known, else the same tensor under the other text-model prefix (``LM_PREFIXES``)
+        if that one is known, else ``name`` unchanged (``load`` then reports it)."""
+        if name in self.params or name in self.parts:
+            return name
+        for p in LM_PREFIXES:
+            if name.startswith(p):
+                rest = name[len(p):]
+                for q in LM_PREFIXES:
+                    if q != p and (q + rest in self.params or q + rest in self.parts):
+                        return q + rest
+                break  # the longest matching prefix decides
+        return name
+
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor) -> tuple[str, Optional[str]]:
         """Copy one tensor in; returns (owner param name, checkpoint part name or None if whole)."""
+        name = self.resolve(name)
         if name in self.params:
             owner = self.canonical[name]
             param = self.params[owner]
@@ -222,11 +251,14 @@ class CPUEngine(RolloutEngine):
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str, tokenizer="auto", dtype=torch.float32, **kwargs) -> "CPUEngine":
-        """Load an HF directory; tokenizer="auto" loads the directory's tokenizer if it has one."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def from_pretrained(cls, path: str, tokenizer="auto", dtype=torch.float32, multimodal: bool = False,
+                        **kwargs) -> "CPUEngine":
+        """Load an HF directory; tokenizer="auto" loads the directory's tokenizer if it has one.
+        ``multimodal``: load a vision-language checkpoint as the full model (vision tower included)
+        instead of transformers' text-only causal LM of it."""
+        from transformers import AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        model = _auto_class(multimodal).from_pretrained(path, dtype=dtype, **kwargs)
         if tokenizer == "auto":
             try:
                 tokenizer = AutoTokenizer.from_pretrained(path)
@@ -235,12 +267,12 @@ class CPUEngine(RolloutEngine):
         return cls(model, tokenizer=tokenizer)
 
     @classmethod
-    def from_config(cls, config, state_dict=None, tokenizer=None, dtype=torch.float32, seed: int = 0) -> "CPUEngine":
-        """Build from an HF config; weights random (seeded) unless state_dict (HF names) is given."""
-        from transformers import AutoModelForCausalLM
-
+    def from_config(cls, config, state_dict=None, tokenizer=None, dtype=torch.float32, seed: int = 0,
+                    multimodal: bool = False) -> "CPUEngine":
+        """Build from an HF config; weights random (seeded) unless state_dict (HF names) is given.
+        ``multimodal`` as in ``from_pretrained``."""
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = _auto_class(multimodal).from_config(config, dtype=dtype)
         engine = cls(model, tokenizer=tokenizer)
         if state_dict is not None:
             engine.update_weights(state_dict.items() if hasattr(state_dict, "items") else state_dict)
@@ -258,7 +290,8 @@ class CPUEngine(RolloutEngine):
         return self._weight_map
 
     def hf_weight_names(self) -> list[str]:
-        """Every name update_weights accepts (checkpoint names and in-memory names)."""
+        """Every name update_weights accepts (checkpoint names and in-memory names; the text model's
+        names are accepted under the other ``LM_PREFIXES`` prefix too, not listed here)."""
         return self._get_weight_map().names()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -431,6 +464,14 @@ class CPUEngine(RolloutEngine):
     def shutdown(self) -> None:
         if self._capture is not None:
             self._capture.remove()
+
+
+def _auto_class(multimodal: bool):
+    """transformers' auto class the engine loads: the causal LM (for a vision-language checkpoint, its
+    text-only model), or with ``multimodal`` the image-text-to-text model (vision tower included)."""
+    import transformers
+
+    return transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
 
 
 def _torch_dtype(np_dtype: np.dtype) -> torch.dtype:

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, routed_experts_dtype
+from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets, routed_experts_dtype
 
 SGLANG_VERSION = "0.5.23"
 
@@ -152,20 +152,6 @@ def _finish_reason(meta: dict) -> str:
     return kind if kind in ("stop", "length") else "abort"
 
 
-def _buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int):
-    """Group (name, tensor) pairs into lists of at most bucket_bytes (a larger tensor goes alone)."""
-    bucket, size = [], 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
 class SGLangEngine(RolloutEngine):
     """sglang.Engine behind the RolloutEngine interface.
 
@@ -230,7 +216,7 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """Same-process / colocated update: (hf_name, tensor) pairs in buckets of <= bucket_bytes,
         so the peak extra memory is one bucket; the cache is flushed once at the end."""
-        for bucket in _buckets(named_tensors, bucket_bytes):
+        for bucket in iter_buckets(named_tensors, bucket_bytes):
             self.engine.update_weights_from_tensor(named_tensors=bucket, load_format=None, flush_cache=False)
         self.flush_cache()
 

@@ -15,6 +15,12 @@ each stage leader hands its buckets to the engine rank:
 The engine rank consumes its own stage first (interleaved with that stage's export when it is not the
 leader), then the other stages in order; leaders of other stages block in ``send`` until then.
 Afterwards the engine's ``flush_cache()`` is called. Memory on the engine rank: one bucket at a time.
+
+Names: the HF checkpoint names of the model the trainer was converted from (the converter's plan, e.g.
+``model.language_model.*`` + ``lm_head.weight`` for a vision-language Qwen3.5-MoE checkpoint, text model
+only). The engine maps them onto the module it holds (``CPUEngine``: ``cpu_engine.LM_PREFIXES``; SGLang:
+its own checkpoint loader), so an engine built from the VL checkpoint, its text-only causal LM, or its
+config all take the same stream; a vision tower in the engine is left as it is.
 """
 from __future__ import annotations
 

@@ -26,6 +26,11 @@ TEXT = dict(vocab_size=96, hidden_size=64, num_hidden_layers=8, num_attention_he
             max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                              "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+# A wider variant (``save_tiny_qwen3_5(dir, **WIDE)``): the model of the CUDA device check
+# (tools/device_checks/qwen3_5_cuda.py), used where a figure is compared with that run (bf16 drift).
+WIDE = dict(vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64)
 VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=2,
               temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
 

@@ -5,6 +5,13 @@ parallelism can split it). Response token t of row i sits at position P_i + t an
 model output at position P_i - 1 + t; ``idx`` [N, T] holds those positions, so any per-position output
 [N, L] becomes per-response-token [N, T] with one gather. The critic's output at that same position is
 V(s_t) (state = prompt + first t response tokens), and at P_i - 1 it is V(s_0).
+
+Micro-batches are either padded (rows of the batch, cut to their own longest row) or packed (sequence
+packing with a token budget: several samples back to back in one row, block-diagonal causal mask).
+Either way ``flat_idx`` [n, T] indexes the flattened per-position output [b * s] of the micro-batch,
+so the losses never depend on the layout (``per_token``). Packing relies on the attention honouring
+``attention_mask`` (the torch spec's SDPAttention); RoPE only sees relative positions inside a
+block, so a sample's outputs do not depend on where in the packed row it sits.
 """
 from __future__ import annotations
 
@@ -58,16 +65,96 @@ def shard_rows(rows: torch.Tensor, dp_rank: int, dp: int) -> tuple[torch.Tensor,
     return mine, real
 
 
-def micro_batches(batch: dict, rows: torch.Tensor, real: torch.Tensor, mbs: int, extra: dict | None = None) -> list[dict]:
-    """Split this rank's rows into micro-batches of ``mbs`` rows (0 = one micro-batch)."""
+def per_token(out: torch.Tensor, mb: dict) -> torch.Tensor:
+    """Per-position model output [b, s] (padded or packed micro-batch) -> per-response-token [n, T]."""
+    return out.reshape(-1)[mb["flat_idx"]]
+
+
+def _padded(batch: dict, r: torch.Tensor, real: torch.Tensor, extra: dict | None, pad_to: int) -> dict:
+    mb = select_rows(batch, r)
+    for k, v in (extra or {}).items():
+        mb[k] = v[r]
+    lengths = mb["prompt_len"] + mb["resp_len"]
+    # this micro-batch's own length (not the whole batch's): right padding costs compute
+    s = min(mb["tokens"].shape[1], int(math.ceil(int(lengths.max()) / pad_to) * pad_to))
+    mb["input_ids"] = mb["tokens"][:, :s]
+    mb["flat_idx"] = torch.arange(len(r))[:, None] * s + mb["idx"].clamp(max=s - 1)
+    mb["placements"] = [(i, 0, int(n)) for i, n in enumerate(lengths.tolist())]
+    mb["mask"] = mb["mask"] * real[:, None].float()
+    mb["row_ids"], mb["real_rows"] = r, real.clone()  # batch rows held here; False = DP-padding duplicate
+    return mb
+
+
+def _packed(batch: dict, r: torch.Tensor, real: torch.Tensor, extra: dict | None, pad_to: int) -> dict:
+    """Rows ``r`` back to back in one row [1, S] (S = total rounded up to ``pad_to``), a block-diagonal
+    causal mask (megatron convention: True = masked) and positions restarting per sample; the
+    padding tail is its own causal block so no query row is fully masked."""
+    mb = select_rows(batch, r)
+    for k, v in (extra or {}).items():
+        mb[k] = v[r]
+    lengths = (mb["prompt_len"] + mb["resp_len"]).tolist()
+    total = sum(lengths)
+    s = int(math.ceil(total / pad_to) * pad_to)
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    seg_len = torch.tensor(lengths + ([s - total] if s > total else []))
+    seg = torch.repeat_interleave(torch.arange(len(seg_len)), seg_len)  # [S] segment id per position
+    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    pos = torch.arange(s) - seg_start[seg]
+    ids = torch.zeros(1, s, dtype=torch.long)
+    keep = torch.arange(mb["tokens"].shape[1])[None] < torch.tensor(lengths)[:, None]
+    ids[0, :total] = mb["tokens"][keep]  # row-major: sample by sample, each left-aligned
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    mb["input_ids"] = ids
+    mb["position_ids"] = pos[None]
+    mb["attention_mask"] = ~((seg[:, None] == seg[None, :]) & causal)[None, None]
+    mb["flat_idx"] = (torch.tensor(starts)[:, None] + mb["idx"]).clamp(max=s - 1)  # masked tail stays in range
+    mb["placements"] = [(0, a, n) for a, n in zip(starts, lengths)]
+    mb["mask"] = mb["mask"] * real[:, None].float()
+    mb["row_ids"], mb["real_rows"] = r, real.clone()  # batch rows held here; False = DP-padding duplicate
+    return mb
+
+
+def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: indices into ``lengths`` grouped so each group's total is <= ``budget``
+    (a single longer sequence gets a group of its own). Deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for b, left in enumerate(room):
+            if n <= left:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(budget - n)
+    return [sorted(b) for b in bins]
+
+
+def micro_batches(batch: dict, rows: torch.Tensor, real: torch.Tensor, mbs: int = 0, extra: dict | None = None,
+                  token_budget: int = 0, pad_to: int = 8) -> list[dict]:
+    """This rank's rows -> micro-batches. ``token_budget`` > 0: sequence packing, each micro-batch one
+    packed row of at most ``token_budget`` tokens (plus rounding to ``pad_to``); else ``mbs`` rows per
+    padded micro-batch (0 = all rows in one). Every micro-batch carries ``input_ids`` [b, s],
+    ``flat_idx`` [n, T] (see ``per_token``), ``placements`` [(row, start, length)] for R3, and the
+    selected rows of every batch entry and of ``extra``."""
+    if token_budget > 0:
+        lengths = (batch["prompt_len"][rows] + batch["resp_len"][rows]).tolist()
+        groups = [torch.tensor(g) for g in pack_rows(lengths, token_budget)]
+        return [_packed(batch, rows[g], real[g], extra, pad_to) for g in groups]
     mbs = len(rows) if mbs <= 0 else mbs
-    out = []
-    for s in range(0, len(rows), mbs):
-        r = rows[s:s + mbs]
-        mb = select_rows(batch, r)
-        for k, v in (extra or {}).items():
-            mb[k] = v[r]
-        mb["mask"] = mb["mask"] * real[s:s + mbs, None].float()
-        mb["input_ids"] = mb["tokens"]
-        out.append(mb)
+    return [_padded(batch, rows[s:s + mbs], real[s:s + mbs], extra, pad_to) for s in range(0, len(rows), mbs)]
+
+
+def pad_micro_batches(mbs: list[dict], count: int) -> list[dict]:
+    """Append no-op micro-batches (the first one with every token masked) up to ``count``, so that
+    all ranks run the same number of forwards (EP all-to-alls and pipeline schedules are collective)."""
+    out = list(mbs)
+    while len(out) < count:
+        out.append(dict(out[0], mask=torch.zeros_like(out[0]["mask"]),
+                        real_rows=torch.zeros_like(out[0]["real_rows"])))
     return out

@@ -77,6 +77,14 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"s3ac-train: {e}", file=sys.stderr)
         return 2
+    if cmd == "train" and not cfg.train.resume:
+        from megatron_s3ac.trainer.checkpoint import latest_checkpoint
+
+        old = latest_checkpoint(cfg.train.out_dir)
+        if old is not None:  # a fresh run would interleave its checkpoints with the old run's
+            print(f"s3ac-train: train.resume=false but {old} exists from an earlier run; choose another "
+                  f"train.out_dir or delete {os.path.join(cfg.train.out_dir, 'checkpoints')}", file=sys.stderr)
+            return 2
     os.makedirs(cfg.train.out_dir, exist_ok=True)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
@@ -126,7 +134,8 @@ def _value_pretrain_cmd(cfg) -> None:
     import torch.distributed as dist
 
     dist.barrier()
-    dist_checkpointing.save(tr.critic.sharded_state_dict(), out)
+    with tr.model_scope("critic"):
+        dist_checkpointing.save(tr.critic.sharded_state_dict(), out)
 
 
 if __name__ == "__main__":

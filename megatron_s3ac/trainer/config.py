@@ -57,7 +57,12 @@ class RolloutCfg:
     top_p: float = 1.0
     max_new_tokens: int = 6
     reward: str = "arithmetic"
-    colocate: bool = True  # engine sleeps while training (GPU); no-op on the CPU engine
+    reward_workers: int = 2  # verifier processes for isolated rewards (math-verify); rank 0
+    reward_timeout_s: float = 5.0  # per answer; a timed-out answer scores -1 and is counted
+    # colocated: the engine lives in rank 0's process and sleeps while the models train (weights
+    # released, refilled by the next weight sync); separate: the engine runs in its own process (a Ray
+    # actor) and stays awake; the trainer streams weights to it
+    placement: str = "colocated"
 
 
 @dataclass
@@ -70,6 +75,9 @@ class AlgoCfg:
     critic_minibatches: int = 8
     critic_epochs: int = 2
     micro_batch_size: int = 0  # rows per micro-batch (0 = whole mini-batch on this rank)
+    # sequence packing: > 0 packs samples back to back into micro-batches of at most this many tokens
+    # (first-fit decreasing; micro_batch_size is then unused). 0 = padded micro-batches
+    max_tokens_per_micro_batch: int = 0
     eps_low: float = 0.2  # CISPO clip-higher: [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
     actor_clip_grad: float = 1.0
@@ -218,6 +226,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             errs.append(f"algo.{key}={getattr(a, key)} must be >= 1")
     if a.micro_batch_size < 0:
         errs.append("algo.micro_batch_size must be >= 0")
+    if a.max_tokens_per_micro_batch < 0:
+        errs.append("algo.max_tokens_per_micro_batch must be >= 0 (0 = no packing)")
     for key in ("actor_lr", "critic_lr_mult", "actor_clip_grad", "critic_clip_grad", "actor_alpha"):
         if not getattr(a, key) > 0:
             errs.append(f"algo.{key}={getattr(a, key)} must be > 0")
@@ -231,6 +241,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         errs.append("rollout.k and rollout.prompts_per_step must be >= 1")
     if r.prompts_per_step * r.k < a.actor_minibatches:
         errs.append(f"rollout batch {r.prompts_per_step}x{r.k} is smaller than algo.actor_minibatches={a.actor_minibatches}")
+    if r.placement not in ("colocated", "separate"):
+        errs.append(f"rollout.placement={r.placement!r} must be 'colocated' or 'separate'")
+    if r.reward_workers < 1 or not r.reward_timeout_s > 0:
+        errs.append("rollout.reward_workers must be >= 1 and rollout.reward_timeout_s > 0")
     if r.max_new_tokens < 1 or r.temperature <= 0:
         errs.append("rollout.max_new_tokens must be >= 1 and rollout.temperature > 0 (training needs sampling)")
     try:

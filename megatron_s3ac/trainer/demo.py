@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_s3ac.trainer.batch import collate, micro_batches, shard_rows
+from megatron_s3ac.trainer.batch import collate, per_token, shard_rows
 from megatron_s3ac.trainer.data import EOS
 
 
@@ -32,7 +32,7 @@ def supervised_warmup(tr, log) -> list[list[dict]]:
 
     def loss_fn(mb, out):
         targets = torch.roll(mb["input_ids"], -1, dims=1)
-        lp = vocab_parallel_log_probs(out, targets, tr.info.vocab_size).gather(1, mb["idx"])
+        lp = per_token(vocab_parallel_log_probs(out, targets, tr.info.vocab_size), mb)
         return -(lp * mb["mask"]).sum(), mb["mask"].sum().long(), {"nll": -(lp * mb["mask"]).sum().detach()}
 
     for step in range(1, d.warmup_max_steps + 1):
@@ -44,7 +44,7 @@ def supervised_warmup(tr, log) -> list[list[dict]]:
         rows, real = shard_rows(torch.arange(len(samples)), tr.dp_rank, tr.dp)
         tr.actor_ddp.zero_grad_buffer()
         tr.actor_opt.zero_grad()
-        forward_backward([tr.actor_ddp], micro_batches(batch, rows, real, 0), loss_fn)
+        forward_backward([tr.actor_ddp], tr._micro_batches(batch, rows, real), loss_fn)
         tr.actor_opt.step()
         if step % d.warmup_eval_every == 0:
             tr.sync_weights()
@@ -78,7 +78,11 @@ def export_eval_inputs(tr, out: str, tag: str) -> None:
     re-derived by standalone evaluation (``megatron_s3ac.eval.runner.evaluate`` on a fresh engine)."""
     if tr.rank != 0:
         return
-    tr.engine.model.save_pretrained(os.path.join(out, f"hf_{tag}"))
+    path = os.path.join(out, f"hf_{tag}")
+    if hasattr(tr.engine, "call"):  # separate placement: the model lives in the engine's process
+        tr.engine.call("model.save_pretrained", path)
+    else:
+        tr.engine.model.save_pretrained(path)
     path = os.path.join(out, "heldout.jsonl")
     with open(path + ".tmp", "w") as f:
         for p in tr.eval_prompts:

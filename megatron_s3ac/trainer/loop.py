@@ -13,6 +13,12 @@ One ``Trainer.step()``, top to bottom (every rank runs the same code; rank 0 als
   8. weight sync to the engine; metrics
 Losses are returned as sums with megatron's per-token normalisation (calculate_per_token_loss), so a
 mini-batch is a true token mean over micro-batches and DP ranks.
+
+Parallelism: rows are sharded over each model's DP ranks in every pass (forward-only passes too; their
+outputs are all-reduced back over DP and broadcast from the last pipeline stage, so every rank holds
+the whole batch's log-probs and values). The critic may use its own layout (``critic_layout``): it is
+built and run inside its own ``ParallelContext``. Micro-batches are padded rows or, with
+``algo.max_tokens_per_micro_batch``, packed sequences under a token budget (trainer.batch).
 """
 from __future__ import annotations
 
@@ -25,18 +31,23 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
-from megatron_s3ac.trainer.batch import collate, micro_batches, select_rows, shard_rows
+from megatron_s3ac.trainer.batch import collate, micro_batches, pad_micro_batches, per_token, select_rows, shard_rows
 from megatron_s3ac.trainer.config import Config, ConfigError, layout_of, model_info_for, validate
 
 
 def _world_mean(d: dict) -> dict:
-    """Average python/tensor scalars over all ranks (same keys everywhere)."""
-    if not d or dist.get_world_size() == 1:
-        return {k: float(v) for k, v in d.items()}
-    keys = sorted(d)
-    t = torch.tensor([float(d[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return dict(zip(keys, (t / dist.get_world_size()).tolist()))
+    """Average python/tensor scalars over the ranks that have each key (loss metrics exist on the last
+    pipeline stage only), so every rank, rank 0 included, gets the same dict."""
+    d = {k: float(v) for k, v in d.items()}
+    if dist.get_world_size() == 1:
+        return d
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, d)
+    out: dict = {}
+    for one in every:
+        for k, v in one.items():
+            out.setdefault(k, []).append(v)
+    return {k: sum(v) / len(v) for k, v in sorted(out.items())}
 
 
 def _merge_metrics(ms: list[dict], prefix: str) -> dict:
@@ -72,20 +83,26 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         validate(cfg, self.world)
-        if cfg.critic_layout is not None and cfg.critic_layout != cfg.actor_layout:
-            raise NotImplementedError("a critic layout different from the actor's is not implemented yet")
-        if cfg.actor_layout.pp > 1:
-            # Forward-only outputs (old log-probs, values) live on the last stage and are not yet
-            # broadcast back to the rank that computes advantages; weight sync already handles PP.
-            raise NotImplementedError("the trainer's loop does not support pp > 1 yet (actor_layout.pp)")
         self.info = model_info_for(cfg)
         self.layout = layout_of(cfg.actor_layout)
-        initialize_model_parallel(self.layout, seed=cfg.train.seed)
+        self.uses_critic = cfg.algo.name == "s3ac"
+        critic_layout = layout_of(cfg.critic_layout or cfg.actor_layout)
+        self.actor_ctx = self.critic_ctx = None
+        if self.uses_critic and critic_layout != self.layout:
+            from megatron_s3ac.models.parallel import ParallelContext
+
+            # megatron keeps one layout in module globals: the actor's stays installed, the critic's is
+            # swapped in around every critic operation (``model_scope("critic")``)
+            self.actor_ctx = ParallelContext(self.layout, seed=cfg.train.seed)
+            self.critic_ctx = ParallelContext(critic_layout, seed=cfg.train.seed)
+        else:
+            initialize_model_parallel(self.layout, seed=cfg.train.seed)
         from megatron.core import parallel_state as ps
 
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.pad_to = 8 * self.layout.tp
-        self.uses_critic = cfg.algo.name == "s3ac"
+        # sequence parallelism splits every micro-batch's length over TP: a multiple of both models' TP
+        self.pad_to = 8 * self.layout.tp * critic_layout.tp // math.gcd(self.layout.tp, critic_layout.tp)
+        self._check_packing()
         self._build_models()
         self._moe_layers = []
         if self.r3_on:
@@ -94,6 +111,8 @@ class Trainer:
             self._moe_layers = local_moe_layers([self.actor_ddp])
         self._build_data()
         self.engine = self._build_engine() if self.rank == 0 else None
+        self._engine_asleep = False
+        self.reward_pool = None
         self._build_eval()
         self.step_idx = 0
         self._last_v0 = None
@@ -130,22 +149,58 @@ class Trainer:
                                          weight_decay=a.weight_decay)
         self.critic = self.critic_ddp = self.critic_opt = None
         if self.uses_critic:
-            self.critic_config = build_transformer_config(self.info, layout_of(cfg.critic_layout or cfg.actor_layout))
-            self.critic = build_critic(self.info, self.critic_config, ValueHeadConfig(kind=cfg.model.critic_head))
-            if cfg.model.critic_init:
-                sd = dist_checkpointing.load(self.critic.sharded_state_dict(), cfg.model.critic_init)
-                self.critic.load_state_dict(sd)
-            else:  # backbone from the actor; the value head keeps its 1/(H+1) init
-                self.init_critic_from_actor()
-            self.critic_ddp = wrap_ddp(self.critic, self.critic_config)
-            self.critic_opt = build_optimizer([self.critic_ddp], lr=a.actor_lr * a.critic_lr_mult,
-                                              clip_grad=a.critic_clip_grad, weight_decay=a.weight_decay)
+            with self.model_scope("critic"):
+                self._build_critic()
+
+    def _build_critic(self):
+        from megatron.core import dist_checkpointing
+
+        from megatron_s3ac.models.actor_critic import ValueHeadConfig, build_critic, build_transformer_config
+        from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
+
+        cfg, a = self.cfg, self.cfg.algo
+        self.critic_config = build_transformer_config(self.info, layout_of(cfg.critic_layout or cfg.actor_layout))
+        self.critic = build_critic(self.info, self.critic_config, ValueHeadConfig(kind=cfg.model.critic_head))
+        if cfg.model.critic_init:
+            sd = dist_checkpointing.load(self.critic.sharded_state_dict(), cfg.model.critic_init)
+            self.critic.load_state_dict(sd)
+        else:  # backbone from the actor; the value head keeps its 1/(H+1) init
+            self.init_critic_from_actor()
+        self.critic_ddp = wrap_ddp(self.critic, self.critic_config)
+        self.critic_opt = build_optimizer([self.critic_ddp], lr=a.actor_lr * a.critic_lr_mult,
+                                          clip_grad=a.critic_clip_grad, weight_decay=a.weight_decay)
 
     @torch.no_grad()
     def init_critic_from_actor(self):
-        sd = {k: v for k, v in self.actor.state_dict().items() if not k.startswith("output_layer")}
-        missing, unexpected = self.critic.module.load_state_dict(sd, strict=False)
-        bad = [k for k in missing if not k.startswith("output_layer")]
+        """Critic backbone := actor backbone (the value head keeps its own init). At one layout the
+        local shards are copied; at different layouts the actor's backbone goes through a torch_dist
+        checkpoint (layout-free) under ``train.out_dir`` and is read back at the critic's layout."""
+        if self.critic_ctx is None:
+            sd = {k: v for k, v in self.actor.state_dict().items() if not k.startswith("output_layer")}
+            missing, unexpected = self.critic.module.load_state_dict(sd, strict=False)
+            bad = [k for k in missing if not k.startswith("output_layer")]
+            if bad or unexpected:
+                raise RuntimeError(f"critic/actor backbone mismatch: missing {bad[:4]}, unexpected {unexpected[:4]}")
+            return
+        import shutil
+
+        from megatron.core import dist_checkpointing
+
+        tmp = os.path.join(self.cfg.train.out_dir, ".critic_init_from_actor")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        backbone = lambda sd: {k: v for k, v in sd.items() if not k.startswith("output_layer")}  # noqa: E731
+        with self.model_scope("actor"):
+            dist_checkpointing.save(backbone(self.actor.sharded_state_dict()), tmp)
+        with self.model_scope("critic"):
+            loaded = dist_checkpointing.load(backbone(self.critic.sharded_state_dict()), tmp)
+            missing, unexpected = self.critic.load_state_dict(loaded, strict=False)
+        bad = [k for k in missing if not k.startswith("output_layer") and not k.endswith("_extra_state")]
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         if bad or unexpected:
             raise RuntimeError(f"critic/actor backbone mismatch: missing {bad[:4]}, unexpected {unexpected[:4]}")
 
@@ -176,18 +231,31 @@ class Trainer:
                                       half_life_steps=d.half_life_steps, seed=cfg.train.seed)
 
     def _build_engine(self):
+        """Rank 0's rollout engine: in this process (colocated) or in its own Ray actor process
+        (separate: ``rollout.RemoteEngine``; same engine code, so the same samples for the same seed)."""
+        from functools import partial
+
         from megatron_s3ac.rollout.cpu_engine import CPUEngine
 
         if self.cfg.model.engine_hf_dir:
-            return CPUEngine.from_pretrained(self.cfg.model.engine_hf_dir)
-        from transformers import AutoConfig
+            factory = partial(CPUEngine.from_pretrained, self.cfg.model.engine_hf_dir)
+        else:
+            from transformers import AutoConfig
 
-        hf = AutoConfig.for_model(**self.info.hf) if self.cfg.model.tiny is None else None
-        if hf is None:
-            from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+            hf = AutoConfig.for_model(**self.info.hf) if self.cfg.model.tiny is None else None
+            if hf is None:
+                from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
 
-            hf = tiny_arithmetic_hf_config()
-        return CPUEngine.from_config(hf)  # weights come from the actor right after
+                hf = tiny_arithmetic_hf_config()
+            factory = partial(CPUEngine.from_config, hf)  # weights come from the actor right after
+        if self.cfg.rollout.placement == "separate":
+            import ray
+
+            from megatron_s3ac.rollout.remote import RemoteEngine
+
+            self._owns_ray = not ray.is_initialized()  # a Ray started here is shut down by close()
+            return RemoteEngine(factory, num_cpus=1, torch_threads=self.cfg.train.threads)
+        return factory()
 
     def decode(self, ids) -> str:
         return self.vocab.decode(ids) if hasattr(self.vocab, "chars") else self.vocab.decode(ids, skip_special_tokens=True)
@@ -203,6 +271,44 @@ class Trainer:
         for g in opt.param_groups:
             g["lr"] = lr
 
+    def model_scope(self, which: str):
+        """Context in which the ``which`` ("actor" | "critic") model's parallel state is installed
+        (a no-op when both share one layout). Build, run, save and load a model inside its scope."""
+        import contextlib
+
+        if self.critic_ctx is None:
+            return contextlib.nullcontext()
+        return (self.critic_ctx if which == "critic" else self.actor_ctx).active()
+
+    def _scope_of(self, ddp):
+        return self.model_scope("critic" if ddp is not None and ddp is self.critic_ddp else "actor")
+
+    def _check_packing(self) -> None:
+        if self.cfg.algo.max_tokens_per_micro_batch <= 0:
+            return
+        from megatron_s3ac.models.specs import have_transformer_engine
+
+        if self.info.model_type.startswith("qwen3_5"):
+            raise ConfigError("algo.max_tokens_per_micro_batch: sequence packing is refused for Qwen3.5 "
+                              "(megatron-core 0.16.1's Gated DeltaNet ignores the attention mask, so packed "
+                              "samples would share recurrent state)")
+        if have_transformer_engine():
+            raise ConfigError("algo.max_tokens_per_micro_batch: packing is expressed as a block-diagonal "
+                              "attention mask, which the torch spec honours; the Transformer Engine spec "
+                              "needs THD PackedSeqParams, not wired yet")
+
+    def _micro_batches(self, batch: dict, rows: torch.Tensor, real: torch.Tensor, extra: dict | None = None) -> list[dict]:
+        """This rank's rows -> micro-batches (padded or packed), as many on every rank (EP all-to-alls
+        and pipeline schedules are collective): ranks with fewer get fully masked no-op ones."""
+        a = self.cfg.algo
+        mbs = micro_batches(batch, rows, real, a.micro_batch_size, extra,
+                            token_budget=a.max_tokens_per_micro_batch, pad_to=self.pad_to)
+        if self.world > 1:
+            n = torch.tensor([len(mbs)])
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            mbs = pad_micro_batches(mbs, int(n))
+        return mbs
+
     # ---- weight sync -------------------------------------------------------------------------
     def sync_weights(self):
         """Collective: every rank joins the export; rank 0's engine receives every pipeline stage's
@@ -210,33 +316,73 @@ class Trainer:
         from megatron_s3ac.rollout.weight_sync import sync_weights
 
         chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
+        if self.engine is not None and self._engine_asleep:
+            self.engine.wake()  # weights re-allocated but stale: the sync below must refill every one
+            self._engine_asleep = False
         return sync_weights(chunks, self.info, self.engine)
+
+    def _engine_sleep(self) -> None:
+        """Colocated placement: release the engine's weights while the models train (rank 0)."""
+        if self.engine is not None and self.cfg.rollout.placement == "colocated":
+            self.engine.sleep()
+            self._engine_asleep = True
 
     # ---- forward passes ----------------------------------------------------------------------
     def _forward_only(self, ddp, batch: dict, what: str) -> dict:
-        """Per-response-token outputs [N, T] for every row (every rank computes all rows)."""
+        """Per-response-token outputs [N, T] of every row, on every rank. what: "values" (critic),
+        "logp" (log-probs + entropy, routes replayed under R3) or "native_logp" (log-probs with the
+        routers' own choice, recorded: also returns r3 agreement counts "agree", "total").
+
+        Rows are sharded over this model's DP ranks; each row is computed by exactly one DP rank, so a
+        sum over DP gathers them, then the last pipeline stage broadcasts to the others."""
+        from megatron.core import parallel_state as ps
+
         from megatron_s3ac.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
         from megatron_s3ac.models.pipeline import forward_backward
 
-        rows = torch.arange(len(batch["tokens"]))
-        mbs = micro_batches(batch, rows, torch.ones(len(rows), dtype=torch.bool), self.cfg.algo.micro_batch_size)
+        n, T = batch["mask"].shape
+        keys = {"values": ["values"], "logp": ["logp", "entropy"], "native_logp": ["logp"]}[what]
         vocab, temp = self.info.vocab_size, self.cfg.rollout.temperature
 
         def loss_fn(mb, out):
             if what == "values":
-                res = {"values": out.gather(1, mb["idx"]).detach()}
+                res = {"values": per_token(out, mb).detach()}
             else:
-                targets = torch.roll(mb["input_ids"], -1, dims=1)
-                lp = vocab_parallel_log_probs(out, targets, vocab, temp).gather(1, mb["idx"])
-                ent = vocab_parallel_entropy(out, vocab, temp).gather(1, mb["idx"])
-                res = {"logp": lp.detach(), "entropy": ent}
-            return torch.zeros((), requires_grad=False), torch.tensor(1), res
+                lp = vocab_parallel_log_probs(out, torch.roll(mb["input_ids"], -1, dims=1), vocab, temp)
+                res = {"logp": per_token(lp, mb).detach()}
+                if what == "logp":
+                    res["entropy"] = per_token(vocab_parallel_entropy(out, vocab, temp), mb)
+            return torch.zeros(()), torch.tensor(1), res
 
-        ddp.eval()
-        with torch.no_grad(), self._replay(ddp, mbs):
-            outs = forward_backward([ddp], mbs, loss_fn, forward_only=True)
-        ddp.train()
-        return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+        with self._scope_of(ddp):
+            rows, real = shard_rows(torch.arange(n), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+            mbs = self._micro_batches(batch, rows, real)
+            if what == "native_logp":
+                from megatron_s3ac.r3.metrics import record_native_routes
+
+                ctx = record_native_routes([ddp])
+            else:
+                ctx = self._replay(ddp, mbs)
+            ddp.eval()
+            with torch.no_grad(), ctx as recorded:
+                outs = forward_backward([ddp], mbs, loss_fn, forward_only=True)
+            ddp.train()
+            full = torch.zeros(len(keys), n, T)
+            for mb, o in zip(mbs, outs):
+                r = mb["real_rows"]
+                for j, k in enumerate(keys):
+                    full[j, mb["row_ids"][r]] = o[k][r].float()
+            if ps.get_data_parallel_world_size() > 1:
+                dist.all_reduce(full, group=ps.get_data_parallel_group())
+            if ps.get_pipeline_model_parallel_world_size() > 1:
+                dist.broadcast(full, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+            res = dict(zip(keys, full))
+            if what == "native_logp":
+                from megatron_s3ac.r3.metrics import routing_agreement
+
+                res["agree"], res["total"] = routing_agreement(recorded, [self._align_routes(mb) for mb in mbs])
+        return res
 
     # ---- R3: routing replay ------------------------------------------------------------------
     def _align_routes(self, mb: dict):
@@ -245,18 +391,24 @@ class Trainer:
         only this rank's MoE layers, so dense layers are skipped)."""
         import numpy as np
 
-        from megatron_s3ac.r3.align import align_microbatch, padded_placements, pad_last_row, sp_split
+        from megatron_s3ac.r3.align import align_microbatch, pad_last_row, sp_split
 
-        lengths = (mb["prompt_len"] + mb["resp_len"]).tolist()
+        # no-op rows (DP padding, filler micro-batches) keep the filler routes and are not counted as
+        # routed, so they neither replay nor enter the agreement metric
+        real = mb["real_rows"].tolist()
+        pick = [i for i, ok in enumerate(real) if ok] or [0]
         routes = []
-        for r, n in zip(mb["routes"], lengths):
-            r = np.asarray(r)
+        for i in pick:
+            r, n = np.asarray(mb["routes"][i]), mb["placements"][i][2]
             while r.shape[0] < n - 1:  # an empty response was collated as one pad token
                 r = pad_last_row(r, self.info.num_experts)
             routes.append(r[: n - 1])
         sp_rank, sp_size = sp_split(self.actor_config)
-        return align_microbatch(routes, padded_placements(lengths), tuple(mb["input_ids"].shape),
-                                self._moe_layers, self.info.num_experts, sp_rank=sp_rank, sp_size=sp_size)
+        out = align_microbatch(routes, [mb["placements"][i] for i in pick], tuple(mb["input_ids"].shape),
+                               self._moe_layers, self.info.num_experts, sp_rank=sp_rank, sp_size=sp_size)
+        if not any(real):
+            out.routed.zero_()
+        return out
 
     def _replay(self, ddp, mbs: list[dict]):
         """Context that replays the rollout's routes in the actor's forward(s) of ``mbs`` (R3)."""
@@ -273,35 +425,18 @@ class Trainer:
         rollout's (an extra forward-only pass, every ``train.r3_agreement_every`` steps);
         r3/logprob_abs_diff, r3/kl_k3: train (replayed) vs rollout log-prob gap; r3/native_*: the same
         gap with native routing (what replay removes)."""
-        from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
-        from megatron_s3ac.models.pipeline import forward_backward
-        from megatron_s3ac.r3.metrics import gap_means, logprob_gap, record_native_routes, routing_agreement
+        from megatron_s3ac.r3.metrics import gap_means, logprob_gap
 
         mask, beh = batch["mask"], batch["rollout_logp"]
         out = {f"r3/{k}": v for k, v in gap_means([logprob_gap(old_logp, beh, mask)]).items()}
         every = self.cfg.train.r3_agreement_every
         if not every or self.step_idx % every:
             return out
-        rows = torch.arange(len(batch["tokens"]))
-        mbs = micro_batches(batch, rows, torch.ones(len(rows), dtype=torch.bool), self.cfg.algo.micro_batch_size)
-        routes = [self._align_routes(mb) for mb in mbs]
-        vocab, temp = self.info.vocab_size, self.cfg.rollout.temperature
-
-        def loss_fn(mb, logits):
-            lp = vocab_parallel_log_probs(logits, torch.roll(mb["input_ids"], -1, dims=1), vocab, temp)
-            return torch.zeros(()), torch.tensor(1), {"logp": lp.gather(1, mb["idx"]).detach()}
-
-        self.actor_ddp.eval()
-        with torch.no_grad(), record_native_routes([self.actor_ddp]) as native:
-            res = forward_backward([self.actor_ddp], mbs, loss_fn, forward_only=True)
-        self.actor_ddp.train()
-        agree, total = routing_agreement(native, routes)
-        t = torch.tensor([agree, total], dtype=torch.float64)
-        dist.all_reduce(t)  # ratio of sums: right whether ranks saw the same tokens (DP) or shards (SP)
+        res = self._forward_only(self.actor_ddp, batch, "native_logp")
+        t = torch.tensor([res["agree"], res["total"]], dtype=torch.float64)
+        dist.all_reduce(t)  # ratio of sums: right whether ranks saw the same tokens (TP) or other ones (DP, SP)
         out["r3/agreement"] = float(t[0] / t[1].clamp(min=1))
-        if res:
-            native_lp = torch.cat([o["logp"] for o in res])
-            out.update({f"r3/native_{k}": v for k, v in gap_means([logprob_gap(native_lp, beh, mask)]).items()})
+        out.update({f"r3/native_{k}": v for k, v in gap_means([logprob_gap(res["logp"], beh, mask)]).items()})
         return out
 
     def critic_v0(self, pids: torch.Tensor) -> torch.Tensor:
@@ -311,17 +446,25 @@ class Trainer:
         return self._forward_only(self.critic_ddp, collate(samples, self.pad_to), "values")["values"][:, 0]
 
     def _train_pass(self, ddp, opt, batch: dict, extra: dict, minibatches: int, epochs: int, loss_fn, seed: int) -> dict:
-        """Mini-batch updates; returns averaged metrics. A non-finite loss skips that optimizer step."""
+        """Mini-batch updates; returns averaged metrics (loss metrics from the last pipeline stage only).
+        A non-finite loss skips that optimizer step."""
+        with self._scope_of(ddp):
+            return self._train_pass_in_scope(ddp, opt, batch, extra, minibatches, epochs, loss_fn, seed)
+
+    def _train_pass_in_scope(self, ddp, opt, batch, extra, minibatches, epochs, loss_fn, seed) -> dict:
+        from megatron.core import parallel_state as ps
+
         from megatron_s3ac.models.pipeline import forward_backward
 
         n = len(batch["tokens"])
+        dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         g = torch.Generator().manual_seed(seed)
         metrics, grad_norms, skipped = [], [], 0
         for _ in range(epochs):
             perm = torch.randperm(n, generator=g)
             for mb_rows in perm.tensor_split(min(minibatches, n)):
-                rows, real = shard_rows(mb_rows, self.dp_rank, self.dp)
-                mbs = micro_batches(batch, rows, real, self.cfg.algo.micro_batch_size, extra)
+                rows, real = shard_rows(mb_rows, dp_rank, dp)
+                mbs = self._micro_batches(batch, rows, real, extra)
                 ddp.zero_grad_buffer()
                 opt.zero_grad()
                 with self._replay(ddp, mbs):
@@ -370,7 +513,6 @@ class Trainer:
     def rollout(self, pids: torch.Tensor) -> list[dict]:
         """Rank 0 generates and scores; every rank receives the same list of sample dicts."""
         from megatron_s3ac.rollout.base import SamplingParams
-        from megatron_s3ac.rollout.rewards import get_reward
 
         r = self.cfg.rollout
         payload = [None]
@@ -379,21 +521,42 @@ class Trainer:
                                     seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
             groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
                                           return_routed_experts=self.r3_on)
-            fn = get_reward(r.reward).fn  # TODO(math at scale): RewardPool workers for isolate=True rewards
-            out = []
-            for pid, group in zip(pids.tolist(), groups):
-                for s in group:
-                    text = self.decode(s.response_ids)
-                    try:
-                        rew = float(fn(text, self.prompts[pid].reference))
-                    except Exception:  # noqa: BLE001 - an unscorable answer is wrong
-                        rew = -1.0
-                    out.append({"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
-                                "logprobs": (s.logprobs.tolist() or [0.0]), "reward": rew, "pid": pid,
-                                "finish": s.finish_reason, "routes": s.routed_experts})
+            flat = [(pid, s) for pid, group in zip(pids.tolist(), groups) for s in group]
+            rewards = self._score([self.decode(s.response_ids) for _, s in flat],
+                                  [self.prompts[pid].reference for pid, _ in flat])
+            out = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
+                    "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
+                    "finish": s.finish_reason, "routes": s.routed_experts}
+                   for (pid, s), rew in zip(flat, rewards)]
             payload = [out]
         dist.broadcast_object_list(payload, src=0)
         return payload[0]
+
+    def _score(self, responses: list[str], references: list[str]) -> list[float]:
+        """Rewards of one rollout batch (rank 0). Verifiers that may hang or blow up (math-verify:
+        ``isolate``) run in the RewardPool's worker processes under a per-answer time limit; cheap
+        ones inline. An answer that cannot be scored is wrong (-1)."""
+        from megatron_s3ac.rollout.rewards import get_reward
+
+        spec = get_reward(self.cfg.rollout.reward)
+        if spec.isolate:
+            return self._reward_pool().score(self.cfg.rollout.reward, responses, references).tolist()
+        out = []
+        for text, ref in zip(responses, references):
+            try:
+                out.append(float(spec.fn(text, ref)))
+            except Exception:  # noqa: BLE001 - an unscorable answer is wrong
+                out.append(-1.0)
+        return out
+
+    def _reward_pool(self):
+        """One verifier pool per run (rank 0), shared by rollouts and evaluation."""
+        if self.reward_pool is None:
+            from megatron_s3ac.rollout.rewards import RewardPool
+
+            self.reward_pool = RewardPool(num_workers=self.cfg.rollout.reward_workers,
+                                          timeout_s=self.cfg.rollout.reward_timeout_s)
+        return self.reward_pool
 
     def step(self) -> dict:
         cfg, a = self.cfg, self.cfg.algo
@@ -408,6 +571,9 @@ class Trainer:
         m["rollout/pass_rate"] = float((scores > 0).float().mean())
         m["rollout/response_len"] = float(batch["resp_len"].float().mean())
         m["rollout/truncated_frac"] = sum(s["finish"] == "length" for s in samples) / len(samples)
+        if self.reward_pool is not None:  # verifier health (rank 0 only; cumulative counts)
+            st = self.reward_pool.stats
+            m.update({"reward/timeouts": st.timeouts, "reward/crashes": st.crashes, "reward/errors": st.errors})
         if self.daps is not None:
             self.daps.update(batch["pid"], scores, step=self.step_idx)
         m["time/rollout"] = time.time() - t0
@@ -421,6 +587,7 @@ class Trainer:
                 return m
             batch = select_rows(batch, keep.nonzero()[:, 0])
         mask = batch["mask"]
+        self._engine_sleep()  # from here until the weight sync only the models run
         t1 = time.time()
         old = self._forward_only(self.actor_ddp, batch, "logp")
         old_logp, ent = old["logp"], old["entropy"]
@@ -433,6 +600,7 @@ class Trainer:
         rew_tok = A.terminal_rewards(batch["scores"], mask)
         if a.name == "s3ac":
             values = self._forward_only(self.critic_ddp, batch, "values")["values"]
+            self.last_values = values
             v_gae = self._clamp_values(values)
             lam = A.length_adaptive_lambda(mask.sum(1), alpha=a.actor_alpha)
             adv, _ = A.compute_gae(rew_tok, v_gae, mask, lam=lam)
@@ -491,7 +659,7 @@ class Trainer:
         a = self.cfg.algo
         targets = torch.roll(mb["input_ids"], -1, dims=1)
         logp = vocab_parallel_log_probs(logits, targets, self.info.vocab_size, self.cfg.rollout.temperature)
-        logp = logp.gather(1, mb["idx"])
+        logp = per_token(logp, mb)
         mask = mb["mask"]
         if a.name == "flash_reinforce":
             loss, met = A.flash_reinforce_loss(logp, mb["rollout_logp"], mb["adv"], mask, a.flash_delta, num_global_seqs=1)
@@ -506,7 +674,7 @@ class Trainer:
 
     def _critic_loss(self, mb, values_all):
         mask = mb["mask"]
-        values = values_all.gather(1, mb["idx"])
+        values = per_token(values_all, mb)
         loss, met = A.value_loss(values, mb["old_values"], mb["returns"], mask, self.cfg.algo.value_clip,
                                  num_global_tokens=1)
         met = {k: v for k, v in met.items() if k != "num_tokens"}
@@ -522,7 +690,7 @@ class Trainer:
         from megatron_s3ac.rollout.rewards import get_reward
 
         cfg, e = self.cfg, self.cfg.eval
-        self.evaluator = self.reward_pool = None
+        self.evaluator = None
         self.eval_sets = {}
         if self.rank != 0:
             return
@@ -535,9 +703,7 @@ class Trainer:
         if not self.eval_sets:
             return
         if get_reward(reward).isolate:  # one verifier pool for the whole run, not one per evaluation
-            from megatron_s3ac.rollout.rewards import RewardPool
-
-            self.reward_pool = RewardPool(num_workers=2)
+            self._reward_pool()
         self.evaluator = PeriodicEvaluator(self.eval_sets, every_n_steps=cfg.train.eval_every, k=e.k,
                                            params=self._eval_params(greedy=False), seed=e.seed,
                                            template=e.template, report_dir=os.path.join(cfg.train.out_dir, "eval"),
@@ -592,3 +758,10 @@ class Trainer:
         if getattr(self, "reward_pool", None) is not None:
             self.reward_pool.close()
             self.reward_pool = None
+        if self.cfg.rollout.placement == "separate" and getattr(self, "engine", None) is not None:
+            self.engine.close()  # the engine's own process
+            self.engine = None
+            if getattr(self, "_owns_ray", False):
+                import ray
+
+                ray.shutdown()

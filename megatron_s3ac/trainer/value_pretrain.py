@@ -12,12 +12,33 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
-from megatron_s3ac.trainer.batch import collate, micro_batches, shard_rows
+from megatron_s3ac.trainer.batch import collate, per_token, shard_rows
 
 
 def value_pretrain(tr, rows: list[dict], log=None) -> dict:
     """Pretrain a frozen-attention copy of ``tr``'s critic on ``rows``; copy the result into
-    ``tr.critic``. Returns summary metrics. Collective (all ranks, same rows)."""
+    ``tr.critic``. Returns summary metrics. Collective (all ranks, same rows), at the critic's layout
+    (any TP/PP/EP; metrics are reduced over all ranks, so rank 0 logs global figures)."""
+    with tr.model_scope("critic"):
+        return _value_pretrain(tr, rows, log)
+
+
+def _mp_grad_sq(model) -> tuple[float, float]:
+    """(head, backbone) squared grad norms summed over the model-parallel group, TP duplicates once."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    split = A.grad_norm_split(((n, p) for n, p in model.named_parameters()
+                               if param_is_not_tensor_parallel_duplicate(p)), is_head=r"output_layer")
+    t = torch.tensor([split["head"] ** 2, split["backbone"] ** 2], dtype=torch.float64)
+    if ps.get_model_parallel_group().size() > 1:
+        dist.all_reduce(t, group=ps.get_model_parallel_group())
+    return float(t[0]), float(t[1])
+
+
+def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
+    from megatron.core import parallel_state as ps
+
     from megatron_s3ac.models.actor_critic import ValueHeadConfig, build_critic, freeze_attention_and_router
     from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
     from megatron_s3ac.models.pipeline import forward_backward
@@ -30,42 +51,50 @@ def value_pretrain(tr, rows: list[dict], log=None) -> dict:
     opt = build_optimizer([ddp], lr=vc.lr, clip_grad=vc.clip_grad)
     samples = [dict(r, logprobs=[0.0] * len(r["response_ids"]), pid=0) for r in rows]
     batch = collate(samples, tr.pad_to)
-    batch["returns"] = A.terminal_rewards(batch["scores"], batch["mask"])
     # lambda = 1, gamma = 1: the return of every valid token is the terminal reward R
     batch["returns"] = batch["scores"][:, None] * batch["mask"]
     g = torch.Generator().manual_seed(tr.cfg.train.seed + 17)
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     hist = []
 
     def loss_fn(mb, out):
-        v = out.gather(1, mb["idx"])
-        loss, _ = A.value_loss(v, v.detach(), mb["returns"], mb["mask"], None, num_global_tokens=1)
-        ev_num = ((mb["returns"] - v.detach()) ** 2 * mb["mask"]).sum()
-        return loss, mb["mask"].sum().long(), {"loss_sum": loss.detach(), "sq_err": ev_num,
-                                               "ntok": mb["mask"].sum(), "values": v.detach(),
-                                               "returns": mb["returns"], "mask": mb["mask"]}
+        v = per_token(out, mb)
+        m, ret = mb["mask"], mb["returns"]
+        loss, _ = A.value_loss(v, v.detach(), ret, m, None, num_global_tokens=1)
+        err = (ret - v.detach()) * m
+        # sums for a global explained variance 1 - Var(R - V) / Var(R) over all ranks' tokens
+        sums = torch.stack([m.sum(), (ret * m).sum(), (ret ** 2 * m).sum(), err.sum(), (err ** 2).sum()])
+        return loss, m.sum().long(), {"loss_sum": loss.detach(), "sums": sums.double()}
 
     n, step = len(samples), 0
     for epoch in range(vc.epochs):
         perm = torch.randperm(n, generator=g)
         for mb_rows in perm.split(vc.batch_size):
-            rows_, real = shard_rows(mb_rows, tr.dp_rank, tr.dp)
-            mbs = micro_batches(batch, rows_, real, tr.cfg.algo.micro_batch_size)
+            rows_, real = shard_rows(mb_rows, dp_rank, dp)
+            mbs = tr._micro_batches(batch, rows_, real)
             ddp.zero_grad_buffer()
             opt.zero_grad()
             out = forward_backward([ddp], mbs, loss_fn)
             # grad norm split before the optimizer clips (main_grad holds the reduced gradient)
-            split = A.grad_norm_split(critic.named_parameters(), is_head=r"output_layer")
+            head_sq, back_sq = _mp_grad_sq(critic)
             ok, gn, _ = opt.step()
-            vals = torch.cat([o["values"].reshape(-1) for o in out])
-            rets = torch.cat([o["returns"].reshape(-1) for o in out])
-            msk = torch.cat([o["mask"].reshape(-1) for o in out])
-            t = torch.tensor([sum(float(o["loss_sum"]) for o in out), float(msk.sum())], dtype=torch.float64)
-            dist.all_reduce(t)
-            m = {"step": step, "epoch": epoch, "vpt/value_loss": float(t[0] / t[1].clamp(min=1)),
-                 "vpt/explained_variance": float(A.explained_variance(vals[None], rets[None], msk[None])),
+            t = torch.zeros(6, dtype=torch.float64)  # loss sum + the 5 sums (last pipeline stage only)
+            for o in out:
+                t[0] += float(o["loss_sum"])
+                t[1:] += o["sums"]
+            if ps.get_tensor_model_parallel_rank() == 0:  # TP ranks hold the same tokens: count them once
+                dist.all_reduce(t)
+            else:
+                dist.all_reduce(torch.zeros_like(t))
+            cnt = t[1].clamp(min=1)
+            var_r = t[3] / cnt - (t[2] / cnt) ** 2
+            var_e = t[5] / cnt - (t[4] / cnt) ** 2
+            tot = head_sq + back_sq
+            m = {"step": step, "epoch": epoch, "vpt/value_loss": float(t[0] / cnt),
+                 "vpt/explained_variance": float(1 - var_e / var_r) if var_r > 0 else float("nan"),
                  "vpt/grad_norm": float(gn), "vpt/clipped": float(float(gn) > vc.clip_grad),
-                 "vpt/head_sq_share": split["head_sq_share"], "vpt/head_grad_norm": split["head"],
-                 "vpt/backbone_grad_norm": split["backbone"]}
+                 "vpt/head_sq_share": head_sq / tot if tot > 0 else 0.0, "vpt/head_grad_norm": head_sq ** 0.5,
+                 "vpt/backbone_grad_norm": back_sq ** 0.5}
             hist.append(m)
             if log is not None and tr.rank == 0:
                 log(m)

@@ -76,9 +76,17 @@ def prepare(d):
     _loss(info, logits, ids).backward()
     grads = {n: p.grad.clone() for n, p in m.named_parameters()}
     diff_hf = (logits[..., :info.vocab_size] - ref_hf).abs().max().item()
-    torch.save({"cfg": json.dumps(cfg), "ids": ids, "logits": logits.detach(), "grads": grads, "hf_logits": ref_hf},
-               os.path.join(d, "ref.pt"))
-    print(f"prepared {d}: logits {tuple(logits.shape)}, CPU megatron vs transformers max |diff| {diff_hf:.3e}")
+    # the bf16 yardstick: how far transformers' own bf16 forward of this checkpoint lands from its fp32
+    # one (MoE routing flips under bf16 dominate; docs/qwen3_5.md "bf16 drift")
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        hf16 = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).eval()(input_ids=ids).logits.float()
+    hf_bf16_drift = (hf16 - ref_hf).abs().max().item()
+    torch.save({"cfg": json.dumps(cfg), "ids": ids, "logits": logits.detach(), "grads": grads, "hf_logits": ref_hf,
+                "hf_bf16_drift": torch.tensor(hf_bf16_drift)}, os.path.join(d, "ref.pt"))
+    print(f"prepared {d}: logits {tuple(logits.shape)}, CPU megatron vs transformers max |diff| {diff_hf:.3e}, "
+          f"transformers bf16 vs fp32 {hf_bf16_drift:.3e}")
 
 
 def run(d):
@@ -119,8 +127,11 @@ def run(d):
         parallel_state.destroy_model_parallel()
     print(json.dumps(out, indent=1))
     f32, b16 = out["torch.float32"], out["torch.bfloat16"]
+    # bf16: within 1.5x the drift of transformers' own bf16 forward on CPU (routing flips make an
+    # absolute bound meaningless: transformers drifts 0.29 on a logit scale of 1.0 here)
+    out["bf16_yardstick_transformers_cpu"] = float(ref["hf_bf16_drift"])
     ok = (f32["max_abs_logit_diff_vs_cpu"] < 1e-3 and f32["finite"] and b16["finite"] and f32["gdn_params_with_grad"] > 0
-          and b16["max_abs_logit_diff_vs_cpu"] < 0.1 * max(1.0, b16["logit_scale"]))
+          and b16["max_abs_logit_diff_vs_cpu"] < 1.5 * float(ref["hf_bf16_drift"]) + 1e-2)
     print("DEVICE CHECK", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
 
