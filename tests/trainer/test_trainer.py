@@ -48,6 +48,21 @@ def test_example_configs_validate():
         load_config(os.path.join(ROOT, "examples", name))
 
 
+def test_gpu_example_configs_match_the_schema():
+    """The cluster configs name model paths that do not exist here; their keys and types must still
+    be the trainer's (an unknown or misspelled key fails the merge)."""
+    import glob
+
+    from omegaconf import OmegaConf
+
+    from megatron_s3ac.trainer.config import Config
+
+    paths = glob.glob(os.path.join(ROOT, "examples", "*", "*.yaml"))
+    assert len(paths) >= 6
+    for p in paths:
+        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(p)))
+
+
 # ---- end to end on 2 ranks ---------------------------------------------------------------------
 def _e2e(overrides, out_dir):
     from megatron_s3ac.trainer.loop import Trainer
