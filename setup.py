@@ -40,7 +40,7 @@ setup(
     packages=find_packages(include=["megatron_s3ac", "megatron_s3ac.*", "checkpoints_convert", "checkpoints_convert.*"]),
     python_requires=">=3.10",
     install_requires=CORE,
-    extras_require={"gpu": GPU, "test": TEST},
+    extras_require={"gpu": GPU, "test": TEST, "wandb": ["wandb>=0.22,<0.23"]},
     entry_points={"console_scripts": [
         "s3ac-eval=megatron_s3ac.eval.cli:main",
         "s3ac-convert=checkpoints_convert:main",

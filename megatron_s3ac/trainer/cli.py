@@ -31,7 +31,11 @@ def train_loop(tr) -> None:
     if tr.rank == 0:
         path = os.path.join(cfg.out_dir, "metrics.jsonl")
         truncate_after(path, tr.step_idx) if ck is not None else (os.path.exists(path) and os.remove(path))
+        from omegaconf import OmegaConf
+
         log = MetricsLogger(cfg.out_dir, cfg.steps, cfg.tensorboard, cfg.progress, initial_step=tr.step_idx,
+                            wandb_project=cfg.wandb_project,
+                            run_config=OmegaConf.to_container(OmegaConf.structured(tr.cfg)),
                             desc=tr.cfg.algo.name)
     while tr.step_idx < cfg.steps:
         m = tr.step()

@@ -164,6 +164,7 @@ class TrainCfg:
     eval_every: int = 10  # periodic held-out evaluation (see EvalCfg); 0 = never
     threads: int = 1
     tensorboard: bool = True
+    wandb_project: Optional[str] = None  # also log to Weights & Biases (pip install 'megatron_s3ac[wandb]')
     progress: bool = True
     r3: str = "auto"  # routing replay (R3): auto (on for MoE models) | on (refused for dense) | off
     r3_agreement_every: int = 1  # native-vs-rollout routing agreement every N steps (extra forward; 0 = never)
@@ -277,6 +278,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                 errs.append("train.r3=on but the model has no MoE layers (routing replay needs routers)")
         except Exception:  # noqa: BLE001 - an unreadable model config is reported by the model checks
             pass
+    if cfg.train.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            errs.append("train.wandb_project is set but wandb is not installed (pip install 'megatron_s3ac[wandb]')")
     if cfg.train.keep_last < 1:
         errs.append("train.keep_last must be >= 1")
     e = cfg.eval

@@ -1,5 +1,6 @@
 """Metrics sinks (rank 0): JSONL (the source of truth for plots and resume checks), TensorBoard,
-a progress bar. JSONL rows are flushed per step so a killed run keeps everything it logged."""
+optionally Weights & Biases, a progress bar. JSONL rows are flushed per step so a killed run keeps
+everything it logged. A resumed run continues the same W&B run (its id is kept in the run dir)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,8 @@ import os
 
 class MetricsLogger:
     def __init__(self, out_dir: str, total_steps: int, tensorboard: bool = True, progress: bool = True,
-                 initial_step: int = 0, name: str = "metrics.jsonl", desc: str = "s3ac"):
+                 initial_step: int = 0, name: str = "metrics.jsonl", desc: str = "s3ac",
+                 wandb_project: str | None = None, run_config: dict | None = None):
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, name)
         self._f = open(self.path, "a")
@@ -21,6 +23,16 @@ class MetricsLogger:
                 self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
             except Exception:  # noqa: BLE001 - tensorboard is optional
                 self.tb = None
+        self.wandb = None
+        if wandb_project:
+            import wandb  # validated at config time (train.wandb_project)
+
+            id_path = os.path.join(out_dir, "wandb_run_id")
+            run_id = open(id_path).read().strip() if os.path.exists(id_path) else wandb.util.generate_id()
+            with open(id_path, "w") as f:
+                f.write(run_id)
+            self.wandb = wandb.init(project=wandb_project, id=run_id, resume="allow", dir=out_dir,
+                                    name=os.path.basename(os.path.abspath(out_dir)), config=run_config)
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -36,6 +48,8 @@ class MetricsLogger:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
         if self.bar is not None:
             self.bar.update(1)
             post = {k.split("/")[-1]: f"{row[k]:.3g}" for k in ("rollout/pass_rate", "critic/explained_variance",
@@ -46,6 +60,8 @@ class MetricsLogger:
         self._f.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.bar is not None:
             self.bar.close()
 
