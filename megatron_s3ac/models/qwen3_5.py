@@ -37,7 +37,9 @@ from megatron_s3ac.models.registry import Arch, ModelInfo, UnsupportedModelError
 HF_PREFIX = {"qwen3_5_moe": "model.language_model.", "qwen3_5_moe_text": "model."}
 # HF expert layout the converter reads/writes: published Qwen3.5 / Intern-S2 checkpoints store fused
 # experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); transformers 5.x
-# ``save_pretrained`` writes one tensor per expert and projection. Choose with this config key.
+# ``save_pretrained`` writes one tensor per expert and projection. Read from the checkpoint's tensor
+# names when a config is loaded from its directory (``Qwen35Moe.from_checkpoint``); this config key
+# overrides, and chooses the layout mcore-to-hf writes.
 EXPERT_LAYOUT_KEY = "s3ac_hf_experts"
 EXPERT_LAYOUTS = ("fused", "per_expert")
 
@@ -89,6 +91,16 @@ class Qwen35Moe(Arch):
 
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
     qk_norm = True
+
+    def from_checkpoint(self, cfg: dict, hf_dir: str) -> dict:
+        """The expert layout from the tensor names (``mlp.experts.0.`` = per expert), unless set."""
+        if EXPERT_LAYOUT_KEY in cfg:
+            return cfg
+        from megatron_s3ac.models.registry import checkpoint_tensor_names
+
+        if any(".mlp.experts.0." in n for n in checkpoint_tensor_names(hf_dir)):
+            cfg = dict(cfg, **{EXPERT_LAYOUT_KEY: "per_expert"})
+        return cfg
 
     def check(self, cfg: dict) -> None:
         tc = text_config(cfg)

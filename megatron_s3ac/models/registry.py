@@ -88,7 +88,30 @@ def load_hf_config(src: str | os.PathLike | dict) -> dict:
             cfg = json.load(f)
     if "model_type" not in cfg:
         raise UnsupportedModelError(f"config has no model_type: {src}")
+    arch = _REGISTRY.get(cfg["model_type"])
+    if arch is not None and not isinstance(src, dict) and os.path.isdir(src):
+        cfg = arch.from_checkpoint(cfg, str(src))
     return cfg
+
+
+def checkpoint_tensor_names(hf_dir: str) -> list[str]:
+    """Tensor names of an HF safetensors checkpoint, from its index or the files' headers (no data read)."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return list(json.load(f).get("weight_map", {}))
+    names = []
+    for fn in sorted(os.listdir(hf_dir)):
+        if fn.endswith(".safetensors"):
+            with open(os.path.join(hf_dir, fn), "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if n > 100 << 20:  # a corrupted header is reported by the reader that needs the data
+                    continue
+                try:
+                    names += [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+                except ValueError:
+                    continue
+    return names
 
 
 def model_info(src: str | os.PathLike | dict) -> ModelInfo:
@@ -130,6 +153,10 @@ class Arch:
 
     def moe_fields(self, cfg: dict) -> dict:
         return {}
+
+    def from_checkpoint(self, cfg: dict, hf_dir: str) -> dict:
+        """Complete a config read from a checkpoint directory with facts only its files tell."""
+        return cfg
 
     def info(self, cfg: dict) -> ModelInfo:
         self.check(cfg)

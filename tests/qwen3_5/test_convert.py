@@ -91,3 +91,27 @@ def test_live_export_matches_hf(q35_hf, q35_mcore, tp, pp, ep):
     assert got.keys() == src.keys()
     for k in src:
         assert torch.equal(got[k], src[k]), k
+
+
+def test_expert_layout_read_from_tensor_names(q35_hf, tmp_path):
+    """A per-expert checkpoint whose config.json does not say so (as transformers saves it) converts
+    both ways: the layout comes from the tensor names when the config is read from the directory."""
+    import json
+    import shutil
+
+    from megatron_s3ac.models.qwen3_5 import EXPERT_LAYOUT_KEY
+    from megatron_s3ac.models.registry import load_hf_config
+
+    src = str(tmp_path / "plain")
+    shutil.copytree(q35_hf["text"], src)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg.pop(EXPERT_LAYOUT_KEY) == "per_expert"
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert load_hf_config(src)[EXPERT_LAYOUT_KEY] == "per_expert"
+    assert EXPERT_LAYOUT_KEY not in load_hf_config(q35_hf["vl"])  # fused: nothing added
+    hf_to_mcore(src, str(tmp_path / "mcore"), progress=False)
+    mcore_to_hf(str(tmp_path / "mcore"), str(tmp_path / "back"), hf_config=src, progress=False)
+    a, b = _tensors(src), _tensors(str(tmp_path / "back"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
