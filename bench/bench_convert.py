@@ -5,8 +5,15 @@ tensor shapes: hidden 2048, 32 q / 4 kv heads of 128, experts of 768, vocab 1519
 and layers so it fits the disk), then time, in the same run:
   cp -r HF        | hf-to-mcore (CLI subprocess) | cp -r MCORE | mcore-to-hf (CLI subprocess)
 and print GB/s, the ratio to cp of the same input, and the converter's peak RSS (``wait4`` rusage of
-that child). ``sync`` runs between steps so write-back of one step does not land in the next; each
-step runs ``--repeat`` times and the best time counts (the machine may be shared).
+that child). ``sync`` runs (untimed) before every step so write-back of one step does not land in the
+next; each step runs ``--repeat`` times and the best time counts (the machine may be shared).
+
+Like with like: ``cp -r`` and the converter both read their input from the page cache (it was just
+written) and both return without fsync (the kernel writes back later); both are timed from outside as
+a fresh process (``ext``: what a user sees, interpreter start-up and imports included). The
+converter's own figure (``int``: its summary line, from reading the input headers to the last byte
+written) is printed beside it. Per repeat, each converter run follows a cp run of the same input;
+the table also shows the median of those paired ratios, and the 1-minute load average at each step.
 
     .venv/bin/python bench/bench_convert.py --dir /tmp/s3ac_bench --layers 5 14 --experts 32 --repeat 2
 """
@@ -17,9 +24,9 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -93,22 +100,37 @@ def write_random_hf(out: str, cfg: dict, shard_bytes: int = 1 << 30) -> int:
     return total
 
 
-def timed(cmd: list[str]) -> tuple[float, int, float]:
-    """(seconds, peak RSS in bytes of that child, seconds the converter itself reports (its summary
-    line; excludes interpreter start-up and imports) or the wall time) of a subprocess."""
+# Runs the command as its child and reports its wall time and rusage. The converter must not be forked
+# from this process: a forked child's peak RSS (ru_maxrss) starts at the parent's RSS at fork time and
+# survives exec, so every child of this (torch-importing) script would report >= its ~300 MB.
+_LAUNCHER = """import json, os, sys, time
+t0 = time.time()
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[1], sys.argv[1:])
+_, status, ru = os.wait4(pid, 0)
+print("@@RUSAGE " + json.dumps([time.time() - t0, ru.ru_maxrss, os.waitstatus_to_exitcode(status)]), flush=True)
+"""
+
+
+def timed(cmd: list[str]) -> tuple[float, int, float, float]:
+    """(wall seconds, peak RSS in bytes, seconds the converter itself reports (its summary line;
+    excludes interpreter start-up and imports) or the wall time, 1-min load average before the step)
+    of ``cmd`` run as a fresh process (through a small launcher, see ``_LAUNCHER``)."""
     subprocess.run(["sync"], check=True)
-    t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, ru = os.wait4(p.pid, 0)
-    dt = time.time() - t0
-    out, err = p.stdout.read(), p.stderr.read()
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-2000:]}")
-    m = re.search(r"GB in ([0-9.]+) s", out)
-    if out.strip():
-        print("   ", out.strip().splitlines()[-1])
-    return dt, ru.ru_maxrss * 1024, float(m.group(1)) if m else dt
+    load = os.getloadavg()[0]
+    p = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, *cmd], capture_output=True, text=True)
+    m = re.search(r"^@@RUSAGE (.*)$", p.stdout, re.M)
+    if p.returncode or not m:
+        raise RuntimeError(f"launcher failed ({p.returncode}):\n{p.stderr[-2000:]}")
+    dt, maxrss_kb, rc = json.loads(m.group(1))
+    if rc:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({rc}):\n{p.stderr[-2000:]}")
+    m = re.search(r"GB in ([0-9.]+) s", p.stdout)
+    core = float(m.group(1)) if m else dt
+    label = "cp -r" if cmd[0] == "cp" else cmd[3]
+    print(f"    {label:12s} {dt:6.2f} s ext, {core:6.2f} s int, {maxrss_kb / 1024:6.0f} MB RSS, load {load:.2f}")
+    return dt, maxrss_kb * 1024, core, load
 
 
 def bench_size(root: str, layers: int, experts: int, workers: int, repeat: int) -> dict:
@@ -132,9 +154,12 @@ def bench_size(root: str, layers: int, experts: int, workers: int, repeat: int) 
         shutil.rmtree(cp2)
         runs["m2h"].append(timed(cli + ["mcore-to-hf", "--mcore", mc, "--out", back, "--no-progress"]))
     for k, v in runs.items():
-        r[k + "_s"] = min(t for t, _, _ in v)
-        r[k + "_rss"] = max(m for _, m, _ in v)
-        r[k + "_core_s"] = min(c for _, _, c in v)
+        r[k + "_s"] = min(t for t, _, _, _ in v)
+        r[k + "_rss"] = max(m for _, m, _, _ in v)
+        r[k + "_core_s"] = min(c for _, _, c, _ in v)
+        r[k + "_load"] = [round(x[3], 2) for x in v]
+    for cp, conv in (("cp_hf", "h2m"), ("cp_mc", "m2h")):  # ratio of each converter run to the cp before it
+        r[conv + "_paired"] = statistics.median(a[0] / b[0] for a, b in zip(runs[cp], runs[conv]))
     shutil.rmtree(base)
     return r
 
@@ -159,19 +184,23 @@ def main() -> None:
                 sys.exit(f"not enough disk for {L} layers: need ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
             print(f"== {L} layers x {args.experts} experts")
             rows.append(bench_size(args.dir, L, args.experts, args.workers, args.repeat))
-        print(f"\n{'size':>8} {'cp HF':>9} {'hf->mcore':>10} {'ratio':>6} {'RSS':>8} | {'cp MCORE':>9} "
-              f"{'mcore->hf':>10} {'ratio':>6} {'RSS':>8}")
+        print(f"\nworkers={args.workers}, best of {args.repeat}; GB/s; ratio = converter throughput / cp -r "
+              f"throughput of the same input; ext = wall time of the process as a user sees it, int = the "
+              f"converter's own timing (no start-up); paired = median over repeats of cp time / converter "
+              f"time; RSS = converter peak")
+        print(f"{'size':>8} {'cp HF':>7} | {'hf->mcore ext':>13} {'ratio':>5} {'int':>6} {'ratio':>5} "
+              f"{'paired':>6} {'RSS':>7} | {'cp MC':>7} | {'mcore->hf ext':>13} {'ratio':>5} {'int':>6} "
+              f"{'ratio':>5} {'paired':>6} {'RSS':>7}")
         for r in rows:
             g = r["GB"]
-            print(f"{g:7.2f}G {g / r['cp_hf_s']:7.2f}/s {g / r['h2m_s']:8.2f}/s {r['cp_hf_s'] / r['h2m_s']:6.2f} "
-                  f"{r['h2m_rss'] / 2**20:6.0f}MB | {g / r['cp_mc_s']:7.2f}/s {g / r['m2h_s']:8.2f}/s "
-                  f"{r['cp_mc_s'] / r['m2h_s']:6.2f} {r['m2h_rss'] / 2**20:6.0f}MB")
-        print("(GB/s; ratio = converter throughput / cp -r throughput of the same input; RSS = converter peak)")
-        print("\nwithout the converter's interpreter start-up and imports (its own summary line):")
-        for r in rows:
-            g = r["GB"]
-            print(f"{g:7.2f}G hf->mcore {g / r['h2m_core_s']:5.2f}/s = {r['cp_hf_s'] / r['h2m_core_s']:.2f}x cp | "
-                  f"mcore->hf {g / r['m2h_core_s']:5.2f}/s = {r['cp_mc_s'] / r['m2h_core_s']:.2f}x cp")
+            print(f"{g:7.2f}G {g / r['cp_hf_s']:7.2f} | {g / r['h2m_s']:13.2f} {r['cp_hf_s'] / r['h2m_s']:5.2f} "
+                  f"{g / r['h2m_core_s']:6.2f} {r['cp_hf_s'] / r['h2m_core_s']:5.2f} {r['h2m_paired']:6.2f} "
+                  f"{r['h2m_rss'] / 2**20:5.0f}MB | {g / r['cp_mc_s']:7.2f} | {g / r['m2h_s']:13.2f} "
+                  f"{r['cp_mc_s'] / r['m2h_s']:5.2f} {g / r['m2h_core_s']:6.2f} {r['cp_mc_s'] / r['m2h_core_s']:5.2f} "
+                  f"{r['m2h_paired']:6.2f} {r['m2h_rss'] / 2**20:5.0f}MB")
+        print("load (1 min) at each step:", "; ".join(
+            f"{r['GB']:.2f}G " + " ".join(f"{k}={r[k + '_load']}" for k in ("cp_hf", "h2m", "cp_mc", "m2h"))
+            for r in rows))
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
 

@@ -11,6 +11,7 @@ Dtypes are passed in as names (``"bfloat16"``); nothing here imports torch.
 """
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 
@@ -19,11 +20,15 @@ _FS = "torch.distributed.checkpoint.filesystem"
 
 
 class _Emit:
-    """A protocol-2 pickle written opcode by opcode (no memo: every object is written once)."""
+    """A protocol-2 pickle written opcode by opcode (no memo: every object is written once), into a
+    binary file ``out`` as it goes (memory stays flat however many chunks a checkpoint has: a list
+    of small bytes objects would take ~10x the pickle's size) or into memory (``bytes()``)."""
 
-    def __init__(self):
-        self.out = [b"\x80\x02"]
-        self.w = self.out.append
+    def __init__(self, out=None):
+        self.own = out is None
+        self.buf = io.BytesIO() if out is None else out
+        self.w = self.buf.write
+        self.w(b"\x80\x02")
 
     def glob(self, module: str, name: str) -> None:
         self.w(b"c" + f"{module}\n{name}\n".encode())
@@ -70,19 +75,20 @@ class _Emit:
             self.w(b"u")
         self.w(b"b")
 
-    def bytes(self) -> bytes:
+    def bytes(self) -> bytes | None:
+        """End the pickle; its bytes when written into memory."""
         self.w(b".")
-        return b"".join(self.out)
+        return self.buf.getvalue() if self.own else None
 
 
-def dump_metadata(tensors: dict, objects: list[str], storage: dict, checkpoint_id: str) -> bytes:
-    """The ``.metadata`` pickle of a checkpoint.
+def dump_metadata(tensors: dict, objects: list[str], storage: dict, checkpoint_id: str, out=None) -> bytes | None:
+    """The ``.metadata`` pickle of a checkpoint (written into the binary file ``out`` if given, else returned).
 
     ``tensors``: key -> (global shape, dtype name, [(chunk offsets, chunk sizes)]);
     ``objects``: keys of byte (ShardedObject) items; ``storage``: (key, offsets or None) ->
     (relative path, byte offset, length), offsets None for objects.
     """
-    e = _Emit()
+    e = _Emit(out)
 
     def tensor_md(shape, dtype, chunks):
         def props():  # TensorProperties.__getstate__: (dtype, layout, requires_grad, mem format enc, pin)

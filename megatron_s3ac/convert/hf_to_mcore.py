@@ -2,9 +2,14 @@
 
 No model is built and no process group is started: the plan says which HF rows form which region
 of which checkpoint tensor. Every part is a contiguous byte range of a safetensors file, so each chunk
-is written as a ``torch.save`` blob (the format DCP reads) whose data bytes are copied file-to-file by
-the kernel (``copy_file_range``, like ``cp``): tensor bytes never enter the process, memory stays
-flat whatever the model size, and ``workers`` threads write separate ``.distcp`` files in parallel. The result loads with
+is written as a ``torch.save`` blob (the format DCP reads) whose zip records are built by hand
+(``dcp_io.torch_save_parts``) around the chunk's byte ranges (the fused QKV interleave is a list of
+row-block ranges), which the kernel copies file-to-file (``copy_file_range``, like ``cp``; small
+chunks and the zip records go through one 512 KiB buffer per worker): a chunk is never materialised,
+memory stays flat whatever the model size, and ``workers`` threads write separate ``.distcp`` files
+in parallel. This path imports neither torch nor numpy nor megatron (start-up is a large part of
+converting a few GB). Like ``cp``, nothing is fsynced: the data is in the page cache when the command
+returns. The result loads with
 ``dist_checkpointing.load(model.sharded_state_dict(), dir)`` at any TP/PP/EP/ETP.
 
 The checkpoint directory also holds ``s3ac_convert.json`` (the HF config and what the converter
@@ -19,9 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
-
-from megatron_s3ac.convert.dcp_io import DistcpWriter, no_crc32
+from megatron_s3ac.convert.dcp_io import DistcpWriter
+from megatron_s3ac.convert.dcp_meta import DType
 from megatron_s3ac.convert.outdir import check_absent, copy_side_files, staged_output
 from megatron_s3ac.convert.plan import Chunk, ConversionError, Plan, build_plan
 from megatron_s3ac.convert.qwen import layers_are_stacked
@@ -30,7 +34,10 @@ from megatron_s3ac.models.registry import model_info
 
 META_FILE = "s3ac_convert.json"
 HF_CONFIG_DIR = "hf_config"
-FILE_BYTES = 4 << 30  # start a new .distcp file after this many bytes (keeps files manageable)
+# Start a new .distcp file after this many bytes. Copying 2.9 GB into one file cost ~35% more kernel
+# time here than into files of <= 1 GiB (like cp's ~1 GB shards; micro-benchmark of copy_file_range):
+# presumably write-back, once past its background threshold, then works on the file being appended to.
+FILE_BYTES = 1 << 30
 
 
 @dataclass
@@ -61,9 +68,9 @@ def validate_hf(plan: Plan, ckpt: HFCheckpoint) -> None:
                               f"{', '.join(unknown[:5])}{more}")
 
 
-def key_dtypes(plan: Plan, ckpt: HFCheckpoint) -> dict[str, torch.dtype]:
+def key_dtypes(plan: Plan, ckpt: HFCheckpoint) -> dict[str, DType]:
     """Checkpoint key -> dtype (that of its HF sources; a key's sources must agree)."""
-    out: dict[str, torch.dtype] = {}
+    out: dict[str, DType] = {}
     for ch in plan.chunks:
         for p in ch.parts:
             dt = ckpt.dtype(p.hf)
@@ -73,7 +80,7 @@ def key_dtypes(plan: Plan, ckpt: HFCheckpoint) -> dict[str, torch.dtype]:
     return out
 
 
-def chunk_segments(ch: Chunk, ckpt: HFCheckpoint, dtype: torch.dtype) -> list[tuple]:
+def chunk_segments(ch: Chunk, ckpt: HFCheckpoint, dtype: DType) -> list[tuple]:
     """The chunk's bytes as [(fd, offset, nbytes)] ranges of the safetensors files (None fd: zeros).
     Every part is a row range, hence one contiguous byte range: the chunk is never materialised."""
     segs = [ckpt.row_range(p.hf, p.start, p.stop) for p in ch.parts]
@@ -92,10 +99,28 @@ def _split(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
     return [sorted(lst, key=lambda c: order[id(c)]) for lst in out]
 
 
+class _Progress:
+    """tqdm bar (imported only when shown) behind a lock; a no-op when progress is off."""
+
+    def __init__(self, total: int, show: bool):
+        self.bar, self.lock = None, threading.Lock()
+        if show:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf-to-mcore")
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            with self.lock:
+                self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def hf_to_mcore(hf_dir: str, out_dir: str, workers: int = 1, progress: bool = True) -> ConvertStats:
     """Convert ``hf_dir`` into a new torch_dist checkpoint directory ``out_dir``."""
-    from tqdm import tqdm
-
     check_absent(out_dir)
     info = model_info(hf_dir)
     plan = build_plan(info)
@@ -107,31 +132,38 @@ def hf_to_mcore(hf_dir: str, out_dir: str, workers: int = 1, progress: bool = Tr
         t0 = time.time()
         with staged_output(out_dir) as tmp:
             writer = DistcpWriter(tmp)
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf-to-mcore", disable=not progress)
-            lock, errors = threading.Lock(), []
+            bar = _Progress(total, progress)
+            errors: list[BaseException] = []
 
             def work(chunks: list[Chunk], first: bool) -> None:
+                f = None
                 try:
                     f = writer.open_file()
                     if first:
                         for uk in plan.objects:
                             f.write_object(uk, None)  # _extra_state: None, as the local spec saves it
                     for ch in chunks:
-                        segs, dt = chunk_segments(ch, ckpt, dtypes[ch.key]), dtypes[ch.key]
+                        if errors:
+                            return  # another worker failed: stop early
+                        dt = dtypes[ch.key]
+                        segs = chunk_segments(ch, ckpt, dt)
                         for key in (ch.key, *ch.aliases):
                             f.write_spliced(key, ch.global_shape, ch.offset, ch.shape, dt, segs)
-                        with lock:
-                            bar.update(ch.numel * dt.itemsize)
-                        if f.f.tell() > FILE_BYTES:
+                        bar.update(ch.numel * dt.itemsize)
+                        if f.tell() > FILE_BYTES:
                             f.close()
                             f = writer.open_file()
-                    f.close()
                 except BaseException as e:  # noqa: BLE001  (re-raised in the main thread)
                     errors.append(e)
+                finally:
+                    if f is not None:
+                        f.close()
 
-            shares = _split(plan.chunks, max(1, workers))
-            threads = [threading.Thread(target=work, args=(s, i == 0)) for i, s in enumerate(shares)]
-            with no_crc32():
+            shares = [s for s in _split(plan.chunks, max(1, workers)) if s] or [[]]
+            if len(shares) == 1:
+                work(shares[0], True)  # no thread for a single worker
+            else:
+                threads = [threading.Thread(target=work, args=(s, i == 0)) for i, s in enumerate(shares)]
                 for t in threads:
                     t.start()
                 for t in threads:

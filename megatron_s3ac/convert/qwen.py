@@ -24,7 +24,17 @@ VOCAB_BLOCK_BYTES = 128 * 1024 * 1024
 
 def layers_are_stacked(info: ModelInfo) -> bool:
     """Mirror of ``TransformerBlock.sharded_state_dict``: a list ``moe_layer_freq`` (or int > 1)
-    makes megatron key layers individually; otherwise they are stacked on a layer axis."""
+    makes megatron key layers individually; otherwise they are stacked on a layer axis.
+
+    The registry's ``transformer_config_kwargs`` sets ``moe_layer_freq`` to a per-layer list for every
+    MoE model and leaves it unset otherwise, so this is ``not info.is_moe``, computed without calling
+    it (it imports torch, which the converter's hf-to-mcore path avoids);
+    ``tests/convert/test_torch_free.py`` checks the two agree for every registered model_type."""
+    return not info.is_moe
+
+
+def layers_are_stacked_by_config(info: ModelInfo) -> bool:
+    """The same from the megatron config kwargs themselves (imports torch)."""
     freq = get_arch(info.model_type).transformer_config_kwargs(info).get("moe_layer_freq", 1)
     return not (isinstance(freq, list) or (isinstance(freq, int) and freq > 1))
 

@@ -2,9 +2,11 @@
 
 Reading hands out byte ranges (fd, offset, length) at the offsets of the safetensors header, which
 the converter copies file-to-file in the kernel; nothing is mmapped (pages of an mmap stay in the
-process' RSS while the file is open: a 5 GB shard would count 5 GB). Each header is
-parsed strictly here *and* opened once with the ``safetensors`` library, so a corrupted header is
-rejected with the file named before anything is converted.
+process' RSS while the file is open: a 5 GB shard would count 5 GB). Each header is validated by the
+rules of the ``safetensors`` library's own parser (``Metadata::validate``: a UTF-8 JSON object, known
+dtypes, offsets that tile the data section exactly, in order, without holes), so a corrupted header is
+rejected with the file named before anything is converted; tests check that both parsers agree.
+Nothing here imports torch (``safe_open`` does: it is not used on this path).
 
 Writing precomputes the header of a shard from the (name, shape, dtype) list, then appends tensor
 bytes in order, so a shard never exists in memory as a whole.
@@ -16,62 +18,106 @@ import math
 import os
 import struct
 
-import torch
-
+from megatron_s3ac.convert.dcp_meta import DType
 from megatron_s3ac.convert.plan import ConversionError
 
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+# safetensors dtype -> torch dtype name
+ST_DTYPES = {
+    "F64": DType("float64"), "F32": DType("float32"), "F16": DType("float16"), "BF16": DType("bfloat16"),
+    "I64": DType("int64"), "I32": DType("int32"), "I16": DType("int16"), "I8": DType("int8"), "U8": DType("uint8"),
+    "BOOL": DType("bool"), "F8_E4M3": DType("float8_e4m3fn"), "F8_E5M2": DType("float8_e5m2"),
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}  # torch dtype name -> safetensors dtype
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 INDEX = "model.safetensors.index.json"
 
 
+def __getattr__(name):  # DTYPES / DTYPE_NAMES with torch dtypes, for callers that want them (imports torch)
+    if name in ("DTYPES", "DTYPE_NAMES"):
+        dtypes = {k: v.torch() for k, v in ST_DTYPES.items()}
+        globals().update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()})
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def st_dtype_name(dtype) -> str:
+    """The safetensors name ("BF16") of a torch dtype, a ``DType`` or a dtype name."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ST_NAMES:
+        raise ConversionError(f"dtype {name} cannot be stored in safetensors by this writer")
+    return ST_NAMES[name]
+
+
+def _uint(v) -> bool:
+    return type(v) is int and v >= 0
+
+
+def parse_header(raw: bytes, file_size: int) -> tuple[int, dict]:
+    """(data section start, {name: (DType, shape, absolute offset)}) of a safetensors file whose first
+    bytes are ``raw`` (at least 8 + header length of them); ValueError naming the defect otherwise.
+    The checks are those of the safetensors library's ``read_metadata`` + ``Metadata::validate``."""
+    if len(raw) < 8:
+        raise ValueError("file shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > MAX_HEADER:
+        raise ValueError(f"header length {n} exceeds the safetensors limit")
+    if 8 + n > file_size or 8 + n > len(raw):
+        raise ValueError(f"header length {n} does not fit a {file_size}-byte file")
+    header = json.loads(bytes(raw[8:8 + n]).decode("utf-8"))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise ValueError("__metadata__ is not a map of strings")
+    base, spans, entries = 8 + n, [], {}
+    for name, e in header.items():
+        if not isinstance(e, dict):
+            raise ValueError(f"tensor {name!r}: entry is not an object")
+        st = e.get("dtype")
+        dtype = ST_DTYPES.get(st) if isinstance(st, str) else None
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {st!r}")
+        shape, offs = e.get("shape"), e.get("data_offsets")
+        if not isinstance(shape, list) or not all(_uint(x) for x in shape):
+            raise ValueError(f"tensor {name!r} has an invalid shape {shape!r}")
+        if not isinstance(offs, list) or len(offs) != 2 or not all(_uint(x) for x in offs):
+            raise ValueError(f"tensor {name!r} has invalid data_offsets {offs!r}")
+        spans.append((offs[0], offs[1], name))
+        entries[name] = (dtype, tuple(shape), base + offs[0])
+        if offs[1] < offs[0] or offs[1] - offs[0] != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {name!r} has data_offsets {offs} inconsistent with shape {shape} {st}")
+    end = 0
+    for b0, b1, name in sorted(spans):
+        if b0 != end:
+            raise ValueError(f"tensor {name!r} has data_offsets {[b0, b1]}: the tensors do not tile the data "
+                             f"section (expected start {end})")
+        end = b1
+    if base + end != file_size:
+        raise ValueError(f"tensors end at byte {base + end} of a {file_size}-byte file")
+    return base, entries
+
+
 class SafetensorsFile:
-    """One .safetensors file: header entries {name: (dtype, shape, absolute byte offset)}."""
+    """One .safetensors file: header entries {name: (DType, shape, absolute byte offset)}."""
 
     def __init__(self, path: str):
         self.path = path
         try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                raw = f.read(8)
-                if len(raw) != 8:
-                    raise ValueError("file shorter than the 8-byte header length")
-                (n,) = struct.unpack("<Q", raw)
-                if n > MAX_HEADER or 8 + n > size:
-                    raise ValueError(f"header length {n} does not fit a {size}-byte file")
-                header = json.loads(f.read(n))
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
-            self.entries = {}
-            base, data_len, end = 8 + n, size - 8 - n, 0
-            for name, e in header.items():
-                if name == "__metadata__":
-                    continue
-                dtype = DTYPES.get(e.get("dtype"))
-                if dtype is None:
-                    raise ValueError(f"tensor {name!r} has unsupported dtype {e.get('dtype')!r}")
-                shape = tuple(int(x) for x in e["shape"])
-                b0, b1 = (int(x) for x in e["data_offsets"])
-                if b1 - b0 != math.prod(shape) * dtype.itemsize or not 0 <= b0 <= b1 <= data_len:
-                    raise ValueError(f"tensor {name!r} has data_offsets {[b0, b1]} inconsistent with "
-                                     f"shape {list(shape)} {e['dtype']} in a {data_len}-byte data section")
-                self.entries[name] = (dtype, shape, base + b0)
-                end = max(end, b1)
-            from safetensors import safe_open  # the reference parser must agree
-
-            with safe_open(path, framework="pt") as f:
-                if set(f.keys()) != set(self.entries):
-                    raise ValueError("safetensors library lists different tensors")
-        except ConversionError:
-            raise
-        except Exception as e:  # noqa: BLE001  (json, struct, safetensors errors alike)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise ConversionError(f"cannot open {path}: {e}") from e
+        try:
+            size = os.fstat(fd).st_size
+            raw = os.pread(fd, 1 << 20, 0)  # headers are usually well below 1 MiB
+            if len(raw) >= 8:
+                need = 8 + struct.unpack("<Q", raw[:8])[0]
+                if len(raw) < need <= min(size, 8 + MAX_HEADER):
+                    raw = os.pread(fd, need, 0)
+            self.data_start, self.entries = parse_header(raw, size)
+        except Exception as e:  # noqa: BLE001  (json, struct, unicode, value errors alike)
+            os.close(fd)
             raise ConversionError(f"corrupted safetensors header in {path}: {e}") from e
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = fd
 
     def row_range(self, name: str, start: int, stop: int) -> tuple[int, int, int]:
         """(fd, absolute byte offset, nbytes) of rows [start, stop) of ``name``: a contiguous range."""
@@ -110,7 +156,8 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.where[name].entries[name][1]
 
-    def dtype(self, name: str) -> torch.dtype:
+    def dtype(self, name: str) -> DType:
+        """The dtype by name (``DType``: a str with ``itemsize`` and ``torch()``)."""
         return self.where[name].entries[name][0]
 
     def row_range(self, name: str, start: int, stop: int) -> tuple[int, int, int]:
@@ -127,12 +174,13 @@ class ShardWriter:
     ``write(t)`` appends the next rows of the current tensor; tensors are filled in the order given.
     """
 
-    def __init__(self, path: str, tensors: list[tuple[str, tuple[int, ...], torch.dtype]]):
+    def __init__(self, path: str, tensors: list[tuple[str, tuple[int, ...], object]]):
+        """``tensors``: (name, shape, dtype) with torch dtypes or dtype names."""
         header, off = {"__metadata__": {"format": "pt"}}, 0
         self.sizes = []
         for name, shape, dtype in tensors:
             n = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+            header[name] = {"dtype": st_dtype_name(dtype), "shape": list(shape), "data_offsets": [off, off + n]}
             self.sizes.append((name, n))
             off += n
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -155,8 +203,10 @@ class ShardWriter:
             self.i, self.filled = self.i + 1, 0
         return nbytes
 
-    def write(self, t: torch.Tensor) -> int:
-        """Append rows of the current tensor; returns the bytes written."""
+    def write(self, t) -> int:
+        """Append rows of the current tensor (a torch tensor); returns the bytes written."""
+        import torch
+
         data = t.contiguous().view(torch.uint8).reshape(-1).numpy()
         self._account(len(data))
         self._write(data)

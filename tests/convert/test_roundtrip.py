@@ -79,8 +79,9 @@ def test_vocab_row_blocks_and_padding_only_block(hf_dirs, tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("name", ["qwen2_untied", "qwen3_moe"])
 def test_spliced_chunks_load_in_megatron(hf_dirs, tmp_path, monkeypatch, name):
-    """Force the kernel-copy path for every chunk (tiny tensors normally go through torch.save):
-    megatron loads the blobs, padding rows are zeros, and the round trip stays bit-exact."""
+    """Force the kernel-copy path (copy_file_range) for every chunk (tiny tensors normally go through
+    the writer's buffer): megatron loads the blobs, padding rows are zeros, and the round trip stays
+    bit-exact."""
     from megatron_s3ac.convert import dcp_io, hf_to_mcore
     from megatron_s3ac.convert.verify import verify
 
