@@ -6,7 +6,8 @@ at any layout (architecture from ``--hf-config``). Every HF tensor is assembled 
 the plan names and appended to a shard whose header was written up front; vocab padding is dropped,
 a tied model gets no ``lm_head.weight``. In our own checkpoints every region is a contiguous byte
 range of a ``.distcp`` file and is copied file-to-file by the kernel; other chunkings are read
-(``torch.load``, weights only) by a prefetch thread, overlapping the writes.
+(``torch.load``, weights only) by a prefetch thread, overlapping the writes. torch is imported only
+for that second path: converting our own checkpoints starts in a bare interpreter (~0.1 s).
 """
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ import os
 import queue
 import threading
 import time
-
-import torch
 
 from megatron_s3ac.convert.dcp_io import DistcpCheckpoint
 from megatron_s3ac.convert.hf_to_mcore import HF_CONFIG_DIR, META_FILE, ConvertStats
@@ -73,7 +72,8 @@ def resolve_keys(plan: Plan, ck: DistcpCheckpoint) -> dict[int, str]:
     return out
 
 
-def plan_shards(names: list[tuple[str, tuple, torch.dtype]], max_bytes: int) -> list[list]:
+def plan_shards(names: list[tuple[str, tuple, object]], max_bytes: int) -> list[list]:
+    """(name, shape, dtype with ``itemsize``) in order -> shards of at most ``max_bytes`` (one tensor may exceed it)."""
     shards, cur, size = [], [], 0
     for name, shape, dtype in names:
         n = math.prod(shape) * dtype.itemsize
@@ -136,7 +136,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, max_
         plan = build_plan(info)
         keys = resolve_keys(plan, ck)
         sources = plan.sources()
-        tensors = [(n, s, ck.dtype(keys[id(sources[n][0][0])])) for n, s in plan.hf_shapes.items()]
+        tensors = [(n, s, ck.dtype_name(keys[id(sources[n][0][0])])) for n, s in plan.hf_shapes.items()]
         total = sum(math.prod(s) * d.itemsize for _, s, d in tensors)
         shards = plan_shards(tensors, max_shard_bytes)
         t0 = time.time()
