@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--seq-len", type=int, default=16)
     v.add_argument("--atol", type=float, default=1e-4, help="max abs logit difference allowed")
     v.add_argument("--min-top1", type=float, default=0.99, help="min fraction of equal argmax tokens")
-    v.add_argument("--dump-logits", default=None, help="torch.save {'tokens','hf','mcore'} logits to FILE")
+    v.add_argument("--dump-logits", default=None, help="torch.save {'hf','mcore'} logits [batch, seq, vocab] to FILE")
     for s in (a, b):
         s.add_argument("--no-progress", action="store_true")
     return p
