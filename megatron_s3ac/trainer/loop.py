@@ -50,14 +50,31 @@ def _world_mean(d: dict) -> dict:
     return {k: sum(v) / len(v) for k, v in sorted(out.items())}
 
 
-def _merge_metrics(ms: list[dict], prefix: str) -> dict:
-    out = {}
+def _token_means(ms: list[dict]) -> dict:
+    """Per-micro-batch metrics -> token-weighted means over every micro-batch of every rank (collective).
+
+    Each dict carries ``num_tokens`` (its weight): a fully masked micro-batch (DP padding, a filler) says
+    nothing, and the result does not depend on how rows fell into micro-batches or ranks. ``*_max`` keys
+    take the max. Non-scalar entries are skipped; ``loss_sum`` is dropped."""
+    acc: dict = {}
     for m in ms:
+        w = float(m.get("num_tokens", 1.0))
+        if w <= 0:
+            continue
         for k, v in m.items():
-            if isinstance(v, torch.Tensor) and v.numel() != 1:
+            if k in ("num_tokens", "loss_sum") or (isinstance(v, torch.Tensor) and v.numel() != 1):
                 continue
-            out.setdefault(k, []).append(float(v))
-    return {f"{prefix}/{k}": sum(v) / len(v) for k, v in out.items()}
+            s, n = acc.get(k, (float("-inf"), 0.0) if k.endswith("_max") else (0.0, 0.0))
+            acc[k] = (max(s, float(v)), 1.0) if k.endswith("_max") else (s + w * float(v), n + w)
+    if dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, acc)
+        acc = {}
+        for one in every:
+            for k, (s, n) in one.items():
+                s0, n0 = acc.get(k, (float("-inf"), 0.0) if k.endswith("_max") else (0.0, 0.0))
+                acc[k] = (max(s0, s), 1.0) if k.endswith("_max") else (s0 + s, n0 + n)
+    return {k: (s / n if n > 0 else float("nan")) for k, (s, n) in sorted(acc.items())}
 
 
 def _r3_setting(cfg: Config, info):
@@ -479,8 +496,7 @@ class Trainer:
                 ok, gn, _ = opt.step()
                 grad_norms.append(float(gn) if gn is not None else float("nan"))
                 metrics += out
-        res = _merge_metrics(metrics, "x")
-        res = {k[2:]: v for k, v in res.items() if k != "x/loss_sum"}
+        res = _token_means(metrics)
         res["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
         res["skipped_minibatches"] = skipped
         res["opt_steps"] = len(grad_norms)
@@ -668,7 +684,7 @@ class Trainer:
             loss, met = A.cispo_loss(logp, mb["old_logp"], mb["adv"], mask, a.eps_low, a.eps_high,
                                      is_weights=mb.get("is_w"), keep_mask=mb.get("keep"), num_global_tokens=1)
             count = mask.sum()
-        met = {k: v for k, v in met.items() if k != "num_tokens"}
+        met["num_tokens"] = mask.sum()  # the weight of this micro-batch's metrics (_token_means)
         met["loss_sum"] = loss.detach()
         return loss, count.long().clamp(min=0), met
 
@@ -677,7 +693,7 @@ class Trainer:
         values = per_token(values_all, mb)
         loss, met = A.value_loss(values, mb["old_values"], mb["returns"], mask, self.cfg.algo.value_clip,
                                  num_global_tokens=1)
-        met = {k: v for k, v in met.items() if k != "num_tokens"}
+        met["num_tokens"] = mask.sum()
         met["loss_sum"] = loss.detach()
         met["value_loss_tok"] = (loss.detach() / mask.sum().clamp(min=1))
         return loss, mask.sum().long(), met
