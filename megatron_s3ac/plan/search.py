@@ -1,0 +1,67 @@
+"""Layout enumeration: every legal (TP, PP, EP, ETP) for a model on a cluster, estimated and ranked.
+
+Legality is ``ParallelLayout.validate`` (the trainer's own rules) plus ``rules.extra_layout_errors``
+(rules megatron-core enforces later, at build time). Ranking: layouts that fit first, by the
+throughput proxy (higher first), ties by headroom; then those that do not fit, by peak (lower first).
+"""
+from __future__ import annotations
+
+from megatron_s3ac.models.parallel import LayoutError, ParallelLayout
+from megatron_s3ac.models.registry import ModelInfo
+from megatron_s3ac.plan.memory import Cluster, Estimate, Knobs, Workload, estimate
+from megatron_s3ac.plan.rules import extra_layout_errors
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_errors(info: ModelInfo, layout: ParallelLayout, world: int | None) -> list[str]:
+    """Every rule ``layout`` breaks: world-size-free ones always, world-size ones when ``world`` is given."""
+    errs = list(extra_layout_errors(info, layout))
+    try:
+        layout.validate(info, world if world is not None else _neutral_world(layout))
+    except LayoutError as e:
+        errs.insert(0, str(e))
+    return errs
+
+
+def _neutral_world(layout: ParallelLayout) -> int:
+    """A world size every divisibility rule of ``layout`` holds for (checks the world-free rules only)."""
+    import math
+
+    return math.lcm(layout.tp * layout.pp, layout.etp * layout.ep * layout.pp)
+
+
+def candidates(info: ModelInfo, world: int, gpus_per_node: int) -> list[ParallelLayout]:
+    """Legal layouts with TP inside a node (TP across nodes is never worth it) and ETP in {1, TP}."""
+    out = []
+    for tp in _divisors(world):
+        if tp > gpus_per_node:
+            continue
+        for pp in _divisors(world // tp):
+            if pp > info.num_layers:
+                continue
+            eps = [d for d in _divisors(info.num_experts) if d * pp <= world] if info.is_moe else [1]
+            for ep in eps:
+                for etp in sorted({1, tp} if ep > 1 else {tp}):
+                    lay = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp)
+                    if not layout_errors(info, lay, world):
+                        out.append(lay)
+    return out
+
+
+def rank(estimates: list[Estimate]) -> list[Estimate]:
+    fits = sorted((e for e in estimates if e.fits), key=lambda e: (-round(e.throughput, 6), -e.headroom))
+    rest = sorted((e for e in estimates if not e.fits), key=lambda e: e.peak)
+    return fits + rest
+
+
+def search(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs,
+           fixed: ParallelLayout | None = None, critic_layout: ParallelLayout | None = None) -> list[Estimate]:
+    """Estimates for ``fixed`` (validated) or for every candidate layout, ranked."""
+    world = cluster.gpus
+    if knobs.placement == "separate":
+        world = cluster.gpus - (knobs.engine_gpus or cluster.gpus // 2)
+    layouts = [fixed] if fixed is not None else candidates(info, world, cluster.gpus_per_node)
+    return rank([estimate(info, lay, cluster, w, knobs, critic_layout) for lay in layouts])
