@@ -27,6 +27,9 @@ MOE_IMBALANCE = 1.2  # expert-side tokens per rank / the balanced share when EP 
 LOGIT_FP32_COPIES_TRAIN = 2  # fp32 masked copy of the logits + the softmax cross-entropy keeps (logprobs.py)
 LOGIT_FP32_COPIES_FORWARD = 3  # forward-only: masked copy, exp(z - max), e*z of the entropy (logprobs.py)
 
+# ---- ranking ----------------------------------------------------------------------------------------
+SAFE_HEADROOM = 0.10  # a layout fits comfortably with this fraction of GPU (and host) memory to spare
+
 # ---- throughput proxy --------------------------------------------------------------------------------
 GPU_TFLOPS = 400.0  # sustained bf16 TFLOP/s per GPU (H200 ~ 40% of 989 dense peak; assumed)
 NVLINK_GBPS = 350.0  # GB/s per GPU inside a node (assumed effective)

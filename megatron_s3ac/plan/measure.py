@@ -116,3 +116,7 @@ def measure_activations(hf: dict, layout_kw: dict, dtype: str = "float32", seq_l
     lp.float().sum().backward()
     logit_bytes = logits.numel() * logits.element_size()
     return dict(saved=saved, logits=logit_bytes, tokens=batch * seq_len)
+
+
+def measure_activations_many(cases: list) -> list[dict]:
+    return [measure_activations(*c) for c in cases]

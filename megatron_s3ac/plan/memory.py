@@ -182,11 +182,26 @@ class LayerAct:
         return self.kept + self.selective
 
 
+def _norm(h: int, b: int, cpu: bool) -> float:
+    """RMSNorm: TE keeps its input and output (+ fp32 rstd); the torch norm also keeps x_hat."""
+    return (3 * h * b + 4) if cpu else (2 * h * b + 4)
+
+
+def gdn_torch_kernel_bytes(nv: int, dk: int, dv: int, C: int = C.GDN_CHUNK) -> float:
+    """Extra fp32 bytes per token that megatron's torch chunked delta rule (CPU / no fla) keeps: the
+    [nv, C, C] chunk matrices, the row-by-row intra-chunk solve (sum_i (i^2 + i) / C per head) and the
+    inter-chunk states (counted from the saved tensors of ``torch_chunk_gated_delta_rule``)."""
+    intra = sum(i * i + i for i in range(1, C)) / C
+    return 4 * (nv * (6 * C + intra + 4 * dk) + nv * dk * dv / C + 4 * dk + C)
+
+
 def layer_activation(info: ModelInfo, mixer: str, mlp: str, layout, knobs: Knobs) -> LayerAct:
-    """Saved-for-backward bytes per token of one layer. Element counts per token (x dtype bytes b unless
-    fp32) follow what megatron-core 0.16.1's modules save; under SP everything is sequence-sharded, so
-    each rank keeps 1/TP of it. Expert-side terms scale with the tokens routed to this rank
-    (k x imbalance, x ETP with the FFN dim / ETP)."""
+    """Saved-for-backward bytes per token of one layer. The element counts per token follow what the
+    modules keep for backward: megatron-core 0.16.1 with TE / flash-attention / fla kernels
+    (``backend='gpu'``) or this project's torch spec (``backend='cpu'``, counted with
+    ``saved_tensors_hooks`` in tests/plan). Under SP everything is sequence-sharded, so each rank keeps
+    1/TP. Expert-side terms scale with the tokens routed to the rank (k x imbalance when EP > 1, x ETP
+    with the FFN dim / ETP)."""
     b = C.DTYPE_BYTES[knobs.dtype]
     tp, ep, etp = layout.tp, layout.ep, layout.etp
     h, d, nh, ng = info.hidden_size, info.head_dim, info.num_heads, info.num_kv_heads
@@ -195,44 +210,55 @@ def layer_activation(info: ModelInfo, mixer: str, mlp: str, layout, knobs: Knobs
     # token mixer ----------------------------------------------------------------------------------
     if mixer in ("attention", "gated_attention"):
         q, kv = nh * d, ng * d
-        kept += 2 * h * b  # input-norm input + its output (the QKV GEMM input)
-        if info.qk_norm or mixer == "gated_attention":
-            kept += (q * (2 if mixer == "gated_attention" else 1) + 2 * kv) * b  # QKV output (q/k-norm inputs)
-        kv_saved = 2 * (q if cpu else kv)  # torch SDPA on CPU: k/v expanded to the query heads
-        sel += (2 * q + kv_saved) * b  # core attention: rope'd q, k/v, output (+ lse, negligible)
-        kept += q * b  # output projection input
-        if mixer == "gated_attention":
-            kept += 2 * q * b  # sigmoid(gate) and the gated output
+        gated = mixer == "gated_attention"
+        qkv = (2 * q if gated else q) + 2 * kv  # the fused QKV(+gate) GEMM output
+        kept += _norm(h, b, cpu)
+        if info.qk_norm or gated:
+            kept += qkv * b  # q/k-norm inputs are views of the QKV output: its storage stays
+        if info.qk_norm:
+            kept += (2 * q + kv) * b + 4 * (nh + ng) if cpu else 4 * (nh + ng)  # torch norm copies + rstd
+        if cpu:
+            kept += 4 * d * info.rotary_percent * b  # cos / sin of the unfused RoPE
+            sel += (3 * q + q) * b + 4 * nh  # SDPA: q, k, v (expanded to the query heads), output, lse
+        else:
+            sel += (2 * q + 2 * kv) * b + 4 * nh  # flash: rope'd q, k, v, output (= proj input), lse
+            if not (info.qk_norm or gated):
+                sel -= kv * b  # v is a view of the QKV output, which is kept anyway
+                kept += qkv * b
+        if gated:
+            kept += 2 * q * b  # sigmoid(gate) and the gated output (proj input)
     elif mixer == "gdn":
         g = _gdn_dims(info)
         qk, v, nv = g["qk"], g["v"], g["nv"]
         conv = 2 * qk + v
-        kept += 2 * h * b  # input norm in/out
-        kept += (conv + 2 * v + 2 * nv) * b  # in_proj output [qkv, z, beta, alpha]
-        kept += 2 * conv * b  # causal conv1d output + SiLU output
-        kept += (2 * qk * 4) + 3 * nv * 4  # fp32 l2-normed q, k; fp32 decay g, beta
+        kept += _norm(h, b, cpu)
+        kept += (conv + v + 2 * nv) * b  # in_proj output [qkv, z, beta, alpha]
+        kept += 2 * conv * b  # causal-conv1d input copy and output
+        kept += 2 * qk * b + 4 * (2 * nv + 2 * g["nk"])  # l2-normed q, k; fp32 decay g, beta, rstd
         if cpu:
-            # megatron's torch chunk kernel keeps fp32 copies of q,k,v and per-chunk [C, C] matrices
-            sel += (2 * qk + v) * 4 + 3 * nv * C.GDN_CHUNK * 4
+            sel += gdn_torch_kernel_bytes(nv, g["dk"], g["dv"])
         else:
-            sel += nv * C.GDN_CHUNK * 4  # fla: the intra-chunk A matrix [nv, C] per token (fp32)
-        kept += 4 * v * b  # core output, gated-norm output, SiLU(z), out_proj input
+            sel += nv * C.GDN_CHUNK * b  # fla keeps the intra-chunk matrix A [nv, C] per token
+        kept += 3 * v * b  # core output, SiLU(z), gated-norm output (out_proj input)
     else:
         raise ValueError(f"unknown mixer {mixer!r}")
     # MLP ----------------------------------------------------------------------------------------------
+    kept += _norm(h, b, cpu)
     if mlp == "dense":
         F = info.ffn_hidden_size
-        kept += 2 * h * b + 2 * F * b  # pre-MLP norm in/out, fc1 output [gate; up]
-        sel += 2 * F * b  # SiLU(gate), product (fc2 input)
+        kept += 2 * F * b  # fc1 output [gate; up]
+        sel += (3 if cpu else 1) * F * b  # SiLU(gate) (+ torch: up copy), product (fc2 input)
     else:
         E, k, Fe, S = info.num_experts, info.top_k, info.moe_ffn_hidden_size, info.shared_expert_size
-        kept += 2 * h * b + h * 4 + 2 * E * 4  # norm in/out, fp32 router input, fp32 logits + probs
+        kept += (0 if cpu else h * 4) + 2 * E * 4 + 2 * k * 8 + k * 4  # fp32 router input, logits/probs, indices
         routed = k * (C.MOE_IMBALANCE if ep > 1 else 1.0) * etp
-        kept += routed * (2 * h * b + 2 * (Fe // etp) * b)  # permuted input, fc1 output, fc2 output
-        sel += routed * 2 * (Fe // etp) * b  # SiLU + product (megatron's moe_act recompute)
+        fe = Fe // etp
+        kept += routed * (h * b + 2 * fe * b)  # permuted input, fc1 output
+        kept += routed * h * b if not cpu else 0  # fc2 output (kept by the probs-weighted unpermute)
+        sel += routed * (4 if cpu else 1) * fe * b  # SiLU + product (megatron's moe_act recompute)
         if S:
-            kept += 2 * S * b + h * b  # shared fc1 output, shared output (gated)
-            sel += 2 * S * b
+            kept += 2 * S * b + h * b + 4  # shared fc1 output, shared output, sigmoid gate
+            sel += (3 if cpu else 1) * S * b
     # working: the backward of one layer holds gradients about the size of its activations
     return LayerAct(kept=kept / tp, selective=sel / tp, working=(kept + sel) / tp)
 
@@ -304,21 +330,33 @@ class Estimate:
 
 
 def activation_bytes(info: ModelInfo, layers: range, layout, knobs: Knobs, tokens: int, in_flight: int,
-                     kinds) -> tuple[float, float]:
-    """(saved activations of one stage at its 1F1B peak, working bytes of its biggest layer)."""
+                     kinds) -> tuple[float, float, float]:
+    """(held, rebuild, working) bytes of one stage at its 1F1B peak: ``held`` = what the micro-batches in
+    flight keep between their forward and backward; ``rebuild`` = the one layer recomputed during a
+    backward (full: all of it; selective: its recomputed part); ``working`` = the biggest layer's
+    transient gradients."""
     acts = [layer_activation(info, *kinds[i], layout, knobs) for i in layers]
     if not acts:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     b = C.DTYPE_BYTES[knobs.dtype]
-    biggest = max(a.saved for a in acts)
     working = max(a.working for a in acts) * tokens
     if knobs.recompute == "full":
         # each layer keeps only its input (sequence-sharded); one layer is rebuilt during its backward
-        per_mb = len(acts) * info.hidden_size * b / layout.tp * tokens
-        return per_mb * in_flight + biggest * tokens, working
-    per_tok = sum(a.kept if knobs.recompute == "selective" else a.saved for a in acts)
-    extra = max(a.selective for a in acts) * tokens if knobs.recompute == "selective" else 0.0
-    return per_tok * tokens * in_flight + extra, working
+        held = len(acts) * info.hidden_size * b / layout.tp * tokens * in_flight
+        return held, max(a.saved for a in acts) * tokens, working
+    if knobs.recompute == "selective":
+        return sum(a.kept for a in acts) * tokens * in_flight, max(a.selective for a in acts) * tokens, working
+    return sum(a.saved for a in acts) * tokens * in_flight, 0.0, working
+
+
+def logits_bytes(tokens: int, vocab_local: float, knobs: Knobs, chunk: int) -> tuple[float, float, float]:
+    """(held after the forward, training peak, forward-only peak) of the last stage's logits [tokens, V/TP]:
+    the model-dtype logits, the fp32 copies of models/logprobs.py (bounded by a chunk when chunked), and
+    in the backward the logits' gradient."""
+    b = C.DTYPE_BYTES[knobs.dtype]
+    fp32 = chunk * vocab_local * 4
+    held = tokens * vocab_local * b + fp32 * C.LOGIT_FP32_COPIES_TRAIN
+    return held, held + tokens * vocab_local * b, tokens * vocab_local * b + fp32 * C.LOGIT_FP32_COPIES_FORWARD
 
 
 def engine_estimate(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs, train_gpus: int,
@@ -338,6 +376,7 @@ def engine_estimate(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs
     else:
         gpus = train_gpus
         avail = gpu - resident - (C.ENGINE_CUDA_GRAPH_GIB * C.GIB)
+    # capacity at the configured mem_fraction_static, or at the most the GPU leaves (at most 0.9 of it)
     frac_cap = knobs.engine_mem_fraction * gpu if knobs.engine_mem_fraction else min(avail, 0.9 * gpu)
 
     def build(tp: int) -> Engine:
@@ -357,9 +396,13 @@ def engine_estimate(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs
         pool = frac_cap - weights
         cap = int(a * max(0, pool) // per_seq) if pool > 0 else 0
         engines = max(1, gpus // tp)
+        needed = -(-w.sequences // engines)
+        # the pool the rollout uses: the whole batch at once when it fits, else what the fraction allows
+        used = weights + min(max(0.0, pool), -(-needed // a) * per_seq)
+        frac = knobs.engine_mem_fraction * gpu if knobs.engine_mem_fraction else used
         return Engine(tp=tp, ep=ep, attn_dp=a, engines=engines, gpus=gpus, weights=weights, kv_per_token=kv_tok,
-                      state_per_seq=state, mem_fraction=frac_cap / gpu, capacity=cap,
-                      needed=-(-w.sequences // engines), peak=frac_cap + C.ENGINE_CUDA_GRAPH_GIB * C.GIB)
+                      state_per_seq=state, mem_fraction=frac / gpu, capacity=cap, needed=needed,
+                      peak=frac + C.ENGINE_CUDA_GRAPH_GIB * C.GIB)
 
     if knobs.engine_tp:
         return build(knobs.engine_tp)
@@ -420,7 +463,8 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
         st = StageEstimate(stage=p, layers=sp.layers, params=sp, critic_params=None,
                            actor=model_states(sp, layout, train_gpus, knobs), critic=None)
         in_flight = min(layout.pp - p, n_micro)
-        st.act_actor, work_a = activation_bytes(info, sp.layers, layout, knobs, tokens, in_flight, kinds)
+        held, rebuild, work_a = activation_bytes(info, sp.layers, layout, knobs, tokens, in_flight, kinds)
+        st.act_actor = held + rebuild
         work_c = 0.0
         if c_params is not None:
             # the critic's stage p on the same GPU (same PP size assumed when layouts differ: worst stage used)
@@ -428,13 +472,11 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
             st.critic_params = cp
             st.critic = model_states(cp, critic_layout, train_gpus, knobs)
             c_in = min(critic_layout.pp - min(p, critic_layout.pp - 1), c_micro)
-            st.act_critic, work_c = activation_bytes(info, cp.layers, critic_layout, knobs, c_tokens, c_in, kinds)
+            held, rebuild, work_c = activation_bytes(info, cp.layers, critic_layout, knobs, c_tokens, c_in, kinds)
+            st.act_critic = held + rebuild
         st.working = max(work_a, work_c) + C.WORKSPACE_GIB * gib
         if p == len(a_params) - 1:
-            # logits [tokens, V/TP] in the model dtype, plus fp32 copies (logprobs.py); the backward makes a
-            # gradient of the logits the size of the bf16 ones; chunking bounds the fp32 copies
-            st.logits_train = tokens * vocab_local * b * 2 + chunk * vocab_local * 4 * C.LOGIT_FP32_COPIES_TRAIN
-            st.logits_forward = tokens * vocab_local * b + chunk * vocab_local * 4 * C.LOGIT_FP32_COPIES_FORWARD
+            _, st.logits_train, st.logits_forward = logits_bytes(tokens, vocab_local, knobs, chunk)
         stages.append(st)
 
     def dyn(x: float) -> float:  # dynamic allocations pay the fragmentation overhead

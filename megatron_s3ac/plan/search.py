@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from megatron_s3ac.models.parallel import LayoutError, ParallelLayout
 from megatron_s3ac.models.registry import ModelInfo
+from megatron_s3ac.plan import constants as C
 from megatron_s3ac.plan.memory import Cluster, Estimate, Knobs, Workload, estimate
 from megatron_s3ac.plan.rules import extra_layout_errors
 
@@ -18,12 +19,18 @@ def _divisors(n: int) -> list[int]:
 
 def layout_errors(info: ModelInfo, layout: ParallelLayout, world: int | None) -> list[str]:
     """Every rule ``layout`` breaks: world-size-free ones always, world-size ones when ``world`` is given."""
-    errs = list(extra_layout_errors(info, layout))
-    try:
-        layout.validate(info, world if world is not None else _neutral_world(layout))
-    except LayoutError as e:
-        errs.insert(0, str(e))
-    return errs
+    errs = []
+    # validate stops at the first broken rule: check the world-free rules at a neutral world size first,
+    # so a world-size error does not hide them
+    for ws in (_neutral_world(layout), world):
+        if ws is None:
+            continue
+        try:
+            layout.validate(info, ws)
+        except LayoutError as e:
+            if str(e) not in errs:
+                errs.append(str(e))
+    return errs + [e for e in extra_layout_errors(info, layout) if e not in errs]
 
 
 def _neutral_world(layout: ParallelLayout) -> int:
@@ -52,9 +59,18 @@ def candidates(info: ModelInfo, world: int, gpus_per_node: int) -> list[Parallel
 
 
 def rank(estimates: list[Estimate]) -> list[Estimate]:
-    fits = sorted((e for e in estimates if e.fits), key=lambda e: (-round(e.throughput, 6), -e.headroom))
+    """Fits with a safe margin (``SAFE_HEADROOM`` of the GPU and of the host) by throughput proxy, then
+    tight fits by headroom, then the rest by peak."""
+    def safe(e: Estimate) -> bool:
+        c = e.cluster
+        return (e.headroom >= C.SAFE_HEADROOM * c.gpu_mem_gib * C.GIB
+                and e.host_per_node <= (1 - C.SAFE_HEADROOM) * c.host_mem_gib * C.GIB)
+
+    fits = [e for e in estimates if e.fits]
+    good = sorted((e for e in fits if safe(e)), key=lambda e: (-round(e.throughput, 6), -e.headroom))
+    tight = sorted((e for e in fits if not safe(e)), key=lambda e: -e.headroom)
     rest = sorted((e for e in estimates if not e.fits), key=lambda e: e.peak)
-    return fits + rest
+    return good + tight + rest
 
 
 def search(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs,
