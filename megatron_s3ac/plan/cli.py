@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("tp", "pp", "ep", "etp"):
         g.add_argument(f"--critic-{name}", type=int)
     g.add_argument("--search", action="store_true", help="with --config: enumerate instead of the config's layout")
+    g.add_argument("--smallest", action="store_true",
+                   help="find the smallest GPU count (1, 2, 4, 8, 16, ... 1024) on which a layout fits")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true")
     g.add_argument("--yaml", action="store_true", help="print the trainer config snippet of the chosen layout")
@@ -138,7 +140,7 @@ def resolve(args) -> tuple:
                 return v
         return default
 
-    gpus = pick(args.gpus, cl.get("gpus"))
+    gpus = pick(args.gpus, cl.get("gpus"), default=8 if args.smallest else None)
     if gpus is None:
         raise PlanInputError("the cluster size is unknown: pass --gpus (or a cluster: section in --config)")
     cluster = Cluster(gpus=int(gpus), gpus_per_node=int(pick(args.gpus_per_node, cl.get("gpus_per_node"), default=8)),
@@ -329,7 +331,17 @@ def run(argv=None) -> int:
             errs = layout_errors(info, lay, world)
             if errs:
                 raise PlanInputError(f"{name} {_lay(lay)} is illegal on {world} GPUs: " + "; ".join(errs))
-    results = search(info, cluster, w, knobs, fixed, critic)
+    if args.smallest:
+        from megatron_s3ac.plan.search import smallest_cluster
+
+        if fixed is not None or critic is not None:
+            raise PlanInputError("--smallest enumerates layouts: drop --tp/--pp/--ep/--etp/--critic-*")
+        results = smallest_cluster(info, cluster, w, knobs)
+        if results is None:
+            raise PlanInputError(f"no layout fits on up to 1024 GPUs of {cluster.gpu_mem_gib:g} GiB")
+        cluster = results[0].cluster
+    else:
+        results = search(info, cluster, w, knobs, fixed, critic)
     if not results:
         raise PlanInputError(f"no legal layout for {info.model_type} on {world} GPUs")
     best = results[0]

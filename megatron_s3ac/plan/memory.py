@@ -370,12 +370,14 @@ def engine_estimate(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs
     kinds = layer_kinds(info)
     n_attn = sum(1 for m, _ in kinds if m != "gdn")
     n_gdn = len(kinds) - n_attn
+    # without a configured mem_fraction_static the engine may grow its pool up to (1 - SAFE_HEADROOM) of the GPU
+    usable = (1 - C.SAFE_HEADROOM) * gpu
     if knobs.placement == "separate":
         gpus = knobs.engine_gpus or train_gpus
-        avail = gpu - (C.CUDA_CONTEXT_GIB + C.ENGINE_CUDA_GRAPH_GIB) * C.GIB
+        avail = usable - (C.CUDA_CONTEXT_GIB + C.ENGINE_CUDA_GRAPH_GIB) * C.GIB
     else:
         gpus = train_gpus
-        avail = gpu - resident - (C.ENGINE_CUDA_GRAPH_GIB * C.GIB)
+        avail = usable - resident - (C.ENGINE_CUDA_GRAPH_GIB * C.GIB)
     # capacity at the configured mem_fraction_static, or at the most the GPU leaves (at most 0.9 of it)
     frac_cap = knobs.engine_mem_fraction * gpu if knobs.engine_mem_fraction else min(avail, 0.9 * gpu)
 

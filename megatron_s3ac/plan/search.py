@@ -81,3 +81,19 @@ def search(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs,
         world = cluster.gpus - (knobs.engine_gpus or cluster.gpus // 2)
     layouts = [fixed] if fixed is not None else candidates(info, world, cluster.gpus_per_node)
     return rank([estimate(info, lay, cluster, w, knobs, critic_layout) for lay in layouts])
+
+
+CLUSTER_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def smallest_cluster(info: ModelInfo, template: Cluster, w: Workload, knobs: Knobs,
+                     sizes=CLUSTER_SIZES) -> list[Estimate] | None:
+    """Ranked estimates on the smallest GPU count (nodes of ``template.gpus_per_node``) where a layout fits."""
+    import dataclasses
+
+    for n in sizes:
+        cl = dataclasses.replace(template, gpus=n, gpus_per_node=min(template.gpus_per_node, n))
+        res = search(info, cl, w, knobs)
+        if res and res[0].fits:
+            return res
+    return None
