@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--critic", dest="critic", action="store_true", default=None)
     g.add_argument("--no-critic", dest="critic", action="store_false")
     g.add_argument("--logprob-chunk", type=int, help="tokens per log-prob chunk (0 = unchunked)")
+    g.add_argument("--backend", choices=("gpu", "cpu"),
+                   help="activation kernels: gpu = TE / flash-attention / fla; cpu = this project's torch spec "
+                        "(torch norms, SDPA with expanded KV, torch chunked delta rule without fla)")
     g.add_argument("--placement", choices=("colocated", "separate", "none"), help="rollout engine placement")
     g.add_argument("--engine-gpus", type=int, help="separate: GPUs for engines")
     g.add_argument("--engine-tp", type=int)
@@ -173,7 +176,7 @@ def resolve(args) -> tuple:
         engine_gpus=int(pick(args.engine_gpus, default=0)), engine_tp=int(pick(args.engine_tp, default=0)),
         engine_ep=int(pick(args.engine_ep, default=0)), engine_attn_dp=int(pick(args.engine_attn_dp, default=1)),
         engine_mem_fraction=float(pick(args.engine_mem_fraction, default=0.0)),
-        logprob_chunk=int(pick(args.logprob_chunk, default=0)))
+        logprob_chunk=int(pick(args.logprob_chunk, default=0)), backend=pick(args.backend, default="gpu"))
     errs = knobs.validate()
     if errs:
         raise PlanInputError("; ".join(errs))
