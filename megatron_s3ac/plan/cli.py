@@ -78,17 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- inputs ---------------------------------------------------------------------------------------
 def _read_trainer_yaml(path: str) -> dict:
+    """The trainer YAML through the trainer's own loader and schema (unknown keys, types and choices are
+    refused), without its path checks: a config names model files on the cluster, not here."""
     from omegaconf import OmegaConf
+
+    from megatron_s3ac.trainer.config import ConfigError, load_config
 
     if not os.path.exists(path):
         raise PlanInputError(f"--config {path}: no such file")
     try:
-        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except Exception as e:  # noqa: BLE001 - YAML syntax errors name the line
-        raise PlanInputError(f"--config {path}: not valid YAML: {e}") from None
-    if not isinstance(cfg, dict):
-        raise PlanInputError(f"--config {path}: expected a mapping at the top level")
-    return cfg
+        cfg = load_config(path, check=False)
+    except ConfigError as e:
+        raise PlanInputError(f"--config {path}: {e}") from None
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
 
 def _info_from(hf_src, cfg: dict | None):

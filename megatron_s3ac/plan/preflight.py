@@ -43,11 +43,15 @@ class PreflightReport:
 
 
 def _get(cfg: Any, path: str, default=None):
+    import enum
+
     cur = cfg
     for part in path.split("."):
         if cur is None:
             return default
         cur = cur.get(part) if isinstance(cur, dict) else getattr(cur, part, None)
+    if isinstance(cur, enum.Enum):  # the trainer schema's choices are str Enums
+        cur = cur.value
     return default if cur is None else cur
 
 
@@ -65,6 +69,10 @@ def _layout_of(d: Any):
 def _info(cfg: Any):
     from megatron_s3ac.models.registry import model_info
 
+    if not isinstance(cfg, dict):  # the trainer's Config: its own model reader
+        from megatron_s3ac.trainer.config import model_info_for
+
+        return model_info_for(cfg)
     if _get(cfg, "model.tiny") == "arithmetic_moe":
         from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
 
