@@ -192,17 +192,24 @@ def test_this_machine_real_metadata():
     assert report.ok, report.format()
 
 
-def test_cli_exit_codes_and_json():
-    """`python -m megatron_s3ac.env`: versions-only check passes here; the GPU check fails (no CUDA)
-    and says what to fix."""
-    ok = subprocess.run([sys.executable, "-m", "megatron_s3ac.env", "--no-gpu", "--json"],
-                        capture_output=True, text=True, timeout=600)
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    data = json.loads(ok.stdout)
+def test_cli_exit_codes_and_json(capsys):
+    """`s3ac-env` (env.main): the versions-only check passes here; the GPU check fails (no CUDA) and
+    says what to fix."""
+    assert env.main(["--no-gpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     assert data["ok"] is True and data["versions"]["megatron-core"] == "0.16.1"
-    gpu = subprocess.run([sys.executable, "-m", "megatron_s3ac.env"], capture_output=True, text=True, timeout=600)
-    assert gpu.returncode == 1
-    assert "ERROR: a GPU job but CUDA is not available" in gpu.stdout and "fix:" in gpu.stdout
+    assert env.main([]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR: a GPU job but CUDA is not available" in out and "fix:" in out
+
+
+@pytest.mark.slow
+def test_module_entry_point():
+    """`python -m megatron_s3ac.env` in a fresh interpreter (slow only because it imports torch)."""
+    run = subprocess.run([sys.executable, "-m", "megatron_s3ac.env", "--no-gpu", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["ok"] is True
 
 
 def test_cpu_shim_refuses_unsupported_megatron_core():
