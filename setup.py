@@ -16,13 +16,22 @@ CORE = [
     "tensorboard==2.21.0",
     "matplotlib==3.11.2",
     "pyarrow==26.0.1",
-    "numpy==2.4.6",
+    "numpy>=1.26,<2.5",  # a range like torch: CPU locks 2.4.6 (requirements-cpu.txt); sglang's mistral-common needs <2.4 on py3.12
     "pyyaml==6.0.4",
 ]
+# GPU stack (Python 3.12, CUDA 13). Each pin and where it comes from: docs/environment.md. Checked with
+# `pip install --dry-run --ignore-installed --no-build-isolation ".[gpu]"` on Python 3.12 (resolves);
+# checked at start-up by megatron_s3ac/env.py (its MATRIX holds the same versions).
 GPU = [
-    "transformer-engine[pytorch]==2.9.0",
-    "sglang==0.5.23",
-    "nvidia-modelopt==0.39.0",
+    "sglang==0.5.23",                       # the rollout engine wrapped by rollout/sglang_engine.py
+    "torch==2.14.1",                        # sglang 0.5.23 and sglang-kernel 0.4.10: Requires-Dist torch==2.14.1 (CUDA 13.0 wheel)
+    "sglang-kernel==0.4.10",                # sglang 0.5.23: Requires-Dist sglang-kernel==0.4.10 (the `sgl_kernel` module)
+    "flashinfer-python[cu13]==0.7.2",       # sglang 0.5.23: Requires-Dist flashinfer_python[cu13]==0.7.2
+    "transformers==5.19.0",                 # sglang 0.5.23: Requires-Dist transformers==5.19.0
+    "numpy<2.4",                            # mistral-common (sglang dep) on Python <=3.12: numpy<2.4
+    "transformer-engine[pytorch]==2.11.0",  # megatron-core 0.16.1 [dev]: transformer-engine>=2.9.0a0,<2.12.0; sdist, build with --no-build-isolation
+    "flash-linear-attention[cuda]==0.6.0",  # Gated DeltaNet kernels; needs Triton >=3.7.1 on Hopper: torch 2.14.1 brings triton~=3.8.0
+    "nvidia-modelopt==0.47.0",              # pure Python, torch>=2.8 (0.39.0 predates torch 2.14 by a year)
 ]
 TEST = [
     "pytest==9.2.0",
@@ -43,5 +52,6 @@ setup(
         "s3ac-convert=checkpoints_convert:main",
         "s3ac-train=megatron_s3ac.trainer.cli:main",
         "s3ac-plan=megatron_s3ac.plan.cli:main",
+        "s3ac-env=megatron_s3ac.env:main",
     ]},
 )

@@ -25,10 +25,50 @@ import os
 import threading
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 from torch.overrides import TorchFunctionMode
 
 _STATE = {"enabled": False}
 _LOCAL = threading.local()
+
+# megatron-core releases this shim (and the models built on it) are written against. Others are refused
+# up front (docs/environment.md, "megatron-core"): 0.18 rewrote the Gated DeltaNet forward that
+# models/qwen3_5_spec.py mirrors (the module-level ``causal_conv1d_fn`` it calls is gone, the conv
+# now comes from fla, the forward is split into context-parallel helpers); 0.19 turned
+# ``megatron.core.ssm.gated_delta_net`` into a package whose forward reads ``l2norm`` from
+# ``gated_delta_net.common``, so ``patch_missing_fla`` would bind the torch kernels where nothing reads
+# them; 0.17 keeps every name used here (RouterReplay, GatedDeltaNet, dist_checkpointing mapping) but
+# is untested.
+MCORE_SUPPORTED = SpecifierSet(">=0.16.1,<0.17")
+MCORE_WHY = ("megatron_s3ac is written and tested against megatron-core 0.16.1 (RouterReplay, the Gated "
+             "DeltaNet forward it overrides, torch_dist checkpoints, this CPU shim); 0.18+ changed those "
+             "internals and 0.17 is untested")
+
+
+class UnsupportedMegatronCore(RuntimeError):
+    """The installed megatron-core is outside ``MCORE_SUPPORTED``."""
+
+
+def megatron_core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def require_supported_megatron(version: str | None = None) -> str:
+    """Raise ``UnsupportedMegatronCore`` naming the installed version unless it is supported; returns it.
+    Called by ``enable`` and ``patch_missing_fla`` before they touch megatron-core internals."""
+    found = megatron_core_version() if version is None else version
+    try:
+        ok = MCORE_SUPPORTED.contains(Version(Version(found).public), prereleases=True)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise UnsupportedMegatronCore(
+            f"megatron-core {found} is installed; supported: {MCORE_SUPPORTED} ({MCORE_WHY}). "
+            "Fix: pip install megatron-core==0.16.1")
+    return found
 
 
 def cuda_available() -> bool:
@@ -163,7 +203,11 @@ def patch_missing_te() -> None:
 def enable() -> bool:
     """Make megatron-core CPU-safe in this process. Returns True if the CPU shim is active.
 
-    The Transformer-Engine-absent fix is applied on GPUs too; everything else only without CUDA."""
+    The Transformer-Engine-absent fix is applied on GPUs too; everything else only without CUDA.
+    Raises ``UnsupportedMegatronCore`` first if megatron-core is not a supported release."""
+    if not _STATE.get("version_ok"):
+        require_supported_megatron()
+        _STATE["version_ok"] = True
     patch_missing_te()
     if cuda_available():
         return False
@@ -250,6 +294,9 @@ def patch_missing_fla() -> bool:
     back to ``torch.nn.Conv1d`` without the causal_conv1d package. Applied on CPU and GPU alike;
     a no-op when fla is installed and usable (see ``fla_refusal``). Returns True if the torch path
     is in use."""
+    if not _STATE.get("version_ok"):
+        require_supported_megatron()
+        _STATE["version_ok"] = True
     from megatron.core.ssm import gated_delta_net as gdn
 
     if getattr(gdn, "_s3ac_torch_path", False):

@@ -1,0 +1,220 @@
+"""The environment check (megatron_s3ac/env.py) on faked stacks, and the megatron-core refusal.
+
+The "good" stack is the matrix of docs/environment.md; its ``Requires-Dist`` lines are copied from the
+wheels' METADATA (sglang-0.5.23-cp312, sglang_kernel-0.4.10, torch-2.14.1, transformer_engine_torch
+2.11.0 built against a CUDA 13 torch, flash_linear_attention-0.6.0, fla_core-0.6.0). Bad stacks change
+one thing each; the expected finding is derived from that change, not from the code under test.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_s3ac import env
+from megatron_s3ac.models import cpu_compat
+
+GOOD = {
+    "torch": "2.14.1", "triton": "3.8.0", "transformer-engine": "2.11.0", "transformer-engine-torch": "2.11.0",
+    "transformer-engine-cu13": "2.11.0", "transformer-engine-cu12": None, "megatron-core": "0.16.1",
+    "sglang": "0.5.23", "sglang-kernel": "0.4.10", "sgl-kernel": None, "flashinfer-python": "0.7.2",
+    "flash-linear-attention": "0.6.0", "fla-core": "0.6.0", "tilelang": "0.1.12", "ray": "2.60.0",
+    "nvidia-modelopt": "0.47.0", "transformers": "5.19.0", "numpy": "2.3.5",
+}
+REQUIRES = {
+    "sglang": ["torch==2.14.1", "transformers==5.19.0", "sglang-kernel==0.4.10", "flashinfer_python[cu13]==0.7.2",
+               "tilelang==0.1.12", "numpy", 'ray[default]>=2.55.1; extra == "ray"',
+               'nvidia-modelopt; extra == "diffusion"'],
+    "sglang-kernel": ["torch==2.14.1"],
+    "torch": ['triton~=3.8.0; platform_system == "Linux" and python_version < "3.15"', "filelock"],
+    "transformer-engine-torch": ["torch>=2.1", "transformer_engine_cu13==2.11.0"],
+    "transformer-engine": ['transformer_engine_torch==2.11.0; extra == "pytorch"'],
+    "flash-linear-attention": ["fla-core==0.6.0", "transformers<6,>=5.6.2"],
+    "fla-core": ["einops", 'torch>=2.7.0; extra == "cuda"', 'triton>=3.3; extra == "cuda"'],
+    "megatron-core": ["torch>=2.6.0", "numpy", 'transformer-engine[core_cu13,pytorch]<2.12.0,>=2.9.0a0; extra == "dev"'],
+    "flashinfer-python": ["torch", "numpy"],
+}
+H200 = {"torch_cuda": "13.0", "cuda_available": True, "device_count": 8, "capability": (9, 0),
+        "device_name": "NVIDIA H200", "nccl": "2.30.7", "nccl_available": True, "load_errors": {}}
+CPU = {"torch_cuda": None, "cuda_available": False, "device_count": 0, "capability": None,
+       "device_name": None, "nccl": None, "nccl_available": False, "load_errors": {}}
+
+
+def run(require_gpu=True, runtime=H200, **changes):
+    versions = {**GOOD, **changes}
+    return env.check_environment(require_gpu, versions=versions, requires=REQUIRES, runtime=runtime,
+                                 raise_on_error=False)
+
+
+def test_matrix_stack_passes_on_hopper():
+    report = env.check_environment(True, versions=GOOD, requires=REQUIRES, runtime=H200)  # raises if not
+    assert report.ok and report.findings == []
+    text = report.format()
+    assert "sglang" in text and "0.5.23" in text and "no problems found" in text
+
+
+def test_matrix_agrees_with_setup_gpu_extra():
+    """env.MATRIX and setup.py's `gpu` extra state the same pins (one matrix, two places)."""
+    import ast
+    import pathlib
+
+    tree = ast.parse(pathlib.Path(__file__).resolve().parents[1].joinpath("setup.py").read_text())
+    gpu = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and
+               getattr(n.targets[0], "id", None) == "GPU")
+    pins = {}
+    for elt in gpu.elts:
+        from packaging.requirements import Requirement
+        r = Requirement(elt.value)
+        spec = str(r.specifier)
+        if spec.startswith("=="):
+            pins[r.name.lower()] = spec[2:]
+    for name, v in pins.items():
+        assert env.MATRIX.get(name) == v, (name, v, env.MATRIX.get(name))
+
+
+def test_sglang_with_another_torch_is_refused_naming_both():
+    # the old Dockerfile: NGC torch + `sglang==0.5.23 --no-deps`
+    with pytest.raises(env.IncompatibleEnvironment) as e:
+        env.check_environment(True, versions={**GOOD, "torch": "2.9.0a0+50eac811a6.nv25.9"},
+                              requires=REQUIRES, runtime=H200)
+    msg = str(e.value)
+    assert "sglang 0.5.23 requires torch==2.14.1" in msg and "torch 2.9.0a0+50eac811a6.nv25.9 is installed" in msg
+    assert "sglang-kernel 0.4.10 requires torch==2.14.1" in msg  # its compiled kernels too
+
+
+def test_local_build_tag_satisfies_pin():
+    assert run(torch="2.14.1+cu130").ok
+
+
+@pytest.mark.parametrize("pkg,bad,owner,spec", [
+    ("flashinfer-python", "0.6.1", "sglang 0.5.23", "flashinfer_python==0.7.2"),
+    ("sglang-kernel", "0.4.9", "sglang 0.5.23", "sglang-kernel==0.4.10"),
+    ("transformers", "5.24.0", "sglang 0.5.23", "transformers==5.19.0"),
+    ("triton", "3.6.0", "torch 2.14.1", "triton~=3.8.0"),
+    ("transformer-engine-cu13", "2.9.0", "transformer-engine-torch 2.11.0", "transformer_engine_cu13==2.11.0"),
+    ("fla-core", "0.5.2", "flash-linear-attention 0.6.0", "fla-core==0.6.0"),
+])
+def test_violated_declared_pin_is_an_error(pkg, bad, owner, spec):
+    report = run(**{pkg: bad})
+    assert not report.ok
+    assert [f.what for f in report.errors] == [f"{owner} requires {spec}, but {pkg} {bad} is installed"]
+
+
+def test_extra_and_platform_markers_are_not_requirements():
+    # sglang's `ray` extra wants ray>=2.55.1 and megatron-core's `dev` extra wants TE<2.12: not installed
+    # through those extras, so not checked as pins
+    assert run(ray="2.40.0").ok
+    assert not any("requires transformer-engine" in f.what for f in run(**{"transformer-engine-torch": "2.20.2",
+                                                                           "transformer-engine": "2.20.2"}).errors)
+
+
+def test_other_sglang_release_is_refused():
+    report = run(sglang="0.5.22")
+    assert any("sglang 0.5.22 is installed" in f.what and "0.5.23" in f.what for f in report.errors)
+
+
+def test_both_sgl_kernel_names_installed_is_refused():
+    report = run(**{"sgl-kernel": "0.3.21"})
+    assert [f.what.split(":")[0] for f in report.errors] == [
+        "both sgl-kernel 0.3.21 and sglang-kernel 0.4.10 are installed"]
+
+
+@pytest.mark.parametrize("mcore", ["0.17.1", "0.18.2", "0.19.2", "0.15.3", "0.16.0"])
+def test_unsupported_megatron_core_is_refused(mcore):
+    report = run(**{"megatron-core": mcore})
+    assert any(f"megatron-core {mcore} is not supported" in f.what for f in report.errors)
+
+
+def test_te_outside_megatron_declared_range_is_a_warning():
+    stack = {"transformer-engine": "2.20.2", "transformer-engine-torch": "2.20.2", "transformer-engine-cu13": "2.20.2"}
+    requires = {**REQUIRES, "transformer-engine-torch": ["torch>=2.1", "transformer_engine_cu13==2.20.2"]}
+    report = env.check_environment(True, versions={**GOOD, **stack}, requires=requires, runtime=H200)
+    assert report.ok
+    assert [f.level for f in report.findings] == ["warning"]
+    assert "2.20.2" in report.findings[0].what and "<2.12.0" in report.findings[0].what
+
+
+def test_te_extension_built_for_another_torch_is_refused():
+    rt = {**H200, "load_errors": {"transformer_engine.pytorch": "ImportError: transformer_engine_torch.so: "
+                                                               "undefined symbol: _ZN3c104cuda9SetDeviceEab"}}
+    report = run(runtime=rt)
+    assert len(report.errors) == 1
+    f = report.errors[0]
+    assert "transformer-engine-torch 2.11.0" in f.what and "torch 2.14.1" in f.what and "undefined symbol" in f.what
+    assert "--no-build-isolation" in f.fix
+
+
+@pytest.mark.parametrize("triton,cap,tilelang,warned", [
+    ("3.6.0", (9, 0), None, True),       # the H200 of docs/device_checks/qwen3_5_cuda.md
+    ("3.4.0", (9, 0), None, True),
+    ("3.7.0", (9, 0), None, True),
+    ("3.7.1", (9, 0), None, False),      # fixed upstream
+    ("3.8.0", (9, 0), None, False),      # what torch 2.14.1 brings
+    ("3.6.0", (9, 0), "0.1.12", False),  # tilelang backend
+    ("3.6.0", (10, 0), None, False),     # Blackwell is not affected
+    ("3.3.1", (9, 0), None, False),
+])
+def test_fla_triton_rule_on_hopper(triton, cap, tilelang, warned):
+    requires = {**REQUIRES, "torch": []}  # isolate the fla rule from torch's own triton pin
+    report = env.check_environment(True, versions={**GOOD, "triton": triton, "tilelang": tilelang},
+                                   requires=requires, runtime={**H200, "capability": cap})
+    assert report.ok  # a fallback exists: never an error
+    assert any("flash-linear-attention" in f.what and f"Triton {triton}" in f.what
+               for f in report.findings) == warned
+
+
+def test_gpu_job_without_cuda_or_nccl_is_refused_cpu_check_is_not():
+    no_gpu = run(runtime=CPU)
+    whats = [f.what for f in no_gpu.errors]
+    assert any("CUDA is not available: torch is a CPU build" in w for w in whats)
+    assert any("no NCCL backend" in w for w in whats)
+    assert run(require_gpu=False, runtime=CPU).ok
+    hidden = run(runtime={**CPU, "torch_cuda": "13.0", "nccl_available": True})
+    assert [f.what for f in hidden.errors] == [
+        "a GPU job but CUDA is not available: torch (CUDA 13.0) sees no GPU (driver, CUDA_VISIBLE_DEVICES, "
+        "container --gpus)"]
+
+
+def test_all_errors_are_reported_at_once():
+    report = run(torch="2.11.0", **{"megatron-core": "0.19.2"}, runtime=CPU)
+    assert len(report.errors) == 5  # sglang->torch, sglang-kernel->torch, megatron-core, CUDA, NCCL
+
+
+def test_this_machine_real_metadata():
+    """The real readers on this (CPU) venv: versions and Requires-Dist come from importlib.metadata,
+    nothing here violates a declared pin, megatron-core 0.16.1 is accepted."""
+    versions = env.installed_versions()
+    assert versions["megatron-core"] == cpu_compat.megatron_core_version() == "0.16.1"
+    assert versions["torch"] is not None
+    requires = env.installed_requires(versions)
+    assert any(r.startswith("torch") for r in requires["megatron-core"])
+    report = env.check_environment(False, raise_on_error=False)
+    assert report.ok, report.format()
+
+
+def test_cli_exit_codes_and_json(capsys):
+    """`s3ac-env` (env.main): the versions-only check passes here; the GPU check fails (no CUDA) and
+    says what to fix."""
+    assert env.main(["--no-gpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is True and data["versions"]["megatron-core"] == "0.16.1"
+    assert env.main([]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR: a GPU job but CUDA is not available" in out and "fix:" in out
+
+
+@pytest.mark.slow
+def test_module_entry_point():
+    """`python -m megatron_s3ac.env` in a fresh interpreter (slow only because it imports torch)."""
+    run = subprocess.run([sys.executable, "-m", "megatron_s3ac.env", "--no-gpu", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["ok"] is True
+
+
+def test_cpu_shim_refuses_unsupported_megatron_core():
+    assert cpu_compat.require_supported_megatron() == "0.16.1"  # the installed one
+    assert cpu_compat.require_supported_megatron("0.16.1+local") == "0.16.1+local"
+    for bad in ("0.19.2", "0.17.1", "0.16.0", "garbage"):
+        with pytest.raises(cpu_compat.UnsupportedMegatronCore, match=f"megatron-core {bad} is installed"):
+            cpu_compat.require_supported_megatron(bad)
