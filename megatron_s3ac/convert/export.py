@@ -123,6 +123,16 @@ class _ExportPlan:
             by_rank = {r: [(ri, ov, pi) for (rr, ri, ov, pi) in transfers if rr == r] for r in range(n)}
             self.buckets.append((bucket, regions, by_rank))
         self.me = me
+        # gloo/NCCL open a point-to-point connection on first use: open them now (one tiny message
+        # per sender), so the first sync does not pay it inside its transfers.
+        leader = dist.get_global_rank(group, 0)
+        senders = sorted(r for r in range(1, n) if any(by_rank.get(r) for _, _, by_rank in self.buckets))
+        ping = torch.zeros(1, device=self.device)
+        if me in senders:
+            dist.send(ping, dst=leader, group=group)
+        elif me == 0:
+            for r in senders:
+                dist.recv(ping, src=dist.get_global_rank(group, r), group=group)
 
     def piece_slice(self, ov, pi) -> torch.Tensor:
         return self.pieces[pi][3][box_slices(*ov, self.pieces[pi][1])]
@@ -144,7 +154,7 @@ def _plan_for(model_chunks, info, bucket_bytes, group) -> _ExportPlan:
 
 
 def export_hf_weights(model_chunks, info: ModelInfo, bucket_bytes: int = 1 << 30,
-                      group=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                      group=None, into=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets (each at most ``bucket_bytes``, or one tensor) of ``(hf_name, tensor)``.
 
     ``model_chunks``: this rank's model chunks (a list, one per virtual pipeline stage). The leader of
@@ -155,6 +165,9 @@ def export_hf_weights(model_chunks, info: ModelInfo, bucket_bytes: int = 1 << 30
     tensor when that place is contiguous (row splits), else via one temporary (column splits), and
     an HF tensor that is one contiguous piece of its own is yielded as a view without any copy
     (consumers copy it; they must not modify it).
+
+    ``into(hf_name, shape, dtype) -> tensor | None`` (leader only; e.g. ``CPUEngine.weight_buffer``):
+    memory to assemble an HF tensor in (the consumer's own), instead of a new tensor or a view.
     """
     from megatron.core import parallel_state as ps
 
@@ -169,17 +182,18 @@ def export_hf_weights(model_chunks, info: ModelInfo, bucket_bytes: int = 1 << 30
                 dist.send(plan.piece_slice(ov, pi).contiguous(), dst=leader, group=group)
             yield []
             continue
-        yield _assemble(plan, bucket, regions, by_rank, group)
+        yield _assemble(plan, bucket, regions, by_rank, group, into)
 
 
-def _assemble(plan: _ExportPlan, bucket, regions, by_rank, group) -> list[tuple[str, torch.Tensor]]:
+def _assemble(plan: _ExportPlan, bucket, regions, by_rank, group, into=None) -> list[tuple[str, torch.Tensor]]:
     """Leader: the bucket's full HF tensors. A region's destination is a view of the final tensor
     (regions of one HF tensor are consecutive row blocks, so their flat concatenation is the tensor)."""
     result, dest = [], {}
     local = by_rank.get(0, [])
     for nm in bucket:
         ris = [ri for ri, (n2, _, _) in enumerate(regions) if n2 == nm]
-        if len(ris) == 1:  # zero-copy: one local piece that is exactly this tensor, contiguous
+        full = into(nm, plan.hf_shapes[nm], plan.dtypes[nm]) if into is not None else None
+        if full is None and len(ris) == 1:  # zero-copy: one local piece that is exactly this tensor, contiguous
             only = [(ri, ov, pi) for ri, ov, pi in local if ri == ris[0]]
             if len(only) == 1 and all(r == 0 or not any(x[0] == ris[0] for x in lst) for r, lst in by_rank.items()):
                 _, ov, pi = only[0]
@@ -188,7 +202,8 @@ def _assemble(plan: _ExportPlan, bucket, regions, by_rank, group) -> list[tuple[
                     result.append((nm, t.view(plan.hf_shapes[nm])))
                     dest[ris[0]] = None
                     continue
-        full = torch.empty(plan.hf_shapes[nm], dtype=plan.dtypes[nm], device=plan.device)
+        if full is None:
+            full = torch.empty(plan.hf_shapes[nm], dtype=plan.dtypes[nm], device=plan.device)
         flat, at = full.view(-1), 0
         for ri in ris:
             off, shp = regions[ri][2]

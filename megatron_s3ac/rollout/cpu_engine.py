@@ -193,6 +193,21 @@ class _WeightMap:
             where = slice(lo, lo + local.numel()) if contiguous else local.to(self.params[owner].device)
             self.parts[ckpt_name] = (owner, where, tuple(idx.shape))
 
+    def buffer(self, name: str, shape, dtype) -> Optional[torch.Tensor]:
+        """The engine memory that holds checkpoint tensor ``name`` as a contiguous ``shape`` view, if
+        it is one (a whole parameter or a contiguous slice of one) of that dtype; else None."""
+        name = self.resolve(name)
+        if name in self.params:
+            p = self.params[self.canonical[name]]
+            ok = tuple(p.shape) == tuple(shape) and p.dtype == dtype and p.is_contiguous()
+            return p.data if ok else None
+        if name in self.parts:
+            owner, where, part_shape = self.parts[name]
+            p = self.params[owner]
+            if isinstance(where, slice) and tuple(part_shape) == tuple(shape) and p.dtype == dtype and p.is_contiguous():
+                return p.data.view(-1)[where].view(shape)
+        return None
+
     def names(self) -> list[str]:
         return sorted(set(self.parts) | set(self.params))
 
@@ -219,13 +234,16 @@ class _WeightMap:
             param = self.params[owner]
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"shape mismatch for {name}: got {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            param.copy_(tensor.to(param.dtype))
+            if not _same_memory(tensor, param):  # already in place (see CPUEngine.weight_buffer)
+                param.copy_(tensor.to(param.dtype))
             return owner, None
         if name in self.parts:
             owner, where, shape = self.parts[name]
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"shape mismatch for {name}: got {tuple(tensor.shape)}, expected {shape}")
             flat = self.params[owner].view(-1)
+            if isinstance(where, slice) and _same_memory(tensor, flat[where]):
+                return owner, name
             src = tensor.detach().reshape(-1).to(device=flat.device, dtype=flat.dtype)
             if isinstance(where, slice):
                 flat[where] = src
@@ -234,6 +252,11 @@ class _WeightMap:
             return owner, name
         close = difflib.get_close_matches(name, self.names(), n=3)
         raise KeyError(f"unknown weight name {name!r}; closest known names: {close}")
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype \
+        and a.is_contiguous() and b.is_contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,7 +308,8 @@ class CPUEngine(RolloutEngine):
         num_experts = int(getattr(self.config, "num_experts", 0) or getattr(self.config, "n_routed_experts", 0) or 0)
         self.routes_dtype = routed_experts_dtype(num_experts) if self.routers else None
         self._capture = _RouterCapture(self.routers, self.top_k) if self.routers else None
-        self._weight_map: Optional[_WeightMap] = None
+        # built now (engine start-up), not in the first weight sync: the meta-view pass costs no memory
+        self._weight_map: Optional[_WeightMap] = _WeightMap(self.model)
         self._stale: set[str] = set()  # params whose memory holds no valid weights (after sleep)
         self._partial: dict[str, set[str]] = {}
         self._backup: Optional[dict[str, torch.Tensor]] = None
@@ -336,6 +360,13 @@ class CPUEngine(RolloutEngine):
         if self._weight_map is None:  # built on first use: it briefly holds an int64 index per weight
             self._weight_map = _WeightMap(self.model)
         return self._weight_map
+
+    def weight_buffer(self, name: str, shape, dtype) -> Optional[torch.Tensor]:
+        """Where ``update_weights`` would put checkpoint tensor ``name`` (a view of the engine's own
+        parameter memory), or None. An exporter in this process may assemble the tensor right there
+        and then pass that view to ``update_weights``, which sees the data in place and skips the copy
+        (the weight sync of a colocated HF engine: one copy from the trainer's shards, no staging)."""
+        return self._get_weight_map().buffer(name, shape, dtype)
 
     def hf_weight_names(self) -> list[str]:
         """Every name update_weights accepts (checkpoint names and in-memory names; the text model's
