@@ -21,9 +21,13 @@ Prints one JSON object:
   (|engine log-prob - trainer old log-prob| over response tokens: how well the bf16 engine and the
   bf16 trainer agree), actor_loss, actor_grad_norm, critic_loss, clip_frac, r3_routed_frac;
   "first_step_rel_diff": |bf16 - fp32| / |fp32| per first-step metric.
-Criterion: finishes in < 5 min on one H200; actor_loss/critic_loss finite; engine_vs_trainer_lp_mean
-< 0.05 in bf16; reward_mean identical in both runs for step 1 only if the engines sampled alike
-(not required: bf16 sampling differs), so the comparison of interest is the loss scale (rel < 0.2).
+Criterion: finishes in < 5 min on one H200; losses finite; bf16 engine_vs_trainer_lp_mean < 0.05;
+first_step_rel_diff of actor_grad_norm and critic_loss < 0.05 (same samples: rewards and routes come
+from each run's own engine, so compare reward_mean for equality only as a hint). actor_loss of step 1
+is ~0 by construction (ratio 1, group-normalised advantages sum to 0): use the grad norm.
+CPU smoke run (the --tiny command below, 2 steps): bf16+recompute+offload_idle vs fp32 first step:
+actor_grad_norm 1.25021 vs 1.24997 (rel 1.9e-4), critic_loss 0.41346 vs 0.41339 (rel 1.7e-4),
+engine vs trainer log-prob mean |diff| 4.5e-4 (bf16) / 2.1e-7 (fp32), identical rewards and routes.
 
 Usage on the GPU machine:  python tools/device_checks/train_loop_cuda.py [--steps 3] [--prompts 16 --k 4]
 CPU smoke test of the same code path (tiny model, no optimizer offload: megatron refuses it on CPU):
