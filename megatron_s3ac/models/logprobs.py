@@ -78,10 +78,11 @@ def _entropy(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch
     zmax = z.max(-1).values
     if world > 1:
         dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
-    e = torch.exp(z - zmax.unsqueeze(-1))
+    e = (z - zmax.unsqueeze(-1)).exp_()  # one temporary the size of z, the rest in place
     sumexp = e.sum(-1)
     # sum p * z with p = e / sumexp; padded columns have e = 0 and z = -inf -> define 0 * -inf = 0
-    ez = torch.where(e > 0, e * z, torch.zeros_like(e)).sum(-1)
+    ez = e.mul_(z).nan_to_num_(nan=0.0).sum(-1)
+    del e
     if world > 1:
         dist.all_reduce(sumexp, group=group)
         dist.all_reduce(ez, group=group)
@@ -96,7 +97,9 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, t
     zmax = z.max(-1).values
     if world > 1:
         dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
-    sumexp = torch.exp(z - zmax.unsqueeze(-1)).sum(-1)
+    e = (z - zmax.unsqueeze(-1)).exp_()  # one temporary the size of z
+    sumexp = e.sum(-1)
+    del e
     if world > 1:
         dist.all_reduce(sumexp, group=group)
     v_local = logits.shape[-1]
