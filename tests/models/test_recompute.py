@@ -104,7 +104,7 @@ def test_recompute_same_gradients(layout_kw):
 
 
 def test_te_only_recompute_modules_refused():
-    from megatron_s3ac.models.actor_critic import _have_te, recompute_kwargs
+    from megatron_s3ac.models.recompute import _have_te, recompute_kwargs
 
     if _have_te():
         pytest.skip("Transformer Engine installed")
