@@ -42,5 +42,6 @@ setup(
         "s3ac-eval=megatron_s3ac.eval.cli:main",
         "s3ac-convert=checkpoints_convert:main",
         "s3ac-train=megatron_s3ac.trainer.cli:main",
+        "s3ac-plan=megatron_s3ac.plan.cli:main",
     ]},
 )

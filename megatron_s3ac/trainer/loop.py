@@ -31,7 +31,7 @@ from megatron_s3ac import algorithms as A
 from megatron_s3ac.algorithms.registry import AdvInputs, clamp_values, get_adv_est, get_algo
 from megatron_s3ac.trainer import build as B
 from megatron_s3ac.trainer.batch import RolloutBatch, collate
-from megatron_s3ac.trainer.config import Config, ConfigError, model_info_for, validate
+from megatron_s3ac.trainer.config import Config, model_info_for, validate
 from megatron_s3ac.trainer.losses import actor_loss, critic_loss, forward_outputs
 from megatron_s3ac.trainer.metrics import token_means, world_mean
 from megatron_s3ac.trainer.minibatch import MicroBatcher, forward_only, run_minibatches, shuffled_minibatches
