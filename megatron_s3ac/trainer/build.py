@@ -62,6 +62,36 @@ def check_packing(cfg: Config, info) -> None:
                           "needs THD PackedSeqParams, not wired yet")
 
 
+def model_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+
+
+def _config_kw(cfg: Config) -> dict:
+    """``model.dtype`` and ``train.recompute*`` for ``build_transformer_config``."""
+    t = cfg.train
+    return dict(dtype=model_dtype(cfg), recompute=str(t.recompute.value if hasattr(t.recompute, "value") else t.recompute),
+                recompute_modules=t.recompute_modules, recompute_num_layers=t.recompute_num_layers)
+
+
+def _optim_kw(o) -> dict:
+    """``optim.<model>`` for ``build_optimizer``; a setting megatron refuses here is a ConfigError."""
+    return dict(cpu_offload=o.cpu_offload, offload_fraction=o.offload_fraction, precision_aware=o.precision_aware)
+
+
+def _build_optimizer(name: str, ddp, **kw):
+    from megatron_s3ac.models.optim import OptimizerUnavailable, build_optimizer
+
+    try:
+        return build_optimizer([ddp], **kw)
+    except OptimizerUnavailable as e:
+        raise ConfigError(f"optim.{name}: {e}") from None
+
+
+def _to_device(module):
+    """The model on this rank's CUDA device when present (megatron already allocates there)."""
+    return module.cuda() if torch.cuda.is_available() else module
+
+
 @dataclasses.dataclass
 class Model:
     """One trained model: the megatron module, its DDP wrapper, optimizer and TransformerConfig."""
@@ -80,14 +110,15 @@ def build_actor(cfg: Config, info, layout, r3_overrides: dict, before_build=None
     from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
 
     a = cfg.algo
-    config = build_transformer_config(info, layout, **r3_overrides)
+    config = build_transformer_config(info, layout, **_config_kw(cfg), **r3_overrides)
     if before_build is not None:
         before_build(config)
-    actor = _build(info, config)
+    actor = _to_device(_build(info, config))
     if cfg.model.actor_init:
         actor.load_state_dict(dist_checkpointing.load(actor.sharded_state_dict(), cfg.model.actor_init))
     ddp = wrap_ddp(actor, config)
-    opt = build_optimizer([ddp], lr=a.actor_lr, clip_grad=a.actor_clip_grad, weight_decay=a.weight_decay)
+    opt = _build_optimizer("actor", ddp, lr=a.actor_lr, clip_grad=a.actor_clip_grad, weight_decay=a.weight_decay,
+                           **_optim_kw(cfg.optim.actor))
     return Model(actor, ddp, opt, config)
 
 
@@ -100,15 +131,15 @@ def build_critic(cfg: Config, info, layout, init_from_actor) -> Model:
     from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
 
     a = cfg.algo
-    config = build_transformer_config(info, layout)
-    critic = _build(info, config, ValueHeadConfig(kind=cfg.model.critic_head))
+    config = build_transformer_config(info, layout, **_config_kw(cfg))
+    critic = _to_device(_build(info, config, ValueHeadConfig(kind=cfg.model.critic_head)))
     if cfg.model.critic_init:
         critic.load_state_dict(dist_checkpointing.load(critic.sharded_state_dict(), cfg.model.critic_init))
     else:  # backbone from the actor; the value head keeps its 1/(H+1) init
         init_from_actor(critic)
     ddp = wrap_ddp(critic, config)
-    opt = build_optimizer([ddp], lr=a.actor_lr * a.critic_lr_mult, clip_grad=a.critic_clip_grad,
-                          weight_decay=a.weight_decay)
+    opt = _build_optimizer("critic", ddp, lr=a.actor_lr * a.critic_lr_mult, clip_grad=a.critic_clip_grad,
+                           weight_decay=a.weight_decay, **_optim_kw(cfg.optim.critic))
     return Model(critic, ddp, opt, config)
 
 
@@ -230,8 +261,13 @@ def build_engine(cfg: Config, info):
     Returns (engine, owns_ray): a Ray started here is shut down by ``Trainer.close``."""
     from megatron_s3ac.rollout.cpu_engine import CPUEngine
 
+    # rollout.engine=hf: transformers' model on this rank's GPU in model.dtype when CUDA is present
+    # (the single-GPU loop without SGLang), else on the CPU
+    dev = dict(dtype=model_dtype(cfg), device="cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.rollout.placement == "separate":
+        dev = dict(dtype=model_dtype(cfg))  # its own process decides its device
     if cfg.model.engine_hf_dir:
-        factory = partial(CPUEngine.from_pretrained, cfg.model.engine_hf_dir)
+        factory = partial(CPUEngine.from_pretrained, cfg.model.engine_hf_dir, **dev)
     else:
         if cfg.model.tiny is None:
             from transformers import AutoConfig
@@ -241,7 +277,7 @@ def build_engine(cfg: Config, info):
             from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
 
             hf = tiny_arithmetic_hf_config()
-        factory = partial(CPUEngine.from_config, hf)  # weights come from the actor right after
+        factory = partial(CPUEngine.from_config, hf, **dev)  # weights come from the actor right after
     if cfg.rollout.placement == "separate":
         import ray
 

@@ -40,6 +40,21 @@ class TinyModel(str, enum.Enum):
     arithmetic_moe = "arithmetic_moe"
 
 
+class DType(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Recompute(str, enum.Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class EngineKind(str, enum.Enum):
+    hf = "hf"  # transformers' model in this project's engine (rollout.cpu_engine), CUDA when present
+
+
 def _missing_paths(section: str, obj, keys) -> list[str]:
     return [f"{section}.{k}={getattr(obj, k)!r} does not exist" for k in keys
             if getattr(obj, k) is not None and not os.path.exists(getattr(obj, k))]
@@ -53,6 +68,9 @@ class ModelCfg:
     critic_init: Optional[str] = None  # torch_dist dir of a (value-pretrained) critic
     critic_head: CriticHead = CriticHead.linear
     engine_hf_dir: Optional[str] = None  # HF dir the rollout engine loads (else built from config)
+    # actor and critic params and activations (bf16: fp32 main grads / main params / Adam states via
+    # megatron's distributed optimizer); log-probs, values, advantages and losses are fp32 either way
+    dtype: DType = DType.fp32
 
     def errors(self) -> list[str]:
         out = [] if (self.tiny is None) != (self.hf_config is None) else [
@@ -66,6 +84,10 @@ class LayoutCfg:
     pp: int = 1
     ep: int = 1
     etp: Optional[int] = None
+    # uneven pipeline: layers on the first / last stage (the rest split evenly); both None and
+    # num_layers % pp != 0: split automatically (models.parallel.auto_stage_layers)
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
 
 @dataclass
@@ -99,6 +121,7 @@ class RolloutCfg:
     # released, refilled by the next weight sync); separate: the engine runs in its own process (a Ray
     # actor) and stays awake; the trainer streams weights to it
     placement: Placement = Placement.colocated
+    engine: EngineKind = EngineKind.hf  # hf: on rank 0's GPU in model.dtype when CUDA is present, else CPU
 
     def errors(self) -> list[str]:
         out = []
@@ -157,6 +180,8 @@ class AlgoCfg:
     clamp_values: bool = True
     reward_min: float = -1.0
     reward_max: float = 1.0
+    # token log-probs / entropy over at most this many tokens' fp32 logits at a time (0 = all at once)
+    logprob_chunk_tokens: int = 0
 
     def errors(self) -> list[str]:
         from megatron_s3ac.algorithms.registry import get_algo, get_policy_loss
@@ -188,6 +213,8 @@ class AlgoCfg:
             out.append(f"algo.dual_clip_c={self.dual_clip_c} must be > 1 (or null)")
         if self.tv_delta_low < 0 or self.tv_delta_high < 0:
             out.append("algo.tv_delta_low and algo.tv_delta_high must be >= 0")
+        if self.logprob_chunk_tokens < 0:
+            out.append("algo.logprob_chunk_tokens must be >= 0 (0 = unchunked)")
         return out
 
 
@@ -303,6 +330,15 @@ class TrainCfg:
     # YAML 1.1 reads a bare on/off as a boolean, which load_config maps back
     r3: str = "auto"
     r3_agreement_every: int = 1  # native-vs-rollout routing agreement every N steps (extra forward; 0 = never)
+    # activation recompute (megatron-core): none | selective (train.recompute_modules, e.g. [core_attn,
+    # mlp, moe]) | full (whole layers, train.recompute_num_layers per chunk, default 1); R3 replays
+    # the routes in the recomputed forward
+    recompute: Recompute = Recompute.none
+    recompute_modules: Optional[list] = None
+    recompute_num_layers: Optional[int] = None
+    # move the idle model's params, grads and optimizer state to host memory (models.offload): both
+    # while the colocated engine generates, the critic during the actor update and vice versa
+    offload_idle: bool = False
 
     def errors(self) -> list[str]:
         out = [] if self.r3 in R3_MODES else [f"train.r3={self.r3!r} must be auto, on or off"]
@@ -313,7 +349,31 @@ class TrainCfg:
                 out.append("train.wandb_project is set but wandb is not installed (pip install 'megatron_s3ac[wandb]')")
         if self.keep_last < 1:
             out.append("train.keep_last must be >= 1")
+        from megatron_s3ac.models.recompute import recompute_kwargs
+
+        try:
+            recompute_kwargs(self.recompute.value, self.recompute_modules, self.recompute_num_layers)
+        except ValueError as e:
+            out.append(f"train.recompute: {e}")
         return out
+
+
+@dataclass
+class ModelOptimCfg:
+    """Optimizer placement of one model (megatron-core's OptimizerConfig; models.optim.build_optimizer)."""
+    cpu_offload: bool = False  # optimizer state + update on the host (HybridDeviceOptimizer; needs CUDA)
+    offload_fraction: float = 1.0  # share of the state offloaded
+    precision_aware: bool = False  # bf16 Adam moments (needs Transformer Engine)
+
+
+@dataclass
+class OptimCfg:
+    actor: ModelOptimCfg = field(default_factory=ModelOptimCfg)
+    critic: ModelOptimCfg = field(default_factory=ModelOptimCfg)
+
+    def errors(self) -> list[str]:
+        return [f"optim.{n}.offload_fraction={getattr(self, n).offload_fraction} must be in [0, 1]"
+                for n in ("actor", "critic") if not 0 <= getattr(self, n).offload_fraction <= 1]
 
 
 @dataclass
@@ -329,10 +389,11 @@ class Config:
     demo: DemoCfg = field(default_factory=DemoCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     cluster: ClusterCfg = field(default_factory=ClusterCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
     train: TrainCfg = field(default_factory=TrainCfg)
 
 
-SECTIONS = ("model", "data", "rollout", "algo", "value_pretrain", "demo", "eval", "cluster", "train")
+SECTIONS = ("model", "data", "rollout", "algo", "value_pretrain", "demo", "eval", "cluster", "optim", "train")
 
 
 def load_config(path: Optional[str] = None, overrides: list[str] = (), check: bool = True) -> Config:
@@ -411,7 +472,8 @@ def _layout_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
 def layout_of(lay: LayoutCfg):
     from megatron_s3ac.models.parallel import ParallelLayout
 
-    return ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp)
+    return ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, first_stage_layers=lay.first_stage_layers,
+                          last_stage_layers=lay.last_stage_layers)
 
 
 def model_info_for(cfg: Config):

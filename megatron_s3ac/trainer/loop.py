@@ -135,6 +135,30 @@ class Trainer:
             self._engine_asleep = False
         return sync_weights(chunks, self.info, self.engine)
 
+    # ---- idle-model offload (train.offload_idle) -------------------------------------------------
+    def _place(self, m: dict, on=(), off=()) -> None:
+        """Models in ``off`` to host memory, those in ``on`` back (no-op without train.offload_idle);
+        seconds and bytes go to ``m`` (time/offload, mem/offload_gb, mem/<model>_<kind>_gb)."""
+        if not self.cfg.train.offload_idle:
+            return
+        from megatron_s3ac.models.offload import HostOffload
+
+        if not hasattr(self, "_offloaders"):
+            self._offloaders = {"actor": HostOffload([self.actor_ddp], self.actor_opt)}
+            if self.critic_ddp is not None:
+                self._offloaders["critic"] = HostOffload([self.critic_ddp], self.critic_opt)
+        for name in off:
+            h = self._offloaders.get(name)
+            if h is not None and not h.on_host:
+                st = h.offload()
+                m["time/offload"] = m.get("time/offload", 0.0) + st.seconds
+                m["mem/offload_gb"] = m.get("mem/offload_gb", 0.0) + st.total_bytes / 2**30
+                m.update({k: v for k, v in st.metrics(name).items() if k.startswith("mem/")})
+        for name in on:
+            h = self._offloaders.get(name)
+            if h is not None and h.on_host:
+                m["time/offload"] = m.get("time/offload", 0.0) + h.onload().seconds
+
     def _engine_sleep(self) -> None:
         """Colocated placement: release the engine's weights while the models train (rank 0)."""
         if self.engine is not None and self.cfg.rollout.placement == "colocated":
@@ -164,7 +188,7 @@ class Trainer:
         keys = {"values": ["values"], "logp": ["logp", "entropy"], "native_logp": ["logp"]}[what]
         ddp = self.critic_ddp if which == "critic" else self.actor_ddp
         loss_fn = partial(forward_outputs, what=what, vocab_size=self.info.vocab_size,
-                          temperature=self.cfg.rollout.temperature)
+                          temperature=self.cfg.rollout.temperature, chunk_tokens=self.cfg.algo.logprob_chunk_tokens or None)
         if what == "native_logp":
             ctx_fn = lambda mbs: self.r3.record_native(ddp)  # noqa: E731
         else:
@@ -312,7 +336,8 @@ class Trainer:
 
     def _actor_loss(self, mb, logits):
         return actor_loss(mb, logits, policy_loss=self.policy_loss, algo_cfg=self.cfg.algo,
-                          vocab_size=self.info.vocab_size, temperature=self.cfg.rollout.temperature)
+                          vocab_size=self.info.vocab_size, temperature=self.cfg.rollout.temperature,
+                          chunk_tokens=self.cfg.algo.logprob_chunk_tokens or None)
 
     def _critic_loss(self, mb, values):
         return critic_loss(mb, values, value_clip=self.cfg.algo.value_clip)
@@ -321,8 +346,10 @@ class Trainer:
     def step(self) -> dict:
         t0 = time.time()
         m: dict = {"step": self.step_idx}
+        self._place(m, on=["critic"] if self.daps is not None else [])  # DAPS scores prompts with V(s0)
         pids, daps_stats = self.select_prompts()
         m.update(daps_stats)
+        self._place(m, off=["actor", "critic"])  # the engine generates
         samples = self.rollout(pids)
         batch = collate(samples, self.pad_to)
         m.update(self.rollout_metrics(samples, batch))
@@ -332,16 +359,21 @@ class Trainer:
         batch, fm = self.filter_groups(batch)
         m.update(fm)
         if batch is None:
+            self._place(m, on=["actor", "critic"])
             self.step_idx += 1
             return m
         self._engine_sleep()  # from here until the weight sync only the models run
         t1 = time.time()
+        self._place(m, on=["actor", "critic"])
         m.update(self.old_logprobs(batch))
         m.update(self.advantages(batch))
         m["time/old_logp_values"] = time.time() - t1
         t2 = time.time()
+        self._place(m, off=["critic"])
         m.update(self.update_actor(batch))
+        self._place(m, on=["critic"], off=["actor"])
         m.update(self.update_critic(batch))
+        self._place(m, on=["actor"])  # both resident between steps (checkpoints, evaluation, DAPS)
         m["time/train"] = time.time() - t2
         self.skipped_steps += int(m.get("actor/skipped_minibatches", 0) + m.get("critic/skipped_minibatches", 0) > 0)
         m["skipped_steps_total"] = self.skipped_steps
