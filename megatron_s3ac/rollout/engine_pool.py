@@ -88,7 +88,11 @@ class EngineWorker:
         return self.engine.generate(prompts, params, n_samples, return_routed_experts)
 
     def call(self, method: str, args, kwargs):
-        return getattr(self.engine, method)(*args, **kwargs)
+        """engine.<method>(*args, **kwargs); method may be a dotted path (e.g. "engine.debug_...")."""
+        obj = self.engine
+        for part in method.split("."):
+            obj = getattr(obj, part)
+        return obj(*args, **kwargs)
 
     # weight sync: sessions where the engine has them (SGLangEngine), plain update_weights otherwise
     def begin_weight_update(self):
@@ -228,20 +232,19 @@ class EnginePool(RolloutEngine):
         _, late = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
         if late:
             names = ", ".join(self.label(pending[r]) for r in late)
-            self._fail(EngineTimeout(f"{names}: {what} did not finish within {timeout:g} s; killed (raise "
-                                     f"rollout.sglang timeout if it is legitimately that long)"),
-                       [pending[r] for r in late])
-            raise self._failure
+            raise self._fail(EngineTimeout(f"{names}: {what} did not finish within {timeout:g} s; killed (raise "
+                                           f"rollout.sglang.timeout_s if it is legitimately that long)"),
+                             [pending[r] for r in late])
         out = []
         for e, ref in refs:
             try:
                 out.append(ray.get(ref))
             except RayActorError as err:
-                self._fail(EngineDied(f"{self.label(e)} died during {what}: {_death_cause(err)}"), [e])
-                raise self._failure from err
+                raise self._fail(EngineDied(f"{self.label(e)} died during {what}: {_death_cause(err)}"), [e]) from err
         return out
 
-    def _fail(self, error: EnginePoolError, engines: Iterable[int]):
+    def _fail(self, error: EnginePoolError, engines: Iterable[int]) -> EnginePoolError:
+        """Record the first failure (the pool is unusable after it), kill the named engines, return error."""
         import ray
 
         if self._failure is None:
@@ -251,6 +254,7 @@ class EnginePool(RolloutEngine):
                 ray.kill(self.actors[e], no_restart=True)
             except Exception:
                 pass
+        return error
 
     def _all(self, method: str, *args, what: Optional[str] = None) -> list:
         self._check()
