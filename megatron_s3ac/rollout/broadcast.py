@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime
 import socket
-from typing import Any, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist

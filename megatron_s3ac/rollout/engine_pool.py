@@ -31,7 +31,6 @@ import dataclasses
 import inspect
 import os
 import socket
-import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets

@@ -50,9 +50,7 @@ checkpoint names. ``calls`` records every Engine call in order.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import threading
 from typing import Optional
 
 import numpy as np
@@ -109,7 +107,6 @@ class FakeSGLangEngine:
         self.dead: Optional[str] = None
         self._groups: dict = {}
         self._rng = np.random.default_rng(random_seed)
-        self._lock = threading.Lock()
         config = AutoConfig.from_pretrained(model_path)
         if getattr(config, "model_type", None) == "qwen3_moe":  # qwen3_moe.py:878: every layer sparse
             config.mlp_only_layers, config.decoder_sparse_step = [], 1

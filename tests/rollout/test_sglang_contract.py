@@ -146,12 +146,11 @@ def test_wrapper_declares_every_engine_call():
             method, args = node.args[0].value, node.args[2:]
         else:
             continue
-        if True:
-            seen.add(method)
-            assert method in wrapper.ENGINE_CALLS_USED, f"undeclared Engine method {method}"
-            assert not args, f"Engine.{method} called positionally: pass keywords so they are checked"
-            for kw in node.keywords:
-                assert kw.arg in wrapper.ENGINE_CALLS_USED[method], f"undeclared kwarg {method}({kw.arg}=)"
+        seen.add(method)
+        assert method in wrapper.ENGINE_CALLS_USED, f"undeclared Engine method {method}"
+        assert not args, f"Engine.{method} called positionally: pass keywords so they are checked"
+        for kw in node.keywords:
+            assert kw.arg in wrapper.ENGINE_CALLS_USED[method], f"undeclared kwarg {method}({kw.arg}=)"
     assert seen == set(wrapper.ENGINE_CALLS_USED)
 
 
