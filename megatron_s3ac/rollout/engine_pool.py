@@ -283,8 +283,21 @@ class EnginePool(RolloutEngine):
     def begin_weight_update(self) -> None:
         self._all("begin_weight_update")
 
+    def end_weight_update(self) -> None:
+        """Close every engine's session without the finishing flush (after a failed sync)."""
+        self._all("abandon_sync")
+
     def finish_sync(self, names: Iterable[str], require_complete: bool = False) -> None:
         self._all("finish_sync", list(names), bool(require_complete))
+
+    def load_weights_bucket(self, bucket: Sequence[tuple[str, Any]], flattened: bool = False) -> int:
+        """One bucket into every engine (inside their open sessions); blocks until all loaded. Returns bytes."""
+        import ray
+
+        self._check()
+        ref = ray.put(pack_bucket(bucket))
+        return self.wait([(e, a.load_bucket.remote(ref, flattened)) for e, a in enumerate(self.actors)],
+                         "update_weights")[0]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None,
                        flattened: bool = False, require_complete: bool = False) -> dict:

@@ -214,6 +214,8 @@ def _finish_reason(meta: dict) -> str:
 def result_status(result: Any) -> tuple[bool, str]:
     """(success, message) of an Engine call's return: a ``(bool, str)`` tuple (update/session calls,
     tokenizer_control_mixin.py:445-601) or an object/dict with ``success`` (FlushCacheReqOutput, io_struct.py:1859)."""
+    if isinstance(result, (bool, np.bool_)):
+        return bool(result), ""
     if isinstance(result, (tuple, list)) and result and isinstance(result[0], (bool, np.bool_)):
         return bool(result[0]), str(result[1]) if len(result) > 1 else ""
     if isinstance(result, dict) and "success" in result:
@@ -641,3 +643,46 @@ def _context_length(text_config: dict) -> Optional[int]:
                 factor = 1
             return int(factor * text_config[key])
     return None
+
+
+class SessionSync:
+    """Adapter that makes a bucket-by-bucket sync (``weight_sync.sync_weights`` calls ``update_weights(bucket)``
+    per bucket, then ``flush_cache()``) ONE weight-update session on a session engine (SGLangEngine, EnginePool):
+    the first bucket opens the session, each bucket is loaded in it, ``flush_cache()`` closes it (end, flush with
+    retries, completeness check). Any failure closes the session before it propagates.
+
+        sync_weights(chunks, info, SessionSync(engine, require_complete=True))
+    """
+
+    def __init__(self, engine, require_complete: bool = True, flattened: bool = False):
+        self.engine, self.require_complete, self.flattened = engine, bool(require_complete), bool(flattened)
+        self.names: list[str] = []
+        self.open = False
+
+    def update_weights(self, bucket) -> None:
+        bucket = list(bucket.items() if hasattr(bucket, "items") else bucket)
+        if not bucket:
+            return
+        try:
+            if not self.open:
+                self.engine.begin_weight_update()
+                self.open = True
+            self.engine.load_weights_bucket(bucket, flattened=self.flattened)
+        except BaseException:
+            self.abandon()
+            raise
+        self.names.extend(n for n, _ in bucket)
+
+    def flush_cache(self) -> None:
+        if not self.open:
+            self.engine.begin_weight_update()  # an empty sync still closes cleanly and flushes
+        self.open = False
+        self.engine.finish_sync(self.names, self.require_complete)
+
+    def abandon(self) -> None:
+        if self.open:
+            self.open = False
+            try:
+                self.engine.end_weight_update()
+            except Exception as err:  # the first error is the one to report
+                logger.error("closing the weight-update session after a failed sync: %s", err)

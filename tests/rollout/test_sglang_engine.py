@@ -39,11 +39,17 @@ def make(ckpt, **config):
     return engine, engine.engine
 
 
+_TEACHERS = {}
+
+
 def teacher(ckpt_or_sd, prompt, response, temperature=1.0, ckpt_dir=None):
     """transformers teacher-forced log-probs [R] and router top-k [P+R-1, L, k] on the same weights."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt_dir or ckpt_or_sd, dtype=torch.float32).eval()
+    path = ckpt_dir or ckpt_or_sd
+    if path not in _TEACHERS:
+        _TEACHERS[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _TEACHERS[path]
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
         out = model(ids, output_router_logits=True)
@@ -84,11 +90,11 @@ def test_generate_matches_transformers_teacher_forced(ckpt):
 
 def test_seeds_distinct_without_params_seed_unlike_sglang_default_42(ckpt):
     engine, fake = make(ckpt)
-    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
-    group = engine.generate([PROMPTS[0]], params, n_samples=4)[0]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    group = engine.generate([PROMPTS[0]], params, n_samples=3)[0]
     assert len({tuple(s.response_ids) for s in group}) > 1
     # the stand-in follows sglang: no sampling_seed under deterministic inference -> seed 42 for all
-    raw = fake.generate(input_ids=[PROMPTS[0]] * 3, sampling_params=[{"max_new_tokens": 8, "ignore_eos": True}] * 3,
+    raw = fake.generate(input_ids=[PROMPTS[0]] * 2, sampling_params=[{"max_new_tokens": 6, "ignore_eos": True}] * 2,
                         return_logprob=True)
     assert len({tuple(o["output_ids"]) for o in raw}) == 1
 
@@ -104,6 +110,30 @@ def test_weight_update_is_one_session_and_loads_what_was_sent(ckpt, other_weight
     served = fake.debug_checkpoint_state_dict()
     for name, t in other_weights.items():
         torch.testing.assert_close(served[name], t, rtol=0, atol=0)
+
+
+def test_bucket_by_bucket_sync_is_one_session(ckpt, other_weights):
+    """weight_sync.sync_weights feeds update_weights(bucket) per bucket then flush_cache(): SessionSync turns that
+    into one session (sglang would otherwise open/close one per bucket, or load nothing without one)."""
+    from megatron_s3ac.rollout.base import iter_buckets
+    from megatron_s3ac.rollout.sglang_engine import SessionSync
+
+    engine, fake = make(ckpt)
+    fake.calls.clear()
+    sync = SessionSync(engine, require_complete=True)
+    for bucket in iter_buckets(other_weights.items(), 16 * 1024):
+        sync.update_weights(bucket)
+    sync.flush_cache()
+    n = fake.calls.count("update_weights_from_tensor")
+    assert n > 1 and fake.calls == ["begin_weight_update"] + ["update_weights_from_tensor"] * n + [
+        "end_weight_update", "flush_cache"]
+    for name, t in other_weights.items():
+        torch.testing.assert_close(fake.debug_checkpoint_tensor(name), t, rtol=0, atol=0)
+    sync = SessionSync(engine, require_complete=True)  # an incomplete sync is refused at the end
+    sync.update_weights(list(other_weights.items())[:2])
+    with pytest.raises(WeightUpdateError, match="left .* served tensors unsent"):
+        sync.flush_cache()
+    assert fake.session is None
 
 
 def test_flattened_buckets_one_payload_per_bucket(ckpt, other_weights):
