@@ -15,7 +15,7 @@ from megatron_s3ac.rollout.base import SamplingParams, iter_buckets
 from megatron_s3ac.rollout.broadcast import WeightBroadcaster
 from megatron_s3ac.rollout.engine_pool import EngineDied, EnginePool, EngineTimeout, split_evenly
 from megatron_s3ac.rollout.factory import SGLangSettings, make_engine_factory
-from megatron_s3ac.rollout.sglang_engine import WeightUpdateError
+from megatron_s3ac.rollout.sglang_engine import SessionSync, WeightUpdateError
 
 from fake_sglang import FakeSGLangEngine, save_tiny_qwen3_moe
 
@@ -90,6 +90,19 @@ def test_update_weights_reaches_every_engine(pool, weights):
     for e in range(2):
         got = served(p, e)
         for name, t in weights[0].items():
+            torch.testing.assert_close(got[name], t, rtol=0, atol=0)
+    # the trainer's bucket-by-bucket feed (weight_sync.sync_weights) through SessionSync: one session per engine
+    sync = SessionSync(p, require_complete=True)
+    for bucket in iter_buckets(weights[1].items(), 16 * 1024):
+        sync.update_weights(bucket)
+    sync.flush_cache()
+    for e, calls in enumerate(p.call_all("engine.calls.copy")):
+        tail = calls[len(calls) - 1 - calls[::-1].index("begin_weight_update"):]
+        n = tail.count("update_weights_from_tensor")
+        assert n > 1 and tail == ["begin_weight_update"] + ["update_weights_from_tensor"] * n + [
+            "end_weight_update", "flush_cache"]
+        got = served(p, e)
+        for name, t in weights[1].items():
             torch.testing.assert_close(got[name], t, rtol=0, atol=0)
 
 
