@@ -34,6 +34,11 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+# Test seam: a stand-in class used instead of sglang.Engine by factories made while it is set (the CPU tests set
+# it to tests/rollout/fake_sglang.FakeSGLangEngine; it travels inside the factory, by reference).
+SGLANG_ENGINE_CLS = None
+
+
 class ConfigError(ValueError):
     """A config value is invalid; the message starts with the dotted key."""
 
@@ -79,9 +84,9 @@ def validate_sglang_settings(s: SGLangSettings, prefix: str = "rollout.sglang", 
                              placement: str = "colocated") -> None:
     """Raise ConfigError naming the dotted key of the first inconsistent value.
 
-    cluster_gpus: GPUs of the whole job; trainer_gpus: GPUs the trainer uses. Colocated: the engines share the
-    trainer's GPUs (num_engines x gpus_per_engine == trainer_gpus); separate: they need their own
-    (trainer_gpus + num_engines x gpus_per_engine <= cluster_gpus).
+    cluster_gpus: GPUs of the whole job; trainer_gpus: GPUs the trainer uses. Colocated: the engines live on the
+    trainer's GPUs (num_engines x gpus_per_engine <= trainer_gpus, at most one engine shard per GPU); separate:
+    they need their own (trainer_gpus + num_engines x gpus_per_engine <= cluster_gpus).
     """
     def bad(key, msg):
         raise ConfigError(f"{prefix}.{key}: {msg}")
@@ -116,10 +121,10 @@ def validate_sglang_settings(s: SGLangSettings, prefix: str = "rollout.sglang", 
         bad("gpus_per_engine", f"{s.gpus_per_engine} GPUs span nodes of {s.gpus_per_node} GPUs: it must be a "
                                f"multiple of gpus_per_node (whole nodes)")
     need = s.num_engines * s.gpus_per_engine
-    if placement == "colocated" and trainer_gpus is not None and need != trainer_gpus:
+    if placement == "colocated" and trainer_gpus is not None and need > trainer_gpus:
         bad("num_engines", f"{s.num_engines} engines x {s.gpus_per_engine} GPUs = {need} GPUs, but colocated engines "
-                           f"share the trainer's {trainer_gpus} GPUs one-to-one: use num_engines = "
-                           f"{trainer_gpus // s.gpus_per_engine if trainer_gpus % s.gpus_per_engine == 0 else '?'}")
+                           f"live on the trainer's {trainer_gpus} GPUs (one engine shard per GPU): use num_engines "
+                           f"<= {trainer_gpus // s.gpus_per_engine}")
     if placement == "separate" and cluster_gpus is not None:
         have = cluster_gpus - (trainer_gpus or 0)
         if need > have:
@@ -222,6 +227,8 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
         raise ConfigError("rollout.engine: sglang needs an HF checkpoint directory (model_dir)")
     if kind == "cpu" and not model_dir and hf_config is None:
         raise ValueError("the CPU engine needs model_dir or hf_config")
+    if kind == "sglang" and engine_cls is None:
+        engine_cls = SGLANG_ENGINE_CLS
     return EngineFactory(kind, model_dir, hf_config, settings, seed, return_routed_experts, engine_cls, torch_threads)
 
 
