@@ -253,8 +253,9 @@ def check_servable(hf_config: Optional[dict], what: str = "the model") -> None:
 
 
 def served_weight_shapes(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
-    """{checkpoint name: shape} of the HF checkpoint at model_path: the safetensors headers (index or
-    single file), read without loading data; None if the directory has no safetensors."""
+    """{checkpoint name: shape} of the HF checkpoint at model_path: its safetensors headers (index or single file,
+    read without loading data), else what its config.json describes (the transformers model built on the meta
+    device, under checkpoint names); None if neither exists."""
     from safetensors import safe_open
 
     index = os.path.join(model_path, "model.safetensors.index.json")
@@ -263,6 +264,8 @@ def served_weight_shapes(model_path: str) -> Optional[dict[str, tuple[int, ...]]
             files = sorted(set(json.load(f)["weight_map"].values()))
     elif os.path.isfile(os.path.join(model_path, "model.safetensors")):
         files = ["model.safetensors"]
+    elif os.path.isfile(os.path.join(model_path, "config.json")):
+        return _config_weight_shapes(model_path)
     else:
         return None
     shapes = {}
@@ -271,6 +274,21 @@ def served_weight_shapes(model_path: str) -> Optional[dict[str, tuple[int, ...]]
             for key in f.keys():
                 shapes[key] = tuple(f.get_slice(key).get_shape())
     return shapes
+
+
+def _config_weight_shapes(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        cfg = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        return {k: tuple(v.shape) for k, v in revert_weight_conversion(model, dict(model.state_dict())).items()}
+    except Exception as err:  # an architecture transformers does not know: no check possible
+        logger.warning("cannot derive weight names from %s/config.json: %s", model_path, err)
+        return None
 
 
 def _flat_bucket(bucket: Sequence[tuple[str, Any]]) -> dict:
@@ -350,7 +368,7 @@ class SGLangEngine(RolloutEngine):
             served_shapes = served_weight_shapes(config.model_path)
         self.served_shapes = {k: tuple(v) for k, v in served_shapes.items()} if served_shapes else None
         if self.served_shapes is None:
-            logger.warning("%s: no safetensors at %s; weight names/shapes cannot be checked before sending",
+            logger.warning("%s: no safetensors or config at %s; weight names/shapes cannot be checked before sending",
                            name, config.model_path)
         self._released: set[str] = set()
         self._weights_lost = False  # weights released without a CPU backup and not re-sent since

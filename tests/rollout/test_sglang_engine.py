@@ -180,6 +180,16 @@ def test_unknown_names_refused_before_sending(ckpt, other_weights):
         engine.update_weights([(name, other_weights[name][:1])])
 
 
+def test_served_names_from_config_alone(ckpt, tmp_path):
+    """Without safetensors (only config.json) the served names/shapes come from the config."""
+    import shutil
+
+    from megatron_s3ac.rollout.sglang_engine import served_weight_shapes
+
+    shutil.copy(f"{ckpt}/config.json", tmp_path / "config.json")
+    assert served_weight_shapes(str(tmp_path)) == served_weight_shapes(ckpt)
+
+
 def test_busy_flush_is_retried_then_refused(ckpt, other_weights):
     engine, fake = make(ckpt)
     fake.busy_flushes = 3
