@@ -408,8 +408,16 @@ class SGLangEngine(RolloutEngine):
         self._calls += 1
         base = self._seed_base + self._calls * 1_000_000 if params.seed is None else None
         sampling = [to_sglang_sampling_params(params, seed_offset=k, base_seed=base) for k in range(len(requests))]
-        outputs = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True,
-                                       return_routed_experts=return_routed_experts)
+        try:
+            outputs = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True,
+                                           return_routed_experts=return_routed_experts)
+        except ValueError as err:  # context length unknown here: sglang refused the whole batch; name the prompt
+            ctx = _context_from_message(str(err))
+            if ctx is None:
+                raise
+            self.context_length = ctx
+            self._check_lengths(prompts, params.max_new_tokens)
+            raise
         if len(outputs) != len(requests):
             raise SGLangError(f"{self.name}: {len(outputs)} outputs for {len(requests)} requests")
         samples = [self._to_sample(p, out, return_routed_experts) for p, out in zip(requests, outputs)]
@@ -649,6 +657,14 @@ class SGLangEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _context_from_message(msg: str) -> Optional[int]:
+    """The context length in sglang's refusal (tokenizer_manager.py:1341-1375), if it is one."""
+    import re
+
+    m = re.search(r"context length \((\d+) tokens\)|maximum context length of (\d+) tokens", msg)
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 def _context_length(text_config: dict) -> Optional[int]:

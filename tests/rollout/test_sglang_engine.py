@@ -256,6 +256,9 @@ def test_prompts_over_the_context_are_refused_up_front(ckpt):
     assert "generate" not in fake.calls
     with pytest.raises(ValueError, match="exceeds the model's maximum context length"):  # sglang: whole batch
         fake.generate(input_ids=[[4, 5], [4] * 12], sampling_params=[{"max_new_tokens": 8}] * 2)
+    engine.context_length = None  # not known up front (e.g. an injected engine): sglang's refusal is translated
+    with pytest.raises(PromptTooLongError, match="prompt 1 has 12 tokens"):
+        engine.generate([[4, 5], [4] * 12], SamplingParams(max_new_tokens=8))
 
 
 def test_qwen3_moe_with_dense_layers_is_refused(tmp_path):
