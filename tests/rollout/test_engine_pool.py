@@ -48,7 +48,14 @@ def pool(ckpt):
         ray.cloudpickle.register_pickle_by_value(m)
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        for attempt in range(3):  # Ray gives its raylet 30 s to register: an overloaded CI box can miss that
+            try:
+                ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+                break
+            except Exception:
+                ray.shutdown()
+                if attempt == 2:
+                    raise
     factory = make_engine_factory("sglang", model_dir=ckpt, settings=SGLangSettings(num_engines=2, bucket_mb=1),
                                   engine_cls=FakeSGLangEngine, torch_threads=1)
     p = EnginePool(factory, 2, cpus_per_engine=0.5, timeout_s=120, start_timeout_s=300)
