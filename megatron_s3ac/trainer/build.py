@@ -11,7 +11,6 @@ import dataclasses
 import math
 import os
 import shutil
-from functools import partial
 from typing import Optional
 
 import torch
@@ -107,7 +106,7 @@ def build_actor(cfg: Config, info, layout, r3_overrides: dict, before_build=None
     from megatron.core import dist_checkpointing
 
     from megatron_s3ac.models.actor_critic import build_actor as _build, build_transformer_config
-    from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
+    from megatron_s3ac.models.optim import wrap_ddp
 
     a = cfg.algo
     config = build_transformer_config(info, layout, **_config_kw(cfg), **r3_overrides)
@@ -128,7 +127,7 @@ def build_critic(cfg: Config, info, layout, init_from_actor) -> Model:
     from megatron.core import dist_checkpointing
 
     from megatron_s3ac.models.actor_critic import ValueHeadConfig, build_critic as _build, build_transformer_config
-    from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
+    from megatron_s3ac.models.optim import wrap_ddp
 
     a = cfg.algo
     config = build_transformer_config(info, layout, **_config_kw(cfg))
@@ -256,18 +255,29 @@ def build_data(cfg: Config, use_daps: bool) -> PromptData:
 
 
 def build_engine(cfg: Config, info):
-    """Rank 0's rollout engine: in this process (colocated) or in its own Ray actor process
-    (separate: ``rollout.RemoteEngine``; same engine code, so the same samples for the same seed).
+    """Rank 0's rollout engine, chosen by ``rollout.engine`` through ``rollout.factory`` (the one factory of
+    training, evaluation and coverage data). cpu: in this process (colocated) or its own Ray actor (separate:
+    ``RemoteEngine``; same engine code, so the same samples for the same seed). sglang: ``rollout.sglang.num_engines``
+    engines (an ``EnginePool`` of Ray actors; one colocated engine runs in this process).
     Returns (engine, owns_ray): a Ray started here is shut down by ``Trainer.close``."""
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.factory import build_rollout_engine, make_engine_factory
+    from megatron_s3ac.trainer.config import EngineKind, Placement, engine_model_dir
 
-    # rollout.engine=hf: transformers' model on this rank's GPU in model.dtype when CUDA is present
-    # (the single-GPU loop without SGLang), else on the CPU
-    dev = dict(dtype=model_dtype(cfg), device="cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.rollout.placement == "separate":
-        dev = dict(dtype=model_dtype(cfg))  # its own process decides its device
-    if cfg.model.engine_hf_dir:
-        factory = partial(CPUEngine.from_pretrained, cfg.model.engine_hf_dir, **dev)
+    r = cfg.rollout
+    placement = Placement(r.placement).value
+    kind = EngineKind(r.engine).value
+    in_process = placement == "colocated" and (kind != "sglang" or r.sglang.num_engines == 1)
+    threads = None if in_process else cfg.train.threads  # an engine process's own torch threads
+    # cpu / hf: transformers' model in model.dtype; hf puts it on this rank's GPU when CUDA is present (the
+    # single-GPU loop without SGLang); an engine in its own process decides its device
+    dev = dict(dtype=model_dtype(cfg))
+    if in_process:
+        dev["device"] = "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"
+    if kind == "sglang":
+        factory = make_engine_factory("sglang", model_dir=engine_model_dir(cfg), settings=r.sglang,
+                                      seed=cfg.train.seed, torch_threads=threads)
+    elif cfg.model.engine_hf_dir:
+        factory = make_engine_factory(kind, model_dir=cfg.model.engine_hf_dir, torch_threads=threads, **dev)
     else:
         if cfg.model.tiny is None:
             from transformers import AutoConfig
@@ -277,15 +287,14 @@ def build_engine(cfg: Config, info):
             from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
 
             hf = tiny_arithmetic_hf_config()
-        factory = partial(CPUEngine.from_config, hf, **dev)  # weights come from the actor right after
-    if cfg.rollout.placement == "separate":
-        import ray
+        # weights come from the actor right after
+        factory = make_engine_factory(kind, hf_config=hf, torch_threads=threads, **dev)
+    if in_process:
+        return factory(), False
+    import ray
 
-        from megatron_s3ac.rollout.remote import RemoteEngine
-
-        owns_ray = not ray.is_initialized()
-        return RemoteEngine(factory, num_cpus=1, torch_threads=cfg.train.threads), owns_ray
-    return factory(), False
+    owns_ray = not ray.is_initialized()
+    return build_rollout_engine(factory, placement), owns_ray
 
 
 def reset_optimizer(opt, lr: float) -> None:

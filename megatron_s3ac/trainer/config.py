@@ -15,6 +15,8 @@ from typing import Dict, Optional
 
 from omegaconf import OmegaConf
 
+from megatron_s3ac.rollout.factory import SGLangSettings
+
 
 class ConfigError(ValueError):
     """An invalid experiment config; the message lists every broken rule by its dotted key."""
@@ -29,6 +31,12 @@ class Task(str, enum.Enum):
 class Placement(str, enum.Enum):
     colocated = "colocated"
     separate = "separate"
+
+
+class EngineKind(str, enum.Enum):
+    cpu = "cpu"  # transformers' model in this project's engine (rollout.cpu_engine), on the CPU
+    hf = "hf"  # the same engine on rank 0's GPU in model.dtype when CUDA is present
+    sglang = "sglang"
 
 
 class CriticHead(str, enum.Enum):
@@ -49,10 +57,6 @@ class Recompute(str, enum.Enum):
     none = "none"
     selective = "selective"
     full = "full"
-
-
-class EngineKind(str, enum.Enum):
-    hf = "hf"  # transformers' model in this project's engine (rollout.cpu_engine), CUDA when present
 
 
 def _missing_paths(section: str, obj, keys) -> list[str]:
@@ -121,10 +125,20 @@ class RolloutCfg:
     # released, refilled by the next weight sync); separate: the engine runs in its own process (a Ray
     # actor) and stays awake; the trainer streams weights to it
     placement: Placement = Placement.colocated
-    engine: EngineKind = EngineKind.hf  # hf: on rank 0's GPU in model.dtype when CUDA is present, else CPU
+    # cpu: CPUEngine (transformers, exact; the demo); hf: the same engine on rank 0's GPU in model.dtype when
+    # CUDA is present; sglang: sglang==0.5.23 engines (rollout.sglang; docs/rollout.md)
+    engine: EngineKind = EngineKind.cpu
+    sglang: SGLangSettings = field(default_factory=SGLangSettings)
 
     def errors(self) -> list[str]:
         out = []
+        if self.engine == EngineKind.sglang:
+            from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_sglang_settings
+
+            try:
+                validate_sglang_settings(self.sglang)
+            except EngineConfigError as e:
+                out.append(str(e))
         if self.k < 1 or self.prompts_per_step < 1:
             out.append("rollout.k and rollout.prompts_per_step must be >= 1")
         if self.reward_workers < 1 or not self.reward_timeout_s > 0:
@@ -440,6 +454,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         errs.append(f"rollout batch {r.prompts_per_step}x{r.k} is smaller than algo.actor_minibatches={a.actor_minibatches}")
     if cfg.model.tiny is not None and cfg.data.task != Task.arithmetic:
         errs.append("model.tiny=arithmetic_moe uses the character vocabulary: data.task must be arithmetic")
+    if not errs:
+        errs += _engine_errors(cfg, world_size)
     if cfg.train.r3 == "on" and not errs:
         try:
             if not model_info_for(cfg).is_moe:
@@ -450,6 +466,33 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         errs += _layout_errors(cfg, world_size)
     if errs:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+def engine_model_dir(cfg: Config) -> Optional[str]:
+    """The HF directory the rollout engine starts from: model.engine_hf_dir, else model.hf_config's directory."""
+    path = cfg.model.engine_hf_dir or cfg.model.hf_config
+    if path and os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    return path
+
+
+def _engine_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """rollout.engine against the model (sglang cannot serve every model) and rollout.sglang against the GPUs."""
+    from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError
+    from megatron_s3ac.rollout.factory import validate_rollout_engine, validate_sglang_settings
+
+    r = cfg.rollout
+    tiny = None if cfg.model.tiny is None else TinyModel(cfg.model.tiny).value
+    try:
+        validate_rollout_engine(EngineKind(r.engine).value, model_dir=engine_model_dir(cfg), tiny=tiny)
+        if r.engine == EngineKind.sglang:
+            if world_size is None:
+                world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+            validate_sglang_settings(r.sglang, cluster_gpus=cfg.cluster.gpus, trainer_gpus=world_size,
+                                     placement=Placement(r.placement).value)
+    except EngineConfigError as e:
+        return [str(e)]
+    return []
 
 
 def _layout_errors(cfg: Config, world_size: Optional[int]) -> list[str]:

@@ -126,14 +126,27 @@ class Trainer:
     # ---- the engine: weight sync, sleep ----------------------------------------------------------
     def sync_weights(self):
         """The one weight path, actor -> engine. Collective: every rank joins the export; rank 0's
-        engine receives every pipeline stage's tensors (rollout.weight_sync gathers them)."""
+        engine receives every pipeline stage's tensors (rollout.weight_sync gathers them).
+        SGLang engines (sessions): the whole sync is one weight-update session (``SessionSync``), checked
+        complete, and a colocated engine wakes in sglang's order: weights -> sync -> kv_cache + cuda_graph."""
+        from megatron_s3ac.rollout.sglang_engine import SessionSync
         from megatron_s3ac.rollout.weight_sync import sync_weights
 
         chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
-        if self.engine is not None and self._engine_asleep:
-            self.engine.wake()  # weights re-allocated but stale: the sync below must refill every one
+        target, sessions, kw = self.engine, hasattr(self.engine, "begin_weight_update"), {}
+        if sessions:
+            sg = self.cfg.rollout.sglang
+            target = SessionSync(self.engine, require_complete=True, flattened=sg.flattened_buckets)
+            kw["bucket_bytes"] = sg.bucket_bytes
+        woke = self.engine is not None and self._engine_asleep
+        if woke:
+            # weights re-allocated but stale: the sync below must refill every one
+            self.engine.wake(["weights"]) if sessions else self.engine.wake()
             self._engine_asleep = False
-        return sync_weights(chunks, self.info, self.engine)
+        stats = sync_weights(chunks, self.info, target, **kw)
+        if woke and sessions:
+            self.engine.wake(["kv_cache", "cuda_graph"])
+        return stats
 
     # ---- idle-model offload (train.offload_idle) -------------------------------------------------
     def _place(self, m: dict, on=(), off=()) -> None:
@@ -262,18 +275,27 @@ class Trainer:
                                     seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
             groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
                                           return_routed_experts=self.r3_on)
-            flat = [(pid, s) for pid, group in zip(pids.tolist(), groups) for s in group]
+            # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
+            # need all K samples; counted in rollout/aborted*
+            aborted = sum(s.finish_reason == "abort" for g in groups for s in g)
+            kept = [(pid, g) for pid, g in zip(pids.tolist(), groups) if all(s.finish_reason != "abort" for s in g)]
+            self._aborted = (aborted, len(groups) - len(kept))
+            flat = [(pid, s) for pid, group in kept for s in group]
             rewards = self._score([self.decode(s.response_ids) for _, s in flat],
-                                  [self.prompts[pid].reference for pid, _ in flat])
+                                  [self.prompts[pid].reference for pid, _ in flat]) if flat else []
             payload = [[{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
                          "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
                          "finish": s.finish_reason, "routes": s.routed_experts}
                         for (pid, s), rew in zip(flat, rewards)]]
+            payload = [(payload[0], self._aborted)]
         dist.broadcast_object_list(payload, src=0)
-        return payload[0]
+        samples, self._aborted = payload[0]
+        return samples
 
     def rollout_metrics(self, samples: list[dict], batch: RolloutBatch) -> dict:
-        m = {"rollout/reward_mean": float(batch.scores.mean()),
+        aborted = getattr(self, "_aborted", (0, 0))
+        m = {"rollout/aborted": aborted[0], "rollout/aborted_groups": aborted[1],
+             "rollout/reward_mean": float(batch.scores.mean()),
              "rollout/pass_rate": float((batch.scores > 0).float().mean()),
              "rollout/response_len": float(batch.resp_len.float().mean()),
              "rollout/truncated_frac": sum(s["finish"] == "length" for s in samples) / len(samples)}
@@ -351,6 +373,11 @@ class Trainer:
         m.update(daps_stats)
         self._place(m, off=["actor", "critic"])  # the engine generates
         samples = self.rollout(pids)
+        if not samples:  # every group had an aborted sample: nothing to train on this step
+            m.update({"rollout/aborted": self._aborted[0], "rollout/aborted_groups": self._aborted[1],
+                      "time/rollout": time.time() - t0})
+            self.step_idx += 1
+            return m
         batch = collate(samples, self.pad_to)
         m.update(self.rollout_metrics(samples, batch))
         if self.daps is not None:
@@ -402,8 +429,9 @@ class Trainer:
         if getattr(self, "reward_pool", None) is not None:
             self.reward_pool.close()
             self.reward_pool = None
-        if self.cfg.rollout.placement == "separate" and getattr(self, "engine", None) is not None:
-            self.engine.close()  # the engine's own process
+        if getattr(self, "engine", None) is not None and (self.cfg.rollout.placement == "separate"
+                                                          or hasattr(self.engine, "begin_weight_update")):
+            getattr(self.engine, "close", self.engine.shutdown)()  # the engine's own processes
             self.engine = None
             if getattr(self, "_owns_ray", False):
                 import ray
