@@ -285,3 +285,21 @@ def sglang_block_problems(names: Iterable[tuple[str, Sequence[int], object]], ke
 def fp8_nbytes(shape: Sequence[int], block: Sequence[int] = BLOCK) -> int:
     """Bytes of an fp8 weight plus its float32 scales."""
     return math.prod(shape) + 4 * math.prod(scale_shape(shape, block))
+
+
+class Fp8WeightUpdates:
+    """An engine whose ``update_weights`` receives the block-FP8 form of what it is sent.
+
+    ``Fp8WeightUpdates(engine, keep)`` wraps any rollout engine (duck-typed: ``update_weights``); every
+    other attribute is the engine's. The weight sync passes it in place of the engine when
+    ``rollout.weights_dtype`` is fp8, so the converter's export stream (one name mapping) is quantized
+    bucket by bucket on the engine rank, right before the engine loads it."""
+
+    def __init__(self, engine, keep: Sequence[str] = DEFAULT_KEEP, block: Sequence[int] = BLOCK):
+        self.engine, self.keep, self.block = engine, check_keep(keep), tuple(block)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(quantize_stream(named_tensors, self.keep, self.block))
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)

@@ -186,3 +186,24 @@ def test_sglang_block_problems():
     probs = sglang_block_problems(shapes)
     assert len(probs) == 2 and "k_proj" in probs[0] and "96 rows" in probs[1]
     assert math.prod(scale_shape((4, 192, 256))) == 4 * 2 * 2
+
+
+def test_weight_updates_wrapper():
+    from megatron_s3ac.convert.fp8 import Fp8WeightUpdates
+
+    class Engine:
+        top_k = 2
+
+        def __init__(self):
+            self.got = []
+
+        def update_weights(self, named):
+            self.got += list(named)
+
+    e = Engine()
+    w = Fp8WeightUpdates(e)
+    src = [("model.layers.0.mlp.down_proj.weight", torch.randn(8, 16)), ("model.norm.weight", torch.randn(8))]
+    w.update_weights(iter(src))
+    assert [n for n, _ in e.got] == ["model.layers.0.mlp.down_proj.weight",
+                                     "model.layers.0.mlp.down_proj.weight_scale_inv", "model.norm.weight"]
+    assert e.got[0][1].dtype == torch.float8_e4m3fn and w.top_k == 2
