@@ -207,3 +207,18 @@ def test_weight_updates_wrapper():
     assert [n for n, _ in e.got] == ["model.layers.0.mlp.down_proj.weight",
                                      "model.layers.0.mlp.down_proj.weight_scale_inv", "model.norm.weight"]
     assert e.got[0][1].dtype == torch.float8_e4m3fn and w.top_k == 2
+
+
+def test_real_qwen3_moe_shapes_are_sglang_loadable():
+    """Qwen3-30B-A3B's geometry (head_dim 128, moe_intermediate 768): the plan's tensors raise no
+    SGLang block-shape problem, and the default keep list keeps exactly router/embeddings/lm_head."""
+    from megatron_s3ac.convert.plan import build_plan
+    from megatron_s3ac.models.registry import model_info
+    from megatron_s3ac.testing.tiny_models import tiny_config
+
+    cfg = tiny_config("qwen3_moe", hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                      moe_intermediate_size=768, intermediate_size=6144, num_experts=8, num_hidden_layers=2,
+                      vocab_size=1024).to_dict()
+    shapes = [(n, s, "bfloat16") for n, s in build_plan(model_info(cfg)).hf_shapes.items()]
+    assert sglang_block_problems(shapes) == []
+    assert quantization_config(shapes)["modules_to_not_convert"] == ["embed_tokens", "lm_head", "mlp.gate"]
