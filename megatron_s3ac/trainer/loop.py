@@ -133,7 +133,13 @@ class Trainer:
         if self.engine is not None and self._engine_asleep:
             self.engine.wake()  # weights re-allocated but stale: the sync below must refill every one
             self._engine_asleep = False
-        return sync_weights(chunks, self.info, self.engine)
+        engine = self.engine
+        if engine is not None and self.cfg.rollout.weights_dtype == "fp8":  # quantized bucket by bucket
+            from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, Fp8WeightUpdates
+
+            keep = self.cfg.rollout.fp8_keep
+            engine = Fp8WeightUpdates(engine, DEFAULT_KEEP if keep is None else tuple(keep))
+        return sync_weights(chunks, self.info, engine)
 
     def _engine_sleep(self) -> None:
         """Colocated placement: release the engine's weights while the models train (rank 0)."""
@@ -288,10 +294,17 @@ class Trainer:
         m = dict(out.metrics)
         if self.spec.uses_is_corrections:
             old, beh = batch.old_logp, batch.rollout_logp
-            batch.is_w = A.token_is_weights(old, beh, mask, cap=a.tis_cap)
-            batch.keep = (A.icepop_mask(old, beh, mask, a.icepop_low, a.icepop_high)
-                          * A.mis_sequence_mask(old, beh, mask, a.mis_threshold))
-            m["mismatch/keep_frac"] = float(A.masked_mean(batch.keep, mask))
+            is_w = A.token_is_weights(old, beh, mask, cap=a.tis_cap)
+            ice = A.icepop_mask(old, beh, mask, a.icepop_low, a.icepop_high)
+            mis = A.mis_sequence_mask(old, beh, mask, a.mis_threshold)
+            keep = ice * mis
+            rows = mask.bool().any(1)
+            m.update({"mismatch/keep_frac": float(A.masked_mean(keep, mask)),
+                      "mismatch/is_weight_mean": float(A.masked_mean(is_w, mask)),
+                      "mismatch/icepop_masked_frac": float(1 - A.masked_mean(ice, mask)),  # of tokens
+                      "mismatch/mis_masked_frac": float(((mis.amax(1) == 0) & rows).sum() / rows.sum().clamp(min=1))})
+            if a.mismatch_corrections:
+                batch.is_w, batch.keep = is_w, keep
         adv = batch.adv
         m["adv/mean"] = float(A.masked_mean(adv if adv.dim() == 2 else adv[:, None].expand_as(mask), mask))
         return m
