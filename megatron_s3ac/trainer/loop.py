@@ -279,7 +279,10 @@ class Trainer:
         old = self._forward_only("actor", batch, "logp")
         batch.old_logp = old["logp"]
         m = {"rollout/entropy": float(A.masked_mean(old["entropy"], batch.mask)),
-             "mismatch/train_rollout_kl": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask))}
+             "mismatch/train_rollout_kl": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask)),
+             # the same gap whatever the routing (R3 on or off): |log pi_train - log pi_rollout| and k3 KL
+             "mismatch/logprob_abs_diff": float(A.masked_mean((batch.old_logp - batch.rollout_logp).abs(), batch.mask)),
+             "mismatch/kl_k3": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask, kind="k3"))}
         if self.r3_on:
             m.update(self.r3.step_metrics(self.step_idx, batch.old_logp, batch.rollout_logp, batch.mask,
                                           lambda: self._forward_only("actor", batch, "native_logp")))

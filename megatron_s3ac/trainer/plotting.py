@@ -17,7 +17,7 @@ PANELS = [  # (title, metric keys, file); an entry of None = the per-benchmark k
     ("explained variance", ["critic/explained_variance"], "explained_variance.png"),
     ("trajectories discarded by the group filter", ["filter/discarded_trajectories"], "discarded.png"),
     # training-inference mismatch (nonzero with rollout.weights_dtype=fp8; docs/fp8.md)
-    ("train/rollout mismatch", ["mismatch/train_rollout_kl", "r3/kl_k3", "r3/logprob_abs_diff",
+    ("train/rollout mismatch", ["mismatch/train_rollout_kl", "mismatch/kl_k3", "mismatch/logprob_abs_diff",
                                 "r3/native_logprob_abs_diff"], "mismatch.png"),
     ("masked by corrections (IcePoP: tokens, MIS: responses)", ["mismatch/icepop_masked_frac",
                                                                 "mismatch/mis_masked_frac"], "masked.png"),

@@ -77,3 +77,16 @@ def test_mismatch_metrics_and_switch(enabled):
         assert batch.keep is not None and float(batch.keep[0].sum()) == 0 and float(batch.is_w[0, 1]) == 2.0
     else:
         assert batch.is_w is None and batch.keep is None
+
+
+def test_gap_metrics_without_r3():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    beh = torch.tensor([[-1.2, -1.9, 5.0], [-0.5, 9.0, 0.0]])
+    batch = SimpleNamespace(mask=mask, rollout_logp=beh, old_logp=None)
+    fake = SimpleNamespace(r3_on=False, _forward_only=lambda which, b, what: {"logp": old, "entropy": torch.zeros(2, 3)})
+    m = Trainer.old_logprobs(fake, batch)
+    assert m["mismatch/logprob_abs_diff"] == pytest.approx((0.2 + 0.1 + 0.0) / 3)
+    d = (beh - old).double()  # log q - log p, q = rollout (approx_kl sums in float64)
+    k3 = (torch.exp(-d) - 1 + d)[mask.bool()].mean()
+    assert m["mismatch/kl_k3"] == pytest.approx(float(k3), rel=1e-6)
