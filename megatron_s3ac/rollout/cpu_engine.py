@@ -330,6 +330,8 @@ class CPUEngine(RolloutEngine):
         instead of transformers' text-only causal LM of it."""
         from transformers import AutoTokenizer
 
+        if _fp8_checkpoint(path):  # block-FP8 (SGLang layout): dequantized on load, see _from_fp8
+            return _from_fp8(cls, path, tokenizer, dtype, multimodal, **kwargs)
         model = _auto_class(multimodal).from_pretrained(path, dtype=dtype, **kwargs)
         if tokenizer == "auto":
             try:
@@ -374,9 +376,12 @@ class CPUEngine(RolloutEngine):
         return self._get_weight_map().names()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load (hf_name, tensor) pairs; raises KeyError on unknown names, ValueError on bad shapes."""
+        """Load (hf_name, tensor) pairs; raises KeyError on unknown names, ValueError on bad shapes.
+        Block-FP8 weights come as (name, float8_e4m3fn) + (name + "_scale_inv", float32) pairs, in either
+        order and possibly in different calls; each is loaded dequantized (q * scale_inv, convert/fp8.py)
+        once both halves have arrived, and ``generate`` refuses to run while one is unpaired."""
         weight_map = self._get_weight_map()
-        for name, tensor in named_tensors:
+        for name, tensor in self._dequantized(named_tensors):
             owner, part = weight_map.load(name, torch.as_tensor(tensor))
             if part is None:
                 self._stale.discard(owner)
@@ -388,6 +393,18 @@ class CPUEngine(RolloutEngine):
                     self._stale.discard(owner)
                     self._partial.pop(owner)
         self.flush_cache()
+
+    def _dequantized(self, named_tensors):
+        """The stream with fp8 + scale pairs joined and dequantized (plain tensors pass through)."""
+        from megatron_s3ac.convert.fp8 import Fp8Pairs
+
+        for name, tensor in named_tensors:
+            if name.endswith("_scale_inv") or getattr(tensor, "dtype", None) == torch.float8_e4m3fn:
+                if getattr(self, "_fp8_pairs", None) is None:
+                    self._fp8_pairs = Fp8Pairs()
+                yield from self._fp8_pairs.feed(name, tensor)
+            else:
+                yield name, tensor
 
     # -- memory ---------------------------------------------------------------------------------
     def _is_asleep(self) -> bool:
@@ -429,6 +446,8 @@ class CPUEngine(RolloutEngine):
     def _check_ready(self):
         if self._is_asleep():
             raise RuntimeError("engine is asleep: call wake() first")
+        if getattr(self, "_fp8_pairs", None) is not None:
+            self._fp8_pairs.check_complete()  # an fp8 weight whose scale never came (or vice versa)
         if self._stale:
             missing = sorted(self._stale)
             raise RuntimeError(f"weights not loaded since wake(): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -547,6 +566,59 @@ class CPUEngine(RolloutEngine):
     def shutdown(self) -> None:
         if self._capture is not None:
             self._capture.remove()
+
+
+def _fp8_checkpoint(path: str) -> bool:
+    """Whether ``path`` is an HF directory whose config.json declares block-FP8 weights."""
+    import json
+    import os
+
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        return False
+    with open(cfg) as f:
+        q = json.load(f).get("quantization_config") or {}
+    return "fp8" in str(q.get("quant_method", ""))
+
+
+def _from_fp8(cls, path: str, tokenizer, dtype, multimodal: bool, **kwargs) -> "CPUEngine":
+    """An engine on a block-FP8 checkpoint (``s3ac-convert mcore-to-hf --dtype fp8`` / SGLang's layout):
+    the model is built from the config without its quantization_config (so transformers does not swap
+    in its FP8 linears, which need accelerate + a GPU), then every safetensors tensor goes through
+    ``update_weights``, which dequantizes fp8 + scale pairs. A tensor the model needs but the checkpoint
+    lacks leaves its parameter stale: ``generate`` then refuses, naming it."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path)
+    qcfg = config.quantization_config
+    block = qcfg.get("weight_block_size") if isinstance(qcfg, dict) else getattr(qcfg, "weight_block_size", None)
+    if list(block or []) != [128, 128]:
+        raise ValueError(f"{path}: fp8 checkpoint with weight_block_size {block}; the CPU engine reads [128, 128] blocks")
+    del config.quantization_config
+    model = _auto_class(multimodal).from_config(config, dtype=dtype, **kwargs)
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    if tokenizer == "auto":
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            tokenizer = None
+    engine = cls(model, tokenizer=tokenizer)
+    engine._stale = {n for n, _ in engine._unique_params()}  # filled as the checkpoint's tensors arrive
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    for fn in files:
+        with safe_open(os.path.join(path, fn), framework="pt") as f:
+            engine.update_weights((k, f.get_tensor(k)) for k in f.keys())
+    return engine
 
 
 def _auto_class(multimodal: bool):

@@ -39,6 +39,11 @@ class EngineKind(str, enum.Enum):
     sglang = "sglang"
 
 
+class WeightsDtype(str, enum.Enum):  # the rollout engine's weights (docs/fp8.md)
+    bf16 = "bf16"  # the trainer's weights as they are, unquantized
+    fp8 = "fp8"  # block-scaled e4m3 + weight_scale_inv, quantized at every weight sync (SGLang's layout)
+
+
 class CriticHead(str, enum.Enum):
     linear = "linear"
     bounded = "bounded"
@@ -129,6 +134,11 @@ class RolloutCfg:
     # CUDA is present; sglang: sglang==0.5.23 engines (rollout.sglang; docs/rollout.md)
     engine: EngineKind = EngineKind.cpu
     sglang: SGLangSettings = field(default_factory=SGLangSettings)
+    # fp8: every weight sync sends convert.fp8.quantize_stream of the export (the engine dequantizes /
+    # SGLang serves fp8), so rollout and trainer log-probs really differ; fp8_keep: module patterns kept
+    # unquantized (null = convert.fp8.DEFAULT_KEEP: router, embeddings, lm_head, GDN gates, ...)
+    weights_dtype: WeightsDtype = WeightsDtype.bf16
+    fp8_keep: Optional[list] = None
 
     def errors(self) -> list[str]:
         out = []
@@ -139,6 +149,13 @@ class RolloutCfg:
                 validate_sglang_settings(self.sglang)
             except EngineConfigError as e:
                 out.append(str(e))
+        if self.fp8_keep is not None:
+            from megatron_s3ac.convert.fp8 import Fp8Error, check_keep
+
+            try:
+                check_keep(list(self.fp8_keep))
+            except Fp8Error as e:
+                out.append(f"rollout.fp8_keep: {e}")
         if self.k < 1 or self.prompts_per_step < 1:
             out.append("rollout.k and rollout.prompts_per_step must be >= 1")
         if self.reward_workers < 1 or not self.reward_timeout_s > 0:
@@ -181,6 +198,9 @@ class AlgoCfg:
     icepop_low: float = 0.5
     icepop_high: float = 5.0
     mis_threshold: float = 2.0  # nats: mask a response whose max log-ratio exceeds this
+    # false: the token IS weights and IcePoP/MIS masks are computed and logged but not applied
+    # (the "corrections disabled" arm of docs/fp8.md); only for algorithms that use them
+    mismatch_corrections: bool = True
     dynamic_sampling: bool = True  # DAPO group filter (K > 1)
     grpo_normalize_std: bool = True
     flash_delta: float = 3e-3

@@ -143,6 +143,11 @@ class Trainer:
             # weights re-allocated but stale: the sync below must refill every one
             self.engine.wake(["weights"]) if sessions else self.engine.wake()
             self._engine_asleep = False
+        if target is not None and self.cfg.rollout.weights_dtype == "fp8":  # quantized bucket by bucket
+            from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, Fp8WeightUpdates
+
+            keep = self.cfg.rollout.fp8_keep
+            target = Fp8WeightUpdates(target, DEFAULT_KEEP if keep is None else tuple(keep))
         stats = sync_weights(chunks, self.info, target, **kw)
         if woke and sessions:
             self.engine.wake(["kv_cache", "cuda_graph"])
@@ -319,7 +324,10 @@ class Trainer:
         old = self._forward_only("actor", batch, "logp")
         batch.old_logp = old["logp"]
         m = {"rollout/entropy": float(A.masked_mean(old["entropy"], batch.mask)),
-             "mismatch/train_rollout_kl": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask))}
+             "mismatch/train_rollout_kl": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask)),
+             # the same gap whatever the routing (R3 on or off): |log pi_train - log pi_rollout| and k3 KL
+             "mismatch/logprob_abs_diff": float(A.masked_mean((batch.old_logp - batch.rollout_logp).abs(), batch.mask)),
+             "mismatch/kl_k3": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask, kind="k3"))}
         if self.r3_on:
             m.update(self.r3.step_metrics(self.step_idx, batch.old_logp, batch.rollout_logp, batch.mask,
                                           lambda: self._forward_only("actor", batch, "native_logp")))
@@ -334,10 +342,17 @@ class Trainer:
         m = dict(out.metrics)
         if self.spec.uses_is_corrections:
             old, beh = batch.old_logp, batch.rollout_logp
-            batch.is_w = A.token_is_weights(old, beh, mask, cap=a.tis_cap)
-            batch.keep = (A.icepop_mask(old, beh, mask, a.icepop_low, a.icepop_high)
-                          * A.mis_sequence_mask(old, beh, mask, a.mis_threshold))
-            m["mismatch/keep_frac"] = float(A.masked_mean(batch.keep, mask))
+            is_w = A.token_is_weights(old, beh, mask, cap=a.tis_cap)
+            ice = A.icepop_mask(old, beh, mask, a.icepop_low, a.icepop_high)
+            mis = A.mis_sequence_mask(old, beh, mask, a.mis_threshold)
+            keep = ice * mis
+            rows = mask.bool().any(1)
+            m.update({"mismatch/keep_frac": float(A.masked_mean(keep, mask)),
+                      "mismatch/is_weight_mean": float(A.masked_mean(is_w, mask)),
+                      "mismatch/icepop_masked_frac": float(1 - A.masked_mean(ice, mask)),  # of tokens
+                      "mismatch/mis_masked_frac": float(((mis.amax(1) == 0) & rows).sum() / rows.sum().clamp(min=1))})
+            if a.mismatch_corrections:
+                batch.is_w, batch.keep = is_w, keep
         adv = batch.adv
         m["adv/mean"] = float(A.masked_mean(adv if adv.dim() == 2 else adv[:, None].expand_as(mask), mask))
         return m
