@@ -12,15 +12,12 @@ CORE = [
     "ray[default]==2.60.0",
     "math-verify==0.9.0",
     "omegaconf==2.4.0",
-    "pydantic==2.14.4",
     "tqdm==4.70.1",
-    "rich==15.0.0",
     "tensorboard==2.21.0",
     "matplotlib==3.11.2",
     "pyarrow==26.0.1",
     "numpy==2.4.6",
     "pyyaml==6.0.4",
-    "psutil==7.2.2",
 ]
 GPU = [
     "transformer-engine[pytorch]==2.9.0",

@@ -1,8 +1,12 @@
 """S3AC algorithm core: pure-torch advantages, losses, mismatch corrections, DAPS, filters, metrics.
 
 No Megatron import: every function works on plain [B, T] tensors with a 0/1 ``mask`` of valid
-response tokens. See docs/algorithms.md for shapes and conventions.
+response tokens. See docs/algorithms.md for shapes and conventions. The names below are the public
+API (``from megatron_s3ac import algorithms as A``); ``algorithms.registry`` holds the estimator and
+policy-loss registries and the ``AlgoSpec`` of each algorithm.
 """
+import sys as _sys
+
 from .advantages import (
     compact_valid,
     compute_gae,
@@ -37,43 +41,5 @@ from .metrics import (
 )
 from .packing import compute_gae_packed, packed_to_padded, padded_to_packed
 
-__all__ = [
-    # advantages
-    "compute_gae",
-    "length_adaptive_lambda",
-    "terminal_rewards",
-    "discounted_reverse_cumsum",
-    "compact_valid",
-    "grpo_advantages",
-    "reinforce_pp_advantages",
-    "flash_reinforce_advantages",
-    "flash_reinforce_trust_region",
-    # losses
-    "AGG_MODES",
-    "agg_loss",
-    "masked_mean",
-    "cispo_loss",
-    "ppo_clip_loss",
-    "dppo_tv_loss",
-    "flash_reinforce_loss",
-    "value_loss",
-    # corrections
-    "token_is_weights",
-    "icepop_mask",
-    "mis_sequence_mask",
-    # DAPS and filters
-    "DAPSSampler",
-    "Selection",
-    "dynamic_sampling_filter",
-    # metrics
-    "explained_variance",
-    "value_error",
-    "approx_kl",
-    "entropy_from_logits",
-    "masked_fraction",
-    "grad_norm_split",
-    # packed layout
-    "packed_to_padded",
-    "padded_to_packed",
-    "compute_gae_packed",
-]
+# the public API: every name imported above (the submodules stay reachable as attributes)
+__all__ = sorted(n for n, v in dict(globals()).items() if not n.startswith("_") and not isinstance(v, type(_sys)))

@@ -11,6 +11,9 @@ pays only for what that module needs.
 """
 import importlib
 
+# the built-in architectures' plans (plan.register_plan), registered when the package is imported
+from megatron_s3ac.convert import qwen as _qwen, qwen3_5 as _qwen3_5  # noqa: F401,E402
+
 _WHERE = {"Chunk": "plan", "ConversionError": "plan", "Part": "plan", "Plan": "plan", "build_plan": "plan",
           "register_plan": "plan", "ConvertStats": "hf_to_mcore", "hf_to_mcore": "hf_to_mcore",
           "mcore_to_hf": "mcore_to_hf", "export_hf_weights": "export"}

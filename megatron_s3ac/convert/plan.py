@@ -127,7 +127,6 @@ def register_plan(*model_types: str):
 
 
 def build_plan(info: ModelInfo) -> Plan:
-    from megatron_s3ac.convert import qwen  # noqa: F401  (registers the built-in architectures)
 
     if info.model_type not in _PLANS:
         raise UnsupportedModelError(

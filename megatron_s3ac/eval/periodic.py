@@ -66,3 +66,69 @@ class PeriodicEvaluator:
     def load_state_dict(self, state: dict) -> None:
         self.best_step, self.best_score = state["best_step"], state["best_score"]
         self.history = [tuple(h) for h in state["history"]]
+
+
+class TrainerEvaluation:
+    """A trainer's evaluation (rank 0, where the engine lives): the held-out split and the
+    ``eval.benchmarks`` files as benchmark specs, the periodic evaluator, greedy and sampled reports.
+    ``eval_cfg``: the trainer's ``eval`` section (read by attribute); ``heldout_rows``: pre-tokenized
+    rows {prompt, answer, prompt_ids} (the exact ids the trainer would feed); ``reward_pool``: a
+    callable returning the run's one verifier pool (called only when the reward is isolated)."""
+
+    def __init__(self, eval_cfg, *, default_reward: str, default_max_new_tokens: int, heldout_rows: list,
+                 every_n_steps: int, report_dir: Optional[str], reward_pool):
+        from megatron_s3ac.eval.runner import BenchmarkSpec
+        from megatron_s3ac.rollout.rewards import get_reward
+
+        e = self.cfg = eval_cfg
+        self.default_max_new_tokens = default_max_new_tokens
+        self.evaluator: Optional[PeriodicEvaluator] = None
+        self.reward_pool = None
+        self.sets: dict = {}
+        reward = e.reward or default_reward
+        if e.heldout and heldout_rows:
+            self.sets["heldout"] = BenchmarkSpec(heldout_rows, reward=reward, k=e.k_for.get("heldout"))
+        for name, path in e.benchmarks.items():
+            self.sets[name] = BenchmarkSpec(path, reward=reward, k=e.k_for.get(name))
+        if not self.sets:
+            return
+        if get_reward(reward).isolate:  # one verifier pool for the whole run, not one per evaluation
+            self.reward_pool = reward_pool()
+        self.evaluator = PeriodicEvaluator(self.sets, every_n_steps=every_n_steps, k=e.k,
+                                           params=self.params(greedy=False), seed=e.seed, template=e.template,
+                                           report_dir=report_dir, reward_pool=self.reward_pool,
+                                           batch_size=e.batch_size)
+        self.sets = self.evaluator.benchmarks  # loaded once (files validated at start-up)
+
+    def params(self, greedy: bool) -> SamplingParams:
+        e = self.cfg
+        return SamplingParams(temperature=0.0 if greedy else e.temperature, top_p=1.0 if greedy else e.top_p,
+                              max_new_tokens=e.max_new_tokens or self.default_max_new_tokens)
+
+    def report(self, engine, tokenizer, greedy: bool, sets: Optional[dict] = None) -> Optional[dict]:
+        """``evaluate`` on the engine's current weights: greedy = T 0 and k 1, else the eval
+        section's sampling settings and k. None when there is nothing to evaluate."""
+        sets = self.sets if sets is None else sets
+        if not sets:
+            return None
+        e = self.cfg
+        return evaluate(engine, tokenizer, sets, k=1 if greedy else e.k, params=self.params(greedy), seed=e.seed,
+                        template=e.template, reward_pool=self.reward_pool, batch_size=e.batch_size)
+
+    def pass_rate(self, engine, tokenizer, greedy: bool, name: str) -> Optional[float]:
+        """avg@k of one set (greedy: k = 1); None if there is no such set."""
+        if name not in self.sets:
+            return None
+        spec = dataclasses.replace(self.sets[name], k=1) if greedy else self.sets[name]
+        return self.report(engine, tokenizer, greedy, {name: spec})["benchmarks"][name]["avg_at_k"]
+
+    def periodic(self, step: int, engine, tokenizer) -> dict:
+        """Every ``every_n_steps`` steps (after the step's weight sync): eval/<set>/avg@k, pass@k,
+        eval/average, eval/is_best (+ eval/<set>/greedy with ``greedy``); {} otherwise."""
+        if self.evaluator is None or not self.evaluator.should_run(step):
+            return {}
+        m = self.evaluator.run(step, engine, tokenizer)
+        if self.cfg.greedy:
+            rep = self.report(engine, tokenizer, True, {n: dataclasses.replace(s, k=1) for n, s in self.sets.items()})
+            m.update({f"eval/{n}/greedy": b["avg_at_k"] for n, b in rep["benchmarks"].items()})
+        return m

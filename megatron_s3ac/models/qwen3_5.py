@@ -115,10 +115,6 @@ class Qwen35Moe(Arch):
 
     def info(self, cfg: dict) -> ModelInfo:
         self.check(cfg)
-        # the converter's plan for this architecture lives in convert/qwen3_5.py; registering it here
-        # (on first use, not at import: convert imports the registry) makes build_plan find it.
-        import megatron_s3ac.convert.qwen3_5  # noqa: F401
-
         tc = text_config(cfg)
         heads = tc.get("num_attention_heads", 16)
         theta, partial = rope(tc)

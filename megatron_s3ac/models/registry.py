@@ -270,7 +270,3 @@ def dtype_flags(dtype) -> dict[str, Any]:
     if dtype == torch.float16:
         return dict(params_dtype=torch.float16, fp16=True)
     raise ValueError(f"unsupported dtype {dtype}")
-
-
-# Architectures that live in their own modules register themselves on import.
-from megatron_s3ac.models import qwen3_5 as _qwen3_5  # noqa: E402,F401  (qwen3_5_moe)

@@ -4,5 +4,5 @@ Kept import-light on purpose (numpy only): reward worker processes import this p
 engines pull in torch / transformers / sglang only when their modules are imported.
 """
 from megatron_s3ac.rollout.base import (  # noqa: F401
-    FINISH_REASONS, RolloutEngine, RolloutOutput, Sample, SamplingParams, routed_experts_dtype,
+    FINISH_REASONS, RolloutEngine, Sample, SamplingParams, routed_experts_dtype,
 )

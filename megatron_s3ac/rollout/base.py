@@ -116,8 +116,6 @@ class Sample:
                 )
 
 
-RolloutOutput = Sample
-
 
 class RolloutEngine(abc.ABC):
     """A generator whose weights follow the trainer's."""

@@ -1,4 +1,4 @@
-"""Rollout samples -> padded tensors, row sharding over DP, micro-batches.
+"""Rollout samples -> a typed batch, row sharding over DP, micro-batches.
 
 Layout: ``tokens`` [N, L] = prompt + response, right-padded (L a multiple of ``pad_to`` so sequence
 parallelism can split it). Response token t of row i sits at position P_i + t and is predicted by the
@@ -12,16 +12,82 @@ Either way ``flat_idx`` [n, T] indexes the flattened per-position output [b * s]
 so the losses never depend on the layout (``per_token``). Packing relies on the attention honouring
 ``attention_mask`` (the torch spec's SDPAttention); RoPE only sees relative positions inside a
 block, so a sample's outputs do not depend on where in the packed row it sits.
+
+``RolloutBatch`` and ``MicroBatch`` are dataclasses: a misspelt field is an AttributeError. A
+``MicroBatch`` also reads like a mapping (``mb["input_ids"]``, ``mb.get("position_ids")``) because
+``models.pipeline.forward_backward`` feeds micro-batches to the model that way.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Optional
 
 import torch
+from torch import Tensor
 
 
-def collate(samples: list[dict], pad_to: int = 8) -> dict:
-    """samples: dicts with prompt_ids, response_ids, logprobs, reward, pid -> batch of tensors."""
+def _pick(v, rows: Tensor, idx: list[int]):
+    if v is None:
+        return None
+    return v[rows] if torch.is_tensor(v) else [v[i] for i in idx]
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One step's trajectories, [N, ...] rows; the training fields are filled by the step's phases."""
+    tokens: Tensor  # [N, L] long: prompt + response, right-padded
+    idx: Tensor  # [N, T] position whose output predicts response token t
+    mask: Tensor  # [N, T] 0/1 valid response tokens
+    rollout_logp: Tensor  # [N, T] the engine's (behaviour) log-probs
+    scores: Tensor  # [N] rewards
+    pid: Tensor  # [N] prompt index
+    prompt_len: Tensor  # [N]
+    resp_len: Tensor  # [N]
+    routes: Optional[list] = None  # R3: per-sample rollout routes [P + R - 1, layers, top_k] (ragged)
+    # filled by the step: old log-probs, advantages, IS corrections, critic targets; value pretraining
+    # fills returns only
+    old_logp: Optional[Tensor] = None
+    adv: Optional[Tensor] = None
+    is_w: Optional[Tensor] = None
+    keep: Optional[Tensor] = None
+    old_values: Optional[Tensor] = None
+    returns: Optional[Tensor] = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def select(self, rows: Tensor) -> "RolloutBatch":
+        """Rows of every field: tensors indexed, lists (per-sample ragged data) picked, None kept."""
+        idx = rows.tolist()
+        return RolloutBatch(**{f.name: _pick(getattr(self, f.name), rows, idx) for f in dataclasses.fields(self)})
+
+
+@dataclasses.dataclass(kw_only=True)
+class MicroBatch(RolloutBatch):
+    """Rows of a ``RolloutBatch`` laid out for one forward: ``input_ids`` [b, s] (b rows padded, or
+    one packed row with ``position_ids`` and a block-diagonal ``attention_mask``), ``flat_idx`` [n, T]
+    into the flattened output, ``placements`` [(row, start, length)] for R3, ``row_ids`` [n] (batch
+    rows held here) and ``real_rows`` [n] (False = a DP-padding duplicate or a filler: mask 0)."""
+    input_ids: Tensor  # [b, s] model input
+    flat_idx: Tensor  # [n, T] into the flattened per-position output
+    placements: list  # [(row in input_ids, start, length)] per sample
+    row_ids: Tensor  # [n] batch rows held here
+    real_rows: Tensor  # [n] bool
+    position_ids: Optional[Tensor] = None  # packed only: [1, s], restarting per sample
+    attention_mask: Optional[Tensor] = None  # packed only: [1, 1, s, s] bool, True = masked
+
+    # mapping view for models.pipeline (model inputs only)
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def get(self, key: str, default=None) -> Any:
+        v = getattr(self, key)
+        return default if v is None else v
+
+
+def collate(samples: list[dict], pad_to: int = 8) -> RolloutBatch:
+    """samples: dicts with prompt_ids, response_ids, logprobs, reward, pid (+ routes) -> batch."""
     n = len(samples)
     P = torch.tensor([len(s["prompt_ids"]) for s in samples])
     R = torch.tensor([len(s["response_ids"]) for s in samples])
@@ -36,23 +102,17 @@ def collate(samples: list[dict], pad_to: int = 8) -> dict:
     t = torch.arange(T)
     mask = (t[None] < R[:, None]).float()
     idx = (P[:, None] - 1 + t[None]).clamp(max=L - 1)
-    out = {"tokens": tokens, "idx": idx, "mask": mask, "rollout_logp": beh,
-           "scores": torch.tensor([float(s["reward"]) for s in samples]),
-           "pid": torch.tensor([int(s["pid"]) for s in samples]), "prompt_len": P, "resp_len": R}
+    routes = None
     if n and samples[0].get("routes") is not None:
         # R3: per-sample rollout routes [P + R - 1, num_layers, top_k], compact dtype; kept as a list
-        # (ragged) and aligned to each micro-batch's layout by the trainer (r3.align)
-        out["routes"] = [s["routes"] for s in samples]
-    return out
+        # (ragged) and aligned to each micro-batch's layout (r3.glue)
+        routes = [s["routes"] for s in samples]
+    return RolloutBatch(tokens=tokens, idx=idx, mask=mask, rollout_logp=beh,
+                        scores=torch.tensor([float(s["reward"]) for s in samples]),
+                        pid=torch.tensor([int(s["pid"]) for s in samples]), prompt_len=P, resp_len=R, routes=routes)
 
 
-def select_rows(batch: dict, rows: torch.Tensor) -> dict:
-    """Rows of every entry: tensors are indexed, lists (per-sample ragged data) picked."""
-    idx = rows.tolist()
-    return {k: (v[rows] if torch.is_tensor(v) else [v[i] for i in idx]) for k, v in batch.items()}
-
-
-def shard_rows(rows: torch.Tensor, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_rows(rows: Tensor, dp_rank: int, dp: int) -> tuple[Tensor, Tensor]:
     """Rows of one mini-batch for this DP rank, padded to ceil(n/dp) so every rank runs the same
     number of micro-batches (EP all-to-alls and DDP reductions must match). Returns (rows, real [k] bool):
     padding rows repeat a real row and must get mask 0."""
@@ -65,34 +125,32 @@ def shard_rows(rows: torch.Tensor, dp_rank: int, dp: int) -> tuple[torch.Tensor,
     return mine, real
 
 
-def per_token(out: torch.Tensor, mb: dict) -> torch.Tensor:
+def per_token(out: Tensor, mb: MicroBatch) -> Tensor:
     """Per-position model output [b, s] (padded or packed micro-batch) -> per-response-token [n, T]."""
-    return out.reshape(-1)[mb["flat_idx"]]
+    return out.reshape(-1)[mb.flat_idx]
 
 
-def _padded(batch: dict, r: torch.Tensor, real: torch.Tensor, extra: dict | None, pad_to: int) -> dict:
-    mb = select_rows(batch, r)
-    for k, v in (extra or {}).items():
-        mb[k] = v[r]
-    lengths = mb["prompt_len"] + mb["resp_len"]
+def _micro(batch: RolloutBatch, r: Tensor, real: Tensor, **layout) -> MicroBatch:
+    sel = batch.select(r)
+    fields = {f.name: getattr(sel, f.name) for f in dataclasses.fields(sel)}
+    fields["mask"] = sel.mask * real[:, None].float()
+    return MicroBatch(**fields, row_ids=r, real_rows=real.clone(), **layout)
+
+
+def _padded(batch: RolloutBatch, r: Tensor, real: Tensor, pad_to: int) -> MicroBatch:
+    lengths = batch.prompt_len[r] + batch.resp_len[r]
     # this micro-batch's own length (not the whole batch's): right padding costs compute
-    s = min(mb["tokens"].shape[1], int(math.ceil(int(lengths.max()) / pad_to) * pad_to))
-    mb["input_ids"] = mb["tokens"][:, :s]
-    mb["flat_idx"] = torch.arange(len(r))[:, None] * s + mb["idx"].clamp(max=s - 1)
-    mb["placements"] = [(i, 0, int(n)) for i, n in enumerate(lengths.tolist())]
-    mb["mask"] = mb["mask"] * real[:, None].float()
-    mb["row_ids"], mb["real_rows"] = r, real.clone()  # batch rows held here; False = DP-padding duplicate
-    return mb
+    s = min(batch.tokens.shape[1], int(math.ceil(int(lengths.max()) / pad_to) * pad_to))
+    return _micro(batch, r, real, input_ids=batch.tokens[r][:, :s],
+                  flat_idx=torch.arange(len(r))[:, None] * s + batch.idx[r].clamp(max=s - 1),
+                  placements=[(i, 0, int(n)) for i, n in enumerate(lengths.tolist())])
 
 
-def _packed(batch: dict, r: torch.Tensor, real: torch.Tensor, extra: dict | None, pad_to: int) -> dict:
+def _packed(batch: RolloutBatch, r: Tensor, real: Tensor, pad_to: int) -> MicroBatch:
     """Rows ``r`` back to back in one row [1, S] (S = total rounded up to ``pad_to``), a block-diagonal
     causal mask (megatron convention: True = masked) and positions restarting per sample; the
     padding tail is its own causal block so no query row is fully masked."""
-    mb = select_rows(batch, r)
-    for k, v in (extra or {}).items():
-        mb[k] = v[r]
-    lengths = (mb["prompt_len"] + mb["resp_len"]).tolist()
+    lengths = (batch.prompt_len[r] + batch.resp_len[r]).tolist()
     total = sum(lengths)
     s = int(math.ceil(total / pad_to) * pad_to)
     starts = [0]
@@ -103,17 +161,14 @@ def _packed(batch: dict, r: torch.Tensor, real: torch.Tensor, extra: dict | None
     seg_start = torch.cumsum(seg_len, 0) - seg_len
     pos = torch.arange(s) - seg_start[seg]
     ids = torch.zeros(1, s, dtype=torch.long)
-    keep = torch.arange(mb["tokens"].shape[1])[None] < torch.tensor(lengths)[:, None]
-    ids[0, :total] = mb["tokens"][keep]  # row-major: sample by sample, each left-aligned
+    tokens = batch.tokens[r]
+    keep = torch.arange(tokens.shape[1])[None] < torch.tensor(lengths)[:, None]
+    ids[0, :total] = tokens[keep]  # row-major: sample by sample, each left-aligned
     causal = torch.ones(s, s, dtype=torch.bool).tril()
-    mb["input_ids"] = ids
-    mb["position_ids"] = pos[None]
-    mb["attention_mask"] = ~((seg[:, None] == seg[None, :]) & causal)[None, None]
-    mb["flat_idx"] = (torch.tensor(starts)[:, None] + mb["idx"]).clamp(max=s - 1)  # masked tail stays in range
-    mb["placements"] = [(0, a, n) for a, n in zip(starts, lengths)]
-    mb["mask"] = mb["mask"] * real[:, None].float()
-    mb["row_ids"], mb["real_rows"] = r, real.clone()  # batch rows held here; False = DP-padding duplicate
-    return mb
+    return _micro(batch, r, real, input_ids=ids, position_ids=pos[None],
+                  attention_mask=~((seg[:, None] == seg[None, :]) & causal)[None, None],
+                  flat_idx=(torch.tensor(starts)[:, None] + batch.idx[r]).clamp(max=s - 1),  # tail stays in range
+                  placements=[(0, a, n) for a, n in zip(starts, lengths)])
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
@@ -135,26 +190,24 @@ def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def micro_batches(batch: dict, rows: torch.Tensor, real: torch.Tensor, mbs: int = 0, extra: dict | None = None,
-                  token_budget: int = 0, pad_to: int = 8) -> list[dict]:
+def micro_batches(batch: RolloutBatch, rows: Tensor, real: Tensor, mbs: int = 0, token_budget: int = 0,
+                  pad_to: int = 8) -> list[MicroBatch]:
     """This rank's rows -> micro-batches. ``token_budget`` > 0: sequence packing, each micro-batch one
     packed row of at most ``token_budget`` tokens (plus rounding to ``pad_to``); else ``mbs`` rows per
-    padded micro-batch (0 = all rows in one). Every micro-batch carries ``input_ids`` [b, s],
-    ``flat_idx`` [n, T] (see ``per_token``), ``placements`` [(row, start, length)] for R3, and the
-    selected rows of every batch entry and of ``extra``."""
+    padded micro-batch (0 = all rows in one)."""
     if token_budget > 0:
-        lengths = (batch["prompt_len"][rows] + batch["resp_len"][rows]).tolist()
+        lengths = (batch.prompt_len[rows] + batch.resp_len[rows]).tolist()
         groups = [torch.tensor(g) for g in pack_rows(lengths, token_budget)]
-        return [_packed(batch, rows[g], real[g], extra, pad_to) for g in groups]
+        return [_packed(batch, rows[g], real[g], pad_to) for g in groups]
     mbs = len(rows) if mbs <= 0 else mbs
-    return [_padded(batch, rows[s:s + mbs], real[s:s + mbs], extra, pad_to) for s in range(0, len(rows), mbs)]
+    return [_padded(batch, rows[s:s + mbs], real[s:s + mbs], pad_to) for s in range(0, len(rows), mbs)]
 
 
-def pad_micro_batches(mbs: list[dict], count: int) -> list[dict]:
+def pad_micro_batches(mbs: list[MicroBatch], count: int) -> list[MicroBatch]:
     """Append no-op micro-batches (the first one with every token masked) up to ``count``, so that
     all ranks run the same number of forwards (EP all-to-alls and pipeline schedules are collective)."""
     out = list(mbs)
     while len(out) < count:
-        out.append(dict(out[0], mask=torch.zeros_like(out[0]["mask"]),
-                        real_rows=torch.zeros_like(out[0]["real_rows"])))
+        out.append(dataclasses.replace(out[0], mask=torch.zeros_like(out[0].mask),
+                                       real_rows=torch.zeros_like(out[0].real_rows)))
     return out

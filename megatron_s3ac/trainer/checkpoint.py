@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_s3ac.testing import faults
+
 _STEP_RE = re.compile(r"^step_(\d+)$")
 # the rank that wrote a file: ``rank{r}.pt``, ``rng_rank{r}.pt``, torch_dist's ``__{r}_{i}.distcp``;
 # anything else (common.pt, metadata.json, .metadata, trainer_state.pt, COMPLETE) is rank 0's
@@ -136,20 +138,6 @@ def _write_best_marker(root: str, step: int) -> None:
     os.replace(tmp, os.path.join(root, "BEST"))
 
 
-def _test_pause(tmp: str, step: int, rank: int) -> None:
-    # test hook: S3AC_TEST_SAVE_PAUSE="SECONDS[@STEP]" -> touch tmp/PAUSED_rank{r}, sleep mid-save (actor only)
-    spec = os.environ.get("S3AC_TEST_SAVE_PAUSE")
-    if not spec:
-        return
-    secs, _, at = spec.partition("@")
-    if at and int(at) != step:
-        return
-    marker = os.path.join(tmp, f"PAUSED_rank{rank}")
-    open(marker, "w").close()
-    time.sleep(float(secs))
-    os.remove(marker)
-
-
 def save_checkpoint(tr, keep_last: int) -> str:
     from megatron.core import dist_checkpointing
 
@@ -173,7 +161,7 @@ def save_checkpoint(tr, keep_last: int) -> str:
             dist_checkpointing.save(model.sharded_state_dict(), os.path.join(tmp, name_))
         torch.save([o.state_dict() for o in _inner(opt)], os.path.join(tmp, f"{name_}_optim", f"rank{tr.rank}.pt"))
         if name_ == "actor":
-            _test_pause(tmp, tr.step_idx, tr.rank)
+            faults.mid_save(tmp, tr.step_idx, tr.rank)  # testing seam (no-op unless its env var is set)
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
                os.path.join(tmp, f"rng_rank{tr.rank}.pt"))
     if tr.rank == 0:

@@ -11,17 +11,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_s3ac.trainer.batch import collate, per_token, shard_rows
+from megatron_s3ac.trainer.batch import collate, per_token
 from megatron_s3ac.trainer.data import EOS
+from megatron_s3ac.trainer.minibatch import run_minibatches
 
 
 def supervised_warmup(tr, log) -> list[list[dict]]:
     """Cross-entropy on answer tokens through the actor's megatron optimizer; returns coverage
     trajectories from the last ``coverage_checkpoints`` evaluation points."""
     from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
-    from megatron_s3ac.models.pipeline import forward_backward
     from megatron_s3ac.rollout.base import SamplingParams
-    from megatron_s3ac.rollout.rewards import get_reward
 
     d = tr.cfg.demo
     for grp in tr.actor_opt.param_groups:
@@ -31,9 +30,9 @@ def supervised_warmup(tr, log) -> list[list[dict]]:
     snapshots, t0 = [], time.time()
 
     def loss_fn(mb, out):
-        targets = torch.roll(mb["input_ids"], -1, dims=1)
+        targets = torch.roll(mb.input_ids, -1, dims=1)
         lp = per_token(vocab_parallel_log_probs(out, targets, tr.info.vocab_size), mb)
-        return -(lp * mb["mask"]).sum(), mb["mask"].sum().long(), {"nll": -(lp * mb["mask"]).sum().detach()}
+        return -(lp * mb.mask).sum(), mb.mask.sum().long(), {"nll": -(lp * mb.mask).sum().detach()}
 
     for step in range(1, d.warmup_max_steps + 1):
         pids = torch.randint(0, len(tr.prompts), (d.warmup_batch,), generator=g)
@@ -41,11 +40,9 @@ def supervised_warmup(tr, log) -> list[list[dict]]:
                     "logprobs": [0.0] * (len(tr.prompts[i].reference) + 1), "reward": 1.0, "pid": i}
                    for i in pids.tolist()]
         batch = collate(samples, tr.pad_to)
-        rows, real = shard_rows(torch.arange(len(samples)), tr.dp_rank, tr.dp)
-        tr.actor_ddp.zero_grad_buffer()
-        tr.actor_opt.zero_grad()
-        forward_backward([tr.actor_ddp], tr._micro_batches(batch, rows, real), loss_fn)
-        tr.actor_opt.step()
+        for _ in run_minibatches(tr.actor_ddp, tr.actor_opt, batch, [(0, torch.arange(len(samples)))], loss_fn,
+                                 tr.micro_batches):
+            pass
         if step % d.warmup_eval_every == 0:
             tr.sync_weights()
             payload = [None]
@@ -54,10 +51,10 @@ def supervised_warmup(tr, log) -> list[list[dict]]:
                 outs = tr.engine.generate([p.ids for p in cov_prompts],
                                           SamplingParams(temperature=1.0, max_new_tokens=tr.cfg.rollout.max_new_tokens,
                                                          seed=step), n_samples=d.coverage_k)
-                fn = get_reward(tr.cfg.rollout.reward).fn
-                recs = [{"prompt_ids": p.ids, "response_ids": s.response_ids or [0],
-                         "reward": float(fn(tr.decode(s.response_ids), p.reference)),
-                         "source": f"warmup_step_{step}"} for p, grp in zip(cov_prompts, outs) for s in grp]
+                flat = [(p, s) for p, grp in zip(cov_prompts, outs) for s in grp]
+                rewards = tr._score([tr.decode(s.response_ids) for _, s in flat], [p.reference for p, _ in flat])
+                recs = [{"prompt_ids": p.ids, "response_ids": s.response_ids or [0], "reward": float(rew),
+                         "source": f"warmup_step_{step}"} for (p, s), rew in zip(flat, rewards)]
                 payload = [(acc, recs)]
             dist.broadcast_object_list(payload, src=0)
             acc, recs = payload[0]
@@ -91,7 +88,7 @@ def export_eval_inputs(tr, out: str, tag: str) -> None:
 
 
 def run_demo(cfg) -> dict:
-    from megatron_s3ac.trainer.cli import train_loop
+    from megatron_s3ac.trainer.run import train_loop
     from megatron_s3ac.trainer.loop import Trainer
     from megatron_s3ac.trainer.value_pretrain import value_pretrain
 

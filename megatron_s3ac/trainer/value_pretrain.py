@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
-from megatron_s3ac.trainer.batch import collate, per_token, shard_rows
+from megatron_s3ac.trainer.batch import collate, per_token
+from megatron_s3ac.trainer.minibatch import run_minibatches, shuffled_minibatches
 
 
 def value_pretrain(tr, rows: list[dict], log=None) -> dict:
@@ -37,11 +38,8 @@ def _mp_grad_sq(model) -> tuple[float, float]:
 
 
 def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
-    from megatron.core import parallel_state as ps
-
     from megatron_s3ac.models.actor_critic import ValueHeadConfig, build_critic, freeze_attention_and_router
     from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
-    from megatron_s3ac.models.pipeline import forward_backward
 
     vc = tr.cfg.value_pretrain
     critic = build_critic(tr.info, tr.critic_config, ValueHeadConfig(kind=tr.cfg.model.critic_head))
@@ -52,53 +50,17 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
     samples = [dict(r, logprobs=[0.0] * len(r["response_ids"]), pid=0) for r in rows]
     batch = collate(samples, tr.pad_to)
     # lambda = 1, gamma = 1: the return of every valid token is the terminal reward R
-    batch["returns"] = batch["scores"][:, None] * batch["mask"]
+    batch.returns = batch.scores[:, None] * batch.mask
     g = torch.Generator().manual_seed(tr.cfg.train.seed + 17)
-    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     hist = []
-
-    def loss_fn(mb, out):
-        v = per_token(out, mb)
-        m, ret = mb["mask"], mb["returns"]
-        loss, _ = A.value_loss(v, v.detach(), ret, m, None, num_global_tokens=1)
-        err = (ret - v.detach()) * m
-        # sums for a global explained variance 1 - Var(R - V) / Var(R) over all ranks' tokens
-        sums = torch.stack([m.sum(), (ret * m).sum(), (ret ** 2 * m).sum(), err.sum(), (err ** 2).sum()])
-        return loss, m.sum().long(), {"loss_sum": loss.detach(), "sums": sums.double()}
-
-    n, step = len(samples), 0
-    for epoch in range(vc.epochs):
-        perm = torch.randperm(n, generator=g)
-        for mb_rows in perm.split(vc.batch_size):
-            rows_, real = shard_rows(mb_rows, dp_rank, dp)
-            mbs = tr._micro_batches(batch, rows_, real)
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            out = forward_backward([ddp], mbs, loss_fn)
-            # grad norm split before the optimizer clips (main_grad holds the reduced gradient)
-            head_sq, back_sq = _mp_grad_sq(critic)
-            ok, gn, _ = opt.step()
-            t = torch.zeros(6, dtype=torch.float64)  # loss sum + the 5 sums (last pipeline stage only)
-            for o in out:
-                t[0] += float(o["loss_sum"])
-                t[1:] += o["sums"]
-            if ps.get_tensor_model_parallel_rank() == 0:  # TP ranks hold the same tokens: count them once
-                dist.all_reduce(t)
-            else:
-                dist.all_reduce(torch.zeros_like(t))
-            cnt = t[1].clamp(min=1)
-            var_r = t[3] / cnt - (t[2] / cnt) ** 2
-            var_e = t[5] / cnt - (t[4] / cnt) ** 2
-            tot = head_sq + back_sq
-            m = {"step": step, "epoch": epoch, "vpt/value_loss": float(t[0] / cnt),
-                 "vpt/explained_variance": float(1 - var_e / var_r) if var_r > 0 else float("nan"),
-                 "vpt/grad_norm": float(gn), "vpt/clipped": float(float(gn) > vc.clip_grad),
-                 "vpt/head_sq_share": head_sq / tot if tot > 0 else 0.0, "vpt/head_grad_norm": head_sq ** 0.5,
-                 "vpt/backbone_grad_norm": back_sq ** 0.5}
-            hist.append(m)
-            if log is not None and tr.rank == 0:
-                log(m)
-            step += 1
+    # grad norm split before the optimizer clips (main_grad holds the reduced gradient)
+    for step, r in enumerate(run_minibatches(ddp, opt, batch, shuffled_minibatches(len(samples), vc.epochs, g,
+                                                                                   size=vc.batch_size),
+                                             _loss, tr.micro_batches, before_step=lambda out: _mp_grad_sq(critic))):
+        m = {"step": step, "epoch": r.epoch, **_step_metrics(r.outputs, r.grad_norm, *r.before_step, vc.clip_grad)}
+        hist.append(m)
+        if log is not None and tr.rank == 0:
+            log(m)
     tr.critic.load_state_dict(critic.state_dict())
     k = min(20, len(hist))
     return {"vpt/steps": len(hist), "vpt/frozen_params": len(frozen),
@@ -106,3 +68,37 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
             "vpt/loss_last": sum(h["vpt/value_loss"] for h in hist[-k:]) / max(1, k),
             "vpt/clip_frac": sum(h["vpt/clipped"] for h in hist) / max(1, len(hist)),
             "vpt/ev_last": hist[-1]["vpt/explained_variance"] if hist else float("nan")}
+
+
+def _loss(mb, out):
+    """1/2 (V - R)^2 summed over tokens (no clipping), plus the sums of a global explained variance."""
+    v = per_token(out, mb)
+    m, ret = mb.mask, mb.returns
+    loss, _ = A.value_loss(v, v.detach(), ret, m, None, num_global_tokens=1)
+    err = (ret - v.detach()) * m
+    # sums for a global explained variance 1 - Var(R - V) / Var(R) over all ranks' tokens
+    sums = torch.stack([m.sum(), (ret * m).sum(), (ret ** 2 * m).sum(), err.sum(), (err ** 2).sum()])
+    return loss, m.sum().long(), {"loss_sum": loss.detach(), "sums": sums.double()}
+
+
+def _step_metrics(outputs: list, gn: float, head_sq: float, back_sq: float, clip_grad: float) -> dict:
+    """Loss and explained variance over every rank's tokens of one optimizer step (collective)."""
+    from megatron.core import parallel_state as ps
+
+    t = torch.zeros(6, dtype=torch.float64)  # loss sum + the 5 sums (last pipeline stage only)
+    for o in outputs:
+        t[0] += float(o["loss_sum"])
+        t[1:] += o["sums"]
+    if ps.get_tensor_model_parallel_rank() == 0:  # TP ranks hold the same tokens: count them once
+        dist.all_reduce(t)
+    else:
+        dist.all_reduce(torch.zeros_like(t))
+    cnt = t[1].clamp(min=1)
+    var_r = t[3] / cnt - (t[2] / cnt) ** 2
+    var_e = t[5] / cnt - (t[4] / cnt) ** 2
+    tot = head_sq + back_sq
+    return {"vpt/value_loss": float(t[0] / cnt),
+            "vpt/explained_variance": float(1 - var_e / var_r) if var_r > 0 else float("nan"),
+            "vpt/grad_norm": float(gn), "vpt/clipped": float(float(gn) > clip_grad),
+            "vpt/head_sq_share": head_sq / tot if tot > 0 else 0.0, "vpt/head_grad_norm": head_sq ** 0.5,
+            "vpt/backbone_grad_norm": back_sq ** 0.5}

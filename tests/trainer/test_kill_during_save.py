@@ -2,7 +2,7 @@
 
 A real 2-rank ``torchrun ... cli train`` run writes complete checkpoints at steps 1 and 2; during the
 save of step 3 (actor written, critic / optimizer / trainer state not yet) every rank pauses through the
-``S3AC_TEST_SAVE_PAUSE`` hook of ``trainer/checkpoint.py``, and the test SIGKILLs torchrun's process
+``S3AC_TESTING_SAVE_PAUSE`` hook (``megatron_s3ac.testing.faults``), and the test SIGKILLs torchrun's process
 group and each rank's (torch elastic gives every worker its own session). Then: the latest checkpoint
 is step 2, the stale ``step_000003.tmp`` is removed by the next save (none of its files reach the
 published dir), the resumed run finishes, and its metrics equal an uninterrupted run's with the same
@@ -48,7 +48,7 @@ class Job:
     kill sends SIGKILL to all of them."""
 
     def __init__(self, out, log, env_extra=None):
-        env = {k: v for k, v in os.environ.items() if k != "S3AC_TEST_SAVE_PAUSE"}
+        env = {k: v for k, v in os.environ.items() if k != "S3AC_TESTING_SAVE_PAUSE"}
         env.update(OMP_NUM_THREADS="1", **(env_extra or {}))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "megatron_s3ac.trainer.cli", "train"] + COMMON + [f"train.out_dir={out}"]
@@ -137,7 +137,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint_and_resume_matches(tmp_pa
     t_ref = time.monotonic() - t0
 
     # the run to kill: every rank pauses (up to 10 min) inside the save of step KILL_STEP
-    job = Job(b, tmp_path / "b_killed.log", {"S3AC_TEST_SAVE_PAUSE": f"600@{KILL_STEP}"})
+    job = Job(b, tmp_path / "b_killed.log", {"S3AC_TESTING_SAVE_PAUSE": f"600@{KILL_STEP}"})
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
         while not all(m.exists() for m in markers):

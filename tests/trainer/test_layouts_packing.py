@@ -13,7 +13,7 @@ import torch
 from megatron_s3ac.testing.dist import run_distributed
 from megatron_s3ac.trainer.batch import collate, micro_batches, pack_rows, per_token
 from megatron_s3ac.trainer.config import load_config
-from tests.trainer.test_trainer import SMALL
+from tests.trainer.test_trainer import SMALL, capture_batches
 
 BASE = SMALL + ["algo.dynamic_sampling=false", "daps.enabled=false", "train.eval_every=0"]
 # layout-invariant figures (per-micro-batch averages such as clip fractions depend on the split)
@@ -38,31 +38,31 @@ def test_packed_micro_batch_layout():
     b = collate(samples, pad_to=8)
     rows, real = torch.arange(3), torch.ones(3, dtype=torch.bool)
     (mb,) = micro_batches(b, rows, real, token_budget=16, pad_to=8)  # 5 + 3 + 7 = 15 tokens -> one row of 16
-    assert mb["input_ids"].shape == (1, 16)
-    order = mb["row_ids"].tolist()
+    assert mb.input_ids.shape == (1, 16)
+    order = mb.row_ids.tolist()
     seqs = [samples[i]["prompt_ids"] + samples[i]["response_ids"] for i in order]
     flat = [t for s in seqs for t in s]
-    assert mb["input_ids"][0, :15].tolist() == flat
+    assert mb.input_ids[0, :15].tolist() == flat
     # positions restart per sample; a token sees only its own sample's earlier tokens
     starts = [0]
     for s in seqs[:-1]:
         starts.append(starts[-1] + len(s))
     for a, s in zip(starts, seqs):
-        assert mb["position_ids"][0, a:a + len(s)].tolist() == list(range(len(s)))
-        blk = mb["attention_mask"][0, 0, a:a + len(s)]
+        assert mb.position_ids[0, a:a + len(s)].tolist() == list(range(len(s)))
+        blk = mb.attention_mask[0, 0, a:a + len(s)]
         visible = (~blk).nonzero()[:, 1]
         assert visible.min() >= a and visible.max() < a + len(s)
         assert torch.equal(~blk[:, a:a + len(s)], torch.ones(len(s), len(s), dtype=torch.bool).tril())
     # per_token maps any per-position output back to [n, T]: position p predicts token p + 1
-    out = mb["input_ids"].roll(-1, dims=1).float()
+    out = mb.input_ids.roll(-1, dims=1).float()
     got = per_token(out, mb)
     for j, i in enumerate(order):
         r = len(samples[i]["response_ids"])
         assert got[j, :r].tolist() == [float(t) for t in samples[i]["response_ids"]]
     # padded micro-batches give the same per-token view
     (pmb,) = micro_batches(b, rows, real, mbs=0, pad_to=8)
-    assert torch.equal(per_token(pmb["input_ids"].roll(-1, dims=1).float(), pmb) * pmb["mask"],
-                       (got * mb["mask"])[torch.argsort(mb["row_ids"])])
+    assert torch.equal(per_token(pmb.input_ids.roll(-1, dims=1).float(), pmb) * pmb.mask,
+                       (got * mb.mask)[torch.argsort(mb.row_ids)])
 
 
 # ---- one trainer step at several layouts (2 gloo ranks) ------------------------------------------
@@ -81,9 +81,10 @@ def _one_step(overrides, out_dir):
     from megatron_s3ac.trainer.loop import Trainer
 
     tr = Trainer(load_config(None, BASE + overrides + [f"train.out_dir={out_dir}"]))
+    seen = capture_batches(tr)
     m = tr.step()
-    return {"m": m, "old_logp": tr.last_old_logp, "values": tr.last_values, "mask": tr.last_batch["mask"],
-            "pad_to": tr.pad_to}
+    (b,) = seen
+    return {"m": m, "old_logp": b.old_logp, "values": b.old_values, "mask": b.mask, "pad_to": tr.pad_to}
 
 
 @pytest.fixture(scope="module")

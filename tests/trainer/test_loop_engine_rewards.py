@@ -56,13 +56,13 @@ def _colocated(out_dir):
     tr = Trainer(load_config(None, SMALL + ["algo.dynamic_sampling=false", "actor_layout.ep=2",
                                             f"train.out_dir={out_dir}"]))
     seen = []
-    real = tr._train_pass
+    real = tr._update
 
     def spy(*a, **k):
         seen.append(None if tr.engine is None else tr.engine._is_asleep())
         return real(*a, **k)
 
-    tr._train_pass = spy
+    tr._update = spy
     m = tr.step()
     ready = None if tr.engine is None else (not tr.engine._is_asleep() and not tr.engine._stale)
     return seen, ready, m

@@ -1,6 +1,7 @@
 """Trainer: config validation, a few-step end-to-end run at world size 2 (EP=2 and TP=2), value
 pretraining freezing, NaN-skip, critic LR/epochs, atomic checkpoints, resume after kill -9."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,9 +18,24 @@ SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=8", "rollout.k=4
          "daps.warmup_steps=0", "daps.rampup_steps=1", "train.progress=false", "train.tensorboard=false"]
 
 
+def capture_batches(tr) -> list:
+    """Test seam: the typed RolloutBatch of every step, after its advantages phase (old_logp,
+    old_values, adv, returns filled), by wrapping the phase on this Trainer instance."""
+    seen, real = [], tr.advantages
+
+    def spy(batch):
+        m = real(batch)
+        seen.append(batch)
+        return m
+
+    tr.advantages = spy
+    return seen
+
+
 # ---- config validation (no ranks) ------------------------------------------------------------
 @pytest.mark.parametrize("overrides,msg", [
-    (["algo.name=ppo"], "algo.name='ppo' must be one of"),
+    (["algo.name=ppo"], r"algo.name: unknown algorithm 'ppo'; registered: \['flash_reinforce', 'grpo_x'"),
+    (["algo.policy_loss=ppo"], r"algo.policy_loss: unknown policy loss 'ppo'; registered: \['cispo', 'dppo_tv'"),
     (["algo.name=grpo_x", "rollout.k=1"], "grpo_x needs rollout.k >= 2"),
     (["algo.critic_epochs=0"], "algo.critic_epochs=0 must be >= 1"),
     (["rollout.reward=nope"], "unknown reward 'nope'"),
@@ -70,7 +86,9 @@ def _e2e(overrides, out_dir):
     # a random model gets (almost) no rewards: without the group filter every step updates
     cfg = load_config(None, SMALL + ["algo.dynamic_sampling=false"] + overrides + [f"train.out_dir={out_dir}"])
     tr = Trainer(cfg)
+    init = [p.detach().clone() for p in tr.actor.parameters()]
     res = {"steps": [tr.step() for _ in range(2)]}
+    res["trained"] = any(not torch.equal(a, b) for a, b in zip(init, tr.actor.parameters()))
     if tr.critic_opt is not None:
         res["lr"] = (tr.actor_opt.param_groups[0]["lr"], tr.critic_opt.param_groups[0]["lr"])
     # a non-finite loss skips the optimizer step and leaves the weights unchanged
@@ -94,29 +112,30 @@ def _e2e(overrides, out_dir):
 @pytest.mark.parametrize("layout", [["actor_layout.ep=2"], ["actor_layout.tp=2"]], ids=["ep2", "tp2"])
 def test_s3ac_few_steps_world2(layout, tmp_path):
     r0 = run_distributed(_e2e, 2, layout, str(tmp_path))[0]
-    for m in r0["steps"]:
+    assert r0["trained"]
+    for m in r0["steps"]:  # no group filter (_e2e): every step trains both models
         assert m["mismatch/train_rollout_kl"] == pytest.approx(0.0, abs=1e-5)  # weight sync is exact
         assert m["rollout/response_len"] > 0
-        if "actor/opt_steps" in m:
-            assert m["actor/opt_steps"] >= 1
-            # critic: epochs x mini-batches optimizer steps
-            assert m["critic/opt_steps"] == 2 * 4
-            assert all(v == v for k, v in m.items() if k.startswith(("actor/grad_norm", "critic/value_loss")))
+        assert m["actor/opt_steps"] >= 1
+        assert m["critic/opt_steps"] == 2 * 4  # critic: epochs x mini-batches optimizer steps
+        checked = [k for k in m if k.startswith(("actor/grad_norm", "critic/value_loss"))]
+        assert len(checked) >= 2 and all(math.isfinite(m[k]) for k in checked)
     actor_lr, critic_lr = r0["lr"]
     assert critic_lr == pytest.approx(5 * actor_lr)
     nan = r0["nan_step"]
-    if "actor/opt_steps" in nan:
-        assert nan["actor/opt_steps"] == 0 and nan["actor/skipped_minibatches"] > 0
-        assert nan["skipped_steps_total"] == 1
-        assert r0["unchanged"]
+    assert nan["actor/opt_steps"] == 0 and nan["actor/skipped_minibatches"] > 0
+    assert nan["critic/opt_steps"] == 0 and nan["critic/skipped_minibatches"] > 0
+    assert nan["skipped_steps_total"] == 1
+    assert r0["unchanged"]
 
 
 @pytest.mark.parametrize("algo", ["grpo_x", "reinforce_pp", "flash_reinforce"])
 def test_baselines_run(algo, tmp_path):
     k = ["rollout.k=1", "algo.actor_minibatches=2"] if algo != "grpo_x" else []
     r0 = run_distributed(_e2e, 2, ["actor_layout.ep=2", f"algo.name={algo}", "daps.enabled=false"] + k, str(tmp_path))[0]
-    assert all("critic/opt_steps" not in m for m in r0["steps"])
-    assert r0["unchanged"]
+    assert all("critic/opt_steps" not in m and m["actor/opt_steps"] >= 1 for m in r0["steps"])
+    assert r0["trained"]  # the baseline's updates changed the actor
+    assert r0["unchanged"]  # and a non-finite loss did not
 
 
 # ---- value pretraining ---------------------------------------------------------------------------
@@ -141,13 +160,15 @@ def test_value_pretrain_freezes_attention_and_router(tmp_path):
     summary, changed, kinds, hist = run_distributed(_vpt, 2, str(tmp_path))[0]
     assert summary["vpt/steps"] == 2 * 4  # 2 epochs x 32 rows / batch 8
     assert summary["vpt/frozen_params"] > 0
-    for n, c in changed.items():
-        if any(k in "." + n for k in kinds):
-            assert not c, f"frozen {n} changed"
+    frozen = [n for n in changed if any(k in "." + n for k in kinds)]
+    assert len(frozen) >= 3  # attention, its pre-norm and the router, per layer
+    assert not [n for n in frozen if changed[n]], "frozen parameters changed"
     assert changed["module.output_layer.weight"] if "module.output_layer.weight" in changed else changed["output_layer.weight"]
     assert any(c for n, c in changed.items() if ".experts." in n)
+    assert len(hist) == summary["vpt/steps"]
     for m in hist:
         assert 0 <= m["vpt/head_sq_share"] <= 1 and m["vpt/clipped"] in (0.0, 1.0)
+        assert math.isfinite(m["vpt/value_loss"]) and math.isfinite(m["vpt/grad_norm"])
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -169,7 +190,7 @@ def _torchrun(args, env_extra=None):
     # output to a file, not a pipe: helper processes that dist_checkpointing spawned can outlive a
     # killed rank and would keep a pipe open
     out = next(a.split("=", 1)[1] for a in args if a.startswith("train.out_dir="))
-    log = out + f".{sum(1 for a in args if 'fail_at' in a)}.{len(os.listdir(os.path.dirname(out)))}.log"
+    log = out + f".{int(bool(env_extra))}.{len(os.listdir(os.path.dirname(out)))}.log"
     with open(log, "w") as f:
         r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=300)
     r.stderr = open(log).read()
@@ -189,7 +210,7 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     r = _torchrun(common + [f"train.out_dir={a}"])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _torchrun(common + [f"train.out_dir={b}", "train.fail_at_step=3"])
+    r = _torchrun(common + [f"train.out_dir={b}"], {"S3AC_TESTING_FAIL_AT_STEP": "3"})
     assert r.returncode != 0  # died after step 3, checkpoint of step 2 on disk
     assert os.path.exists(b / "checkpoints" / "step_000002" / "COMPLETE")
     r = _torchrun(common + [f"train.out_dir={b}"])
@@ -209,12 +230,13 @@ def _r3(out_dir):
                                      "algo.dynamic_sampling=false", f"train.out_dir={out_dir}"])
     tr = Trainer(cfg)
     res = {"r3_on": tr.r3_on, "moe_layers": list(tr._moe_layers)}
+    seen = capture_batches(tr)
     m = tr.step()
-    b = tr.last_batch
+    b = seen[-1]
     res["faithful"] = {k: v for k, v in m.items() if k.startswith(("r3/", "mismatch/"))}
-    res["max_gap"] = float(((tr.last_old_logp - b["rollout_logp"]).abs() * b["mask"]).max())
-    res["routes_rows"] = [int(np.asarray(r).shape[0]) for r in b["routes"]]
-    res["lens"] = (b["prompt_len"] + b["resp_len"]).tolist()
+    res["max_gap"] = float(((b.old_logp - b.rollout_logp).abs() * b.mask).max())
+    res["routes_rows"] = [int(np.asarray(r).shape[0]) for r in b.routes]
+    res["lens"] = (b.prompt_len + b.resp_len).tolist()
     # corrupt the rollout routes (rank 0 scores and broadcasts, so every rank gets the same corruption):
     # with replay active the trainer must follow them, so its log-probs leave the engine's
     real = tr.rollout
@@ -227,9 +249,9 @@ def _r3(out_dir):
 
     tr.rollout = scrambled
     m = tr.step()
-    b = tr.last_batch
+    b = seen[-1]
     res["scrambled"] = {k: v for k, v in m.items() if k.startswith(("r3/", "mismatch/"))}
-    res["scrambled_max_gap"] = float(((tr.last_old_logp - b["rollout_logp"]).abs() * b["mask"]).max())
+    res["scrambled_max_gap"] = float(((b.old_logp - b.rollout_logp).abs() * b.mask).max())
     return res
 
 
@@ -248,7 +270,7 @@ def test_r3_replays_engine_routes_world2(tmp_path):
 
 def test_r3_config_refusals():
     from megatron_s3ac.trainer.config import validate
-    from megatron_s3ac.trainer.loop import _r3_setting
+    from megatron_s3ac.trainer.loop import _r3_setting  # noqa: F401 (train.r3 -> R3 switch)
 
     with pytest.raises(ConfigError, match="train.r3"):
         load_config(None, SMALL + ["train.r3=sometimes"])
@@ -270,7 +292,7 @@ def test_r3_config_refusals():
 
 # ---- periodic evaluation ----------------------------------------------------------------------
 def _eval_vs_no_eval(out_dir):
-    from megatron_s3ac.trainer.cli import train_loop
+    from megatron_s3ac.trainer.run import train_loop
     from megatron_s3ac.trainer.loop import Trainer
 
     common = SMALL + ["actor_layout.ep=2", "train.steps=3", "algo.dynamic_sampling=false"]

@@ -1,0 +1,33 @@
+"""Fault injection for the crash-safety tests: the trainer's only testing seam. Both hooks are read
+from the environment (the tests run the trainer under torchrun) and do nothing when unset.
+
+  S3AC_TESTING_FAIL_AT_STEP=N           os._exit(9) after step N is logged and saved (like kill -9)
+  S3AC_TESTING_SAVE_PAUSE=SECONDS[@N]   mid-save (after the actor's shards, at step N): touch
+                                        <tmp>/PAUSED_rank<r>, sleep, remove it (a window to SIGKILL)
+"""
+from __future__ import annotations
+
+import os
+import time
+
+FAIL_AT_STEP = "S3AC_TESTING_FAIL_AT_STEP"
+SAVE_PAUSE = "S3AC_TESTING_SAVE_PAUSE"
+
+
+def after_step(step: int) -> None:
+    at = os.environ.get(FAIL_AT_STEP)
+    if at is not None and int(at) == step:
+        os._exit(9)  # an abrupt death (no cleanup), like kill -9
+
+
+def mid_save(tmp: str, step: int, rank: int) -> None:
+    spec = os.environ.get(SAVE_PAUSE)
+    if not spec:
+        return
+    secs, _, at = spec.partition("@")
+    if at and int(at) != step:
+        return
+    marker = os.path.join(tmp, f"PAUSED_rank{rank}")
+    open(marker, "w").close()
+    time.sleep(float(secs))
+    os.remove(marker)

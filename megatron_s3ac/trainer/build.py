@@ -1,0 +1,263 @@
+"""Construction of what a trainer runs: parallel state, actor and critic (+ DDP, optimizers), the
+prompt data, the rollout engine. One function per piece, called once by ``Trainer.__init__`` in a
+fixed order (the order seeds random numbers: keep it).
+
+Plug-in points: ``build_engine(cfg, info)`` is the only place an engine is chosen; model dtype,
+recompute and offload knobs belong in ``build_actor`` / ``build_critic``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_s3ac import algorithms as A
+from megatron_s3ac.trainer.config import Config, ConfigError, layout_of
+
+
+@dataclasses.dataclass
+class ParallelSetup:
+    layout: object  # the actor's ParallelLayout
+    critic_layout: object
+    actor_ctx: object = None  # ParallelContext per model when the layouts differ, else None (one global layout)
+    critic_ctx: object = None
+    pad_to: int = 8  # sequence length multiple: sequence parallelism splits every micro-batch over TP
+
+
+def build_parallel(cfg: Config, uses_critic: bool) -> ParallelSetup:
+    from megatron_s3ac.models.parallel import ParallelContext, initialize_model_parallel
+
+    layout = layout_of(cfg.actor_layout)
+    critic_layout = layout_of(cfg.critic_layout or cfg.actor_layout)
+    out = ParallelSetup(layout, critic_layout)
+    if uses_critic and critic_layout != layout:
+        # megatron keeps one layout in module globals: the actor's stays installed, the critic's is
+        # swapped in around every critic operation (``Trainer.model_scope("critic")``)
+        out.actor_ctx = ParallelContext(layout, seed=cfg.train.seed)
+        out.critic_ctx = ParallelContext(critic_layout, seed=cfg.train.seed)
+    else:
+        initialize_model_parallel(layout, seed=cfg.train.seed)
+    out.pad_to = 8 * layout.tp * critic_layout.tp // math.gcd(layout.tp, critic_layout.tp)
+    return out
+
+
+def check_packing(cfg: Config, info) -> None:
+    if cfg.algo.max_tokens_per_micro_batch <= 0:
+        return
+    from megatron_s3ac.models.specs import have_transformer_engine
+
+    if info.model_type.startswith("qwen3_5"):
+        raise ConfigError("algo.max_tokens_per_micro_batch: sequence packing is refused for Qwen3.5 "
+                          "(megatron-core 0.16.1's Gated DeltaNet ignores the attention mask, so packed "
+                          "samples would share recurrent state)")
+    if have_transformer_engine():
+        raise ConfigError("algo.max_tokens_per_micro_batch: packing is expressed as a block-diagonal "
+                          "attention mask, which the torch spec honours; the Transformer Engine spec "
+                          "needs THD PackedSeqParams, not wired yet")
+
+
+@dataclasses.dataclass
+class Model:
+    """One trained model: the megatron module, its DDP wrapper, optimizer and TransformerConfig."""
+    module: object
+    ddp: object
+    opt: object
+    config: object
+
+
+def build_actor(cfg: Config, info, layout, r3_overrides: dict, before_build=None) -> Model:
+    """The policy from ``model.actor_init`` (or its init); ``before_build(config)`` may refuse the
+    TransformerConfig (R3's checks) before any weight is made."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_s3ac.models.actor_critic import build_actor as _build, build_transformer_config
+    from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
+
+    a = cfg.algo
+    config = build_transformer_config(info, layout, **r3_overrides)
+    if before_build is not None:
+        before_build(config)
+    actor = _build(info, config)
+    if cfg.model.actor_init:
+        actor.load_state_dict(dist_checkpointing.load(actor.sharded_state_dict(), cfg.model.actor_init))
+    ddp = wrap_ddp(actor, config)
+    opt = build_optimizer([ddp], lr=a.actor_lr, clip_grad=a.actor_clip_grad, weight_decay=a.weight_decay)
+    return Model(actor, ddp, opt, config)
+
+
+def build_critic(cfg: Config, info, layout, init_from_actor) -> Model:
+    """The value model (inside the critic's parallel scope): from ``model.critic_init``, else its
+    backbone from the actor (``init_from_actor(critic_module)``) and a fresh value head."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_s3ac.models.actor_critic import ValueHeadConfig, build_critic as _build, build_transformer_config
+    from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
+
+    a = cfg.algo
+    config = build_transformer_config(info, layout)
+    critic = _build(info, config, ValueHeadConfig(kind=cfg.model.critic_head))
+    if cfg.model.critic_init:
+        critic.load_state_dict(dist_checkpointing.load(critic.sharded_state_dict(), cfg.model.critic_init))
+    else:  # backbone from the actor; the value head keeps its 1/(H+1) init
+        init_from_actor(critic)
+    ddp = wrap_ddp(critic, config)
+    opt = build_optimizer([ddp], lr=a.actor_lr * a.critic_lr_mult, clip_grad=a.critic_clip_grad,
+                          weight_decay=a.weight_decay)
+    return Model(critic, ddp, opt, config)
+
+
+def r3_setting(cfg: Config, info):
+    """(R3Config, on?) from ``train.r3``: auto = on for MoE models; on for a dense model is refused."""
+    from megatron_s3ac.r3.glue import R3ConfigError, r3_setting as _setting
+
+    try:
+        return _setting(cfg.train.r3, cfg.train.r3_agreement_every, info)
+    except R3ConfigError as e:
+        raise ConfigError(f"train.r3: {e}") from None
+
+
+@dataclasses.dataclass
+class Models:
+    actor: Model
+    critic: Optional[Model]
+    r3: object  # r3.glue.RouteReplay (a no-op when R3 is off)
+
+
+def build_models(cfg: Config, info, par: ParallelSetup, uses_critic: bool, scope, init_critic) -> Models:
+    """Actor (+ critic in its parallel ``scope``), seeded by ``train.seed``; R3 set up on the actor
+    (settings under which replay would be skipped or undone are refused before any weight exists)."""
+    from megatron_s3ac.r3.glue import R3ConfigError, RouteReplay
+
+    torch.manual_seed(cfg.train.seed)
+    r3, on = r3_setting(cfg, info)
+    made = {}
+
+    def make_replay(config):
+        try:
+            made["r3"] = RouteReplay(r3, on, config, info.num_experts)
+        except R3ConfigError as e:
+            raise ConfigError(f"train.r3: {e}") from None
+
+    actor = build_actor(cfg, info, par.layout, r3.transformer_config_overrides(info) if on else {},
+                        before_build=make_replay)
+    critic = None
+    if uses_critic:
+        with scope("critic"):
+            critic = build_critic(cfg, info, par.critic_layout, init_from_actor=lambda c: init_critic(actor.module, c))
+    made["r3"].attach(actor.ddp)
+    return Models(actor, critic, made["r3"])
+
+
+def _check_backbone(missing, unexpected, ignore_extra_state: bool) -> None:
+    bad = [k for k in missing if not k.startswith("output_layer")
+           and not (ignore_extra_state and k.endswith("_extra_state"))]
+    if bad or unexpected:
+        raise RuntimeError(f"critic/actor backbone mismatch: missing {bad[:4]}, unexpected {unexpected[:4]}")
+
+
+@torch.no_grad()
+def copy_backbone(actor, critic, *, same_layout: bool, tmp_dir: str, scope) -> None:
+    """Critic backbone := actor backbone (the value head keeps its own init). At one layout the local
+    shards are copied; at different layouts the actor's backbone goes through a torch_dist checkpoint
+    (layout-free) in ``tmp_dir`` and is read back at the critic's layout (``scope(name)``: the
+    model's parallel state)."""
+    if same_layout:
+        sd = {k: v for k, v in actor.state_dict().items() if not k.startswith("output_layer")}
+        missing, unexpected = critic.module.load_state_dict(sd, strict=False)
+        _check_backbone(missing, unexpected, ignore_extra_state=False)
+        return
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.makedirs(tmp_dir)
+    dist.barrier()
+    backbone = lambda sd: {k: v for k, v in sd.items() if not k.startswith("output_layer")}  # noqa: E731
+    with scope("actor"):
+        dist_checkpointing.save(backbone(actor.sharded_state_dict()), tmp_dir)
+    with scope("critic"):
+        loaded = dist_checkpointing.load(backbone(critic.sharded_state_dict()), tmp_dir)
+        missing, unexpected = critic.load_state_dict(loaded, strict=False)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    _check_backbone(missing, unexpected, ignore_extra_state=True)
+
+
+@dataclasses.dataclass
+class PromptData:
+    vocab: object  # CharVocab (arithmetic) or an HF tokenizer
+    prompts: list  # training prompts (trainer.data.Prompt)
+    eval_prompts: list  # held-out split (arithmetic task)
+    stats: dict
+    stream: object  # seeded PromptStream over ``prompts``
+    daps: Optional[A.DAPSSampler]  # None: uniform draws from the stream
+
+
+def build_data(cfg: Config, use_daps: bool) -> PromptData:
+    from megatron_s3ac.trainer import data as D
+
+    if cfg.data.task == "arithmetic":
+        vocab = D.CharVocab()
+        eval_prompts = D.arithmetic_prompts(cfg.data.eval_prompts, cfg.data.max_operand, cfg.data.seed + 1)
+        prompts = D.arithmetic_prompts(cfg.data.num_prompts, cfg.data.max_operand, cfg.data.seed,
+                                       exclude={p.text for p in eval_prompts})
+        stats = {"rows": len(prompts), "malformed": 0}
+    else:
+        from transformers import AutoTokenizer
+
+        vocab = AutoTokenizer.from_pretrained(cfg.model.engine_hf_dir or cfg.model.hf_config)
+        prompts, stats = D.load_math_prompts(cfg.data.path, vocab, cfg.data.max_prompt_tokens,
+                                             cfg.data.apply_chat_template)
+        eval_prompts = []
+    daps = None
+    if use_daps:
+        d = cfg.daps
+        daps = A.DAPSSampler(num_prompts=len(prompts), n_c=d.n_c, a_min=d.a_min, warmup_steps=d.warmup_steps,
+                             rampup_steps=d.rampup_steps, half_life_steps=d.half_life_steps, seed=cfg.train.seed)
+    return PromptData(vocab, prompts, eval_prompts, stats, D.PromptStream(len(prompts), cfg.data.seed), daps)
+
+
+def build_engine(cfg: Config, info):
+    """Rank 0's rollout engine: in this process (colocated) or in its own Ray actor process
+    (separate: ``rollout.RemoteEngine``; same engine code, so the same samples for the same seed).
+    Returns (engine, owns_ray): a Ray started here is shut down by ``Trainer.close``."""
+    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+
+    if cfg.model.engine_hf_dir:
+        factory = partial(CPUEngine.from_pretrained, cfg.model.engine_hf_dir)
+    else:
+        if cfg.model.tiny is None:
+            from transformers import AutoConfig
+
+            hf = AutoConfig.for_model(**info.hf)
+        else:
+            from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+
+            hf = tiny_arithmetic_hf_config()
+        factory = partial(CPUEngine.from_config, hf)  # weights come from the actor right after
+    if cfg.rollout.placement == "separate":
+        import ray
+
+        from megatron_s3ac.rollout.remote import RemoteEngine
+
+        owns_ray = not ray.is_initialized()
+        return RemoteEngine(factory, num_cpus=1, torch_threads=cfg.train.threads), owns_ray
+    return factory(), False
+
+
+def reset_optimizer(opt, lr: float) -> None:
+    """Fresh Adam moments and step counters at learning rate ``lr`` (e.g. after the supervised
+    warm-up: its momentum and second moments belong to another objective and another LR)."""
+    for o in [c.optimizer for c in getattr(opt, "chained_optimizers", [opt])]:
+        o.state.clear()
+        for g in o.param_groups:
+            g["lr"] = lr
+    for g in opt.param_groups:
+        g["lr"] = lr

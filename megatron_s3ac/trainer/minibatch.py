@@ -1,0 +1,118 @@
+"""The one mini-batch runner: rows -> shard over DP -> micro-batches -> zero_grad -> forward_backward
+-> (skip if non-finite) -> optimizer step. Used by the actor and critic updates, value pretraining
+and the demo's supervised warm-up; plus the forward-only pass (log-probs, entropies, values).
+
+Every function here is collective over the model's ranks and runs inside the model's parallel scope
+(``Trainer.model_scope``): DP rank and size come from megatron's parallel state.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_s3ac.trainer.batch import MicroBatch, RolloutBatch, micro_batches, pad_micro_batches, shard_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatcher:
+    """This rank's rows -> micro-batches (padded, ``mbs`` rows each, or packed under ``token_budget``),
+    as many on every rank (EP all-to-alls and pipeline schedules are collective): ranks with fewer
+    get fully masked no-op ones."""
+    mbs: int = 0
+    token_budget: int = 0
+    pad_to: int = 8
+
+    def __call__(self, batch: RolloutBatch, rows: torch.Tensor, real: torch.Tensor) -> list[MicroBatch]:
+        mbs = micro_batches(batch, rows, real, self.mbs, token_budget=self.token_budget, pad_to=self.pad_to)
+        if dist.get_world_size() > 1:
+            n = torch.tensor([len(mbs)])
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            mbs = pad_micro_batches(mbs, int(n))
+        return mbs
+
+
+def shuffled_minibatches(n: int, epochs: int, generator: torch.Generator, *, count: int = 0,
+                         size: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+    """(epoch, rows) of ``epochs`` passes over ``n`` rows, each a fresh permutation from ``generator``
+    cut into ``count`` near-equal mini-batches (at most n) or into mini-batches of ``size`` rows."""
+    for epoch in range(epochs):
+        perm = torch.randperm(n, generator=generator)
+        yield from ((epoch, rows) for rows in (perm.tensor_split(min(count, n)) if count else perm.split(size)))
+
+
+@dataclasses.dataclass
+class MinibatchResult:
+    epoch: int
+    outputs: list  # the loss function's metric dicts of this rank's micro-batches (last pipeline stage)
+    grad_norm: Optional[float]  # None: the step was skipped (non-finite loss)
+    before_step: object = None  # what ``before_step`` returned
+
+
+def run_minibatches(ddp, opt, batch: RolloutBatch, minibatches: Iterable[tuple[int, torch.Tensor]], loss_fn,
+                    make_micro_batches: Callable, *, replay: Optional[Callable] = None,
+                    skip_nonfinite: bool = False, before_step: Optional[Callable] = None) -> Iterator[MinibatchResult]:
+    """One optimizer step per mini-batch of global row indices; yields a ``MinibatchResult`` after
+    each. ``loss_fn(mb, output) -> (loss_sum, count, metrics)`` (models.pipeline); ``replay(mbs)``: a
+    context around the forward-backward (R3); ``skip_nonfinite``: a non-finite ``loss_sum`` on any
+    rank drops the step (weights unchanged); ``before_step(outputs)`` runs between backward and step
+    (the gradients are reduced then)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_s3ac.models.pipeline import forward_backward
+
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    for epoch, rows in minibatches:
+        mine, real = shard_rows(rows, dp_rank, dp)
+        mbs = make_micro_batches(batch, mine, real)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        with (replay(mbs) if replay is not None else contextlib.nullcontext()):
+            out = forward_backward([ddp], mbs, loss_fn)
+        if skip_nonfinite:
+            finite = torch.tensor([float(all(math.isfinite(float(o["loss_sum"])) for o in out))])
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if finite.item() < 1:  # weights unchanged: drop the reduced grads, no optimizer step
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                yield MinibatchResult(epoch, out, None)
+                continue
+        pre = before_step(out) if before_step is not None else None
+        _, gn, _ = opt.step()
+        yield MinibatchResult(epoch, out, float(gn) if gn is not None else float("nan"), pre)
+
+
+def forward_only(ddp, batch: RolloutBatch, keys: list[str], loss_fn, make_micro_batches: Callable,
+                 ctx_fn: Callable = lambda mbs: contextlib.nullcontext()):
+    """Per-response-token outputs [len(keys), N, T] of every row, on every rank, and the micro-batches
+    and what ``ctx_fn(mbs)``'s context yielded. ``loss_fn`` returns the per-token outputs under
+    ``keys`` in its metrics dict.
+
+    Rows are sharded over this model's DP ranks; each row is computed by exactly one DP rank, so a
+    sum over DP gathers them, then the last pipeline stage broadcasts to the others."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_s3ac.models.pipeline import forward_backward
+
+    n, T = batch.mask.shape
+    rows, real = shard_rows(torch.arange(n), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    mbs = make_micro_batches(batch, rows, real)
+    ddp.eval()
+    with torch.no_grad(), ctx_fn(mbs) as recorded:
+        outs = forward_backward([ddp], mbs, loss_fn, forward_only=True)
+    ddp.train()
+    full = torch.zeros(len(keys), n, T)
+    for mb, o in zip(mbs, outs):
+        r = mb.real_rows
+        for j, k in enumerate(keys):
+            full[j, mb.row_ids[r]] = o[k][r].float()
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(full, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(full, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    return full, mbs, recorded

@@ -1,0 +1,78 @@
+"""Compare two runs' metrics.jsonl for exact equality, every key at every step (timings excluded).
+
+    python tools/compare_metrics.py RUN_A RUN_B [--ignore time/ --ignore eval/...] [--also warmup.jsonl ...]
+
+RUN_A / RUN_B: run directories (their metrics.jsonl, plus any ``--also`` files) or jsonl files.
+Keys starting with an ``--ignore`` prefix (default: ``time/``, ``warmup/time``) are left out. Exit status
+0 when every row has the same keys and values (NaN equals NaN), 1 otherwise; the first differences
+are printed, and a summary line says how many rows and values were compared.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+
+def _rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b and type(a) is type(b)
+
+
+def compare(a: list[dict], b: list[dict], ignore: tuple[str, ...]) -> tuple[int, list[str]]:
+    """(values compared, differences) of two lists of metric rows."""
+    diffs, n = [], 0
+    if len(a) != len(b):
+        diffs.append(f"row count {len(a)} != {len(b)}")
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        ka = {k for k in ra if not k.startswith(ignore)}
+        kb = {k for k in rb if not k.startswith(ignore)}
+        if ka != kb:
+            diffs.append(f"row {i}: keys only in A {sorted(ka - kb)}, only in B {sorted(kb - ka)}")
+        for k in sorted(ka & kb):
+            n += 1
+            if not _same(ra[k], rb[k]):
+                diffs.append(f"row {i} (step {ra.get('step')}): {k}: {ra[k]!r} != {rb[k]!r}")
+    return n, diffs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--ignore", action="append", default=None, help="key prefix to skip (repeatable)")
+    ap.add_argument("--also", action="append", default=[], help="another jsonl file name in both run dirs")
+    args = ap.parse_args(argv)
+    ignore = tuple(args.ignore or ["time/", "warmup/time"])
+    files = ["metrics.jsonl"] + args.also
+    ok = True
+    for name in files:
+        pa = os.path.join(args.a, name) if os.path.isdir(args.a) else args.a
+        pb = os.path.join(args.b, name) if os.path.isdir(args.b) else args.b
+        for p in (pa, pb):
+            if not os.path.exists(p):
+                print(f"compare_metrics: {p} does not exist", file=sys.stderr)
+                return 2
+        ra, rb = _rows(pa), _rows(pb)
+        n, diffs = compare(ra, rb, ignore)
+        keys = sorted({k for r in ra for k in r if not k.startswith(ignore)})
+        print(f"{name}: {len(ra)} rows, {len(keys)} keys, {n} values compared, {len(diffs)} differences "
+              f"(ignored prefixes {list(ignore)})")
+        for d in diffs[:20]:
+            print("  " + d)
+        ok &= not diffs
+        if not os.path.isdir(args.a):
+            break
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
