@@ -14,7 +14,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-import megatron_s3ac.rollout.reward_multistep  # noqa: F401  registers "multistep" (until rewards.py imports it)
 from megatron_s3ac.rollout.rewards import RewardPool, extract_last_boxed, get_reward
 
 CHOICE_TAIL_CHARS = 2000  # "the answer is X" is searched for only near the end of a response

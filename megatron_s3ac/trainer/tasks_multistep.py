@@ -129,3 +129,28 @@ def prompt_difficulty(text: str) -> dict:
         carries += _carries(abs(acc), v) if same_sign else _borrows(acc, v)
         acc = nxt
     return {"steps": len(ops), "carries": carries, "max_digits": max(len(str(v)) for v in operands)}
+
+
+# ---- trainer glue (config section ``data``: task, min_operands, max_operands, max_operand, ops) ------
+def spec_of(data_cfg) -> MultistepSpec:
+    """The MultistepSpec a ``data`` config section describes (raises ValueError when invalid)."""
+    return MultistepSpec(min_operands=data_cfg.min_operands, max_operands=data_cfg.max_operands,
+                         max_operand=data_cfg.max_operand, ops=data_cfg.ops)
+
+
+def tiny_hf_config(data_cfg):
+    """The tiny demo model's HF config for ``data.task`` (the vocabulary differs per task)."""
+    from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+
+    if str(getattr(data_cfg.task, "value", data_cfg.task)) == "multistep":
+        return tiny_multistep_hf_config(spec_of(data_cfg))
+    return tiny_arithmetic_hf_config()
+
+
+def multistep_data(data_cfg) -> tuple[CharVocab, list[Prompt], list[Prompt]]:
+    """(vocabulary, training prompts, held-out prompts) of the multistep task; the held-out split is
+    drawn first with seed + 1 and excluded from the training set (as the arithmetic task does)."""
+    spec, vocab = spec_of(data_cfg), multistep_vocab()
+    held = multistep_prompts(data_cfg.eval_prompts, spec, data_cfg.seed + 1, vocab)
+    train = multistep_prompts(data_cfg.num_prompts, spec, data_cfg.seed, vocab, exclude={p.text for p in held})
+    return vocab, train, held

@@ -191,3 +191,31 @@ def test_declared_reward_rules(tmp_path):
         load_benchmark("c", path2)
     os.remove(path2 + ".meta.json")
     assert load_benchmark("c", path2).reward == "math"
+
+
+def test_demo_export_is_scored_by_the_plain_cli(demo_fitted, tmp_path):
+    """trainer.demo.export_eval_inputs (the demo's own writer) + the issue's exact command
+    `s3ac-eval --model OUT/hf_final --bench heldout=OUT/heldout.jsonl` (no --reward, no --tokenizer):
+    exit 0 and the independent greedy score."""
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.trainer.data import Prompt
+    from megatron_s3ac.trainer.demo import export_eval_inputs
+
+    hf, rows, model = demo_fitted
+    cfg = load_config(None, ["model.tiny=arithmetic_moe"])
+    tr = types.SimpleNamespace(rank=0, cfg=cfg, vocab=CharVocab(),
+                               engine=types.SimpleNamespace(model=AutoModelForCausalLM.from_pretrained(hf)),
+                               eval_prompts=[Prompt(r["prompt_ids"], r["prompt"], r["answer"]) for r in rows])
+    export_eval_inputs(tr, str(tmp_path), "final")
+    written = [json.loads(line) for line in open(tmp_path / "heldout.jsonl")]
+    assert all(r["reward"] == "arithmetic" for r in written) and len(written) == N_PROMPTS
+    out = tmp_path / "report.json"
+    rc = main(["--model", str(tmp_path / "hf_final"), "--bench", f"heldout={tmp_path / 'heldout.jsonl'}",
+               "--k", "1", "--temperature", "0", "--max-new-tokens", "4", "--out", str(out)])
+    assert rc == 0
+    assert json.loads(out.read_text())["benchmarks"]["heldout"]["avg_at_k"] == pytest.approx(
+        _greedy_reference(model, rows))
