@@ -186,7 +186,7 @@ def base_overrides(args) -> list[str]:
     o = []
     if args.quick:
         o += ["train.steps=8", "train.eval_every=2", "rollout.prompts_per_step=32", "data.eval_prompts=100",
-              "demo.warmup_eval_every=50", "demo.coverage_prompts=128", "eval.k=2"]
+              "demo.warmup_eval_every=50", "demo.warmup_max_steps=400", "demo.coverage_prompts=128", "eval.k=2"]
     if args.steps is not None:
         o.append(f"train.steps={args.steps}")
     if args.max_operand is not None:
