@@ -7,7 +7,7 @@ import pytest
 
 from megatron_s3ac.rollout.rewards import (
     RewardPool, arithmetic_reference, arithmetic_reward, extract_last_boxed, get_reward, math_reward,
-    register_reward, registered_rewards,
+    register_reward, registered_rewards, score_answers,
 )
 
 TIMEOUT_S = 3.0
@@ -92,6 +92,25 @@ def test_registry():
         get_reward("nope")
     with pytest.raises(ValueError):
         register_reward("math")(lambda r, g: 1.0)
+
+
+@register_reward("test_raises_inline", isolate=False)
+def raises_inline(response, reference):
+    if response == "boom":
+        raise ValueError("unparsable")
+    return 1.0 if response == reference else -1.0
+
+
+def test_score_answers_is_the_one_path(pool):
+    # cheap rewards inline: an answer whose scoring raises is wrong (-1), not a crash of the caller
+    assert score_answers("test_raises_inline", ["a", "boom", "b"], ["a", "a", "a"]) == [1.0, -1.0, -1.0]
+    assert score_answers("arithmetic", ["46", "45"], ["46", "46"]) == [1.0, -1.0]
+    # isolated rewards only through a pool (its per-answer limits), never inline
+    with pytest.raises(ValueError, match="runs in worker processes: pass a RewardPool"):
+        score_answers("math", ["\\boxed{1}"], ["1"])
+    before = pool.stats.total
+    assert score_answers("math", ["\\boxed{0.5}", "\\boxed{3}"], ["1/2", "1/2"], pool) == [1.0, -1.0]
+    assert pool.stats.total == before + 2
 
 
 def test_pool_scores_in_workers(pool):

@@ -65,6 +65,22 @@ def test_packed_micro_batch_layout():
                        (got * mb.mask)[torch.argsort(mb.row_ids)])
 
 
+def test_typed_batch_select_and_typos():
+    samples = [{"prompt_ids": [5, 6], "response_ids": [8, 9, 7][: i + 1], "logprobs": [-1.0] * (i + 1),
+                "reward": float(i), "pid": 10 + i, "routes": f"r{i}"} for i in range(3)]
+    b = collate(samples, pad_to=8)
+    b.adv = torch.arange(3.0)
+    sub = b.select(torch.tensor([2, 0]))
+    assert sub.pid.tolist() == [12, 10] and sub.routes == ["r2", "r0"] and sub.adv.tolist() == [2.0, 0.0]
+    assert torch.equal(sub.mask, b.mask[[2, 0]]) and sub.old_logp is None
+    with pytest.raises(AttributeError):
+        b.scroes  # noqa: B018 - a misspelt field is an error, not a silent missing key
+    (mb,) = micro_batches(b, torch.tensor([1, 2]), torch.tensor([True, False]), pad_to=8)
+    assert mb.mask[1].sum() == 0 and mb["input_ids"] is mb.input_ids and mb.get("position_ids") is None
+    with pytest.raises(AttributeError):
+        mb["inputs_ids"]
+
+
 # ---- one trainer step at several layouts (2 gloo ranks) ------------------------------------------
 def _save_init(out_dir, actor_dir, critic_dir):
     from megatron.core import dist_checkpointing

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from megatron_s3ac.rollout.rewards import register_reward
 from megatron_s3ac.testing.dist import run_distributed
 from megatron_s3ac.trainer.config import ConfigError, load_config
 
@@ -16,6 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=8", "rollout.k=4", "rollout.max_new_tokens=4",
          "data.num_prompts=200", "data.eval_prompts=16", "algo.actor_minibatches=4", "algo.critic_minibatches=4",
          "daps.warmup_steps=0", "daps.rampup_steps=1", "train.progress=false", "train.tensorboard=false"]
+
+
+@register_reward("test_char_parity", isolate=False)
+def char_parity(response: str, reference: str) -> float:
+    """A test reward that varies on an untrained model's output (the arithmetic reward is -1 almost
+    everywhere, which gives critic-free baselines zero advantages and no update at all)."""
+    return 1.0 if sum(map(ord, response)) % 2 else -1.0
 
 
 def capture_batches(tr) -> list:
@@ -38,6 +46,11 @@ def capture_batches(tr) -> list:
     (["algo.policy_loss=ppo"], r"algo.policy_loss: unknown policy loss 'ppo'; registered: \['cispo', 'dppo_tv'"),
     (["algo.name=grpo_x", "rollout.k=1"], "grpo_x needs rollout.k >= 2"),
     (["algo.critic_epochs=0"], "algo.critic_epochs=0 must be >= 1"),
+    (["algo.dual_clip_c=1.0"], "algo.dual_clip_c=1.0 must be > 1"),
+    (["rollout.placement=far"], r"Invalid value 'far', expected one of \[colocated, separate\]\n\s+full_key: rollout.placement"),
+    (["data.task=chess"], r"expected one of \[arithmetic, math\]\n\s+full_key: data.task"),
+    (["cluster.gpus=0", "cluster.gpu_mem_gib=-1"], r"cluster.gpus=0 must be > 0\n  - cluster.gpu_mem_gib=-1.0 must be > 0"),
+    (["demo.coverage_k=0"], "demo.coverage_k=0 must be >= 1"),
     (["rollout.reward=nope"], "unknown reward 'nope'"),
     (["data.task=math", "model.tiny=null", "model.hf_config=/nonexistent"], "data.path=None does not exist"),
     (["model.tiny=null"], "set exactly one of model.tiny and model.hf_config"),
@@ -109,9 +122,13 @@ def _e2e(overrides, out_dir):
     return res
 
 
-@pytest.mark.parametrize("layout", [["actor_layout.ep=2"], ["actor_layout.tp=2"]], ids=["ep2", "tp2"])
+@pytest.mark.parametrize("layout", [["actor_layout.ep=2"], ["actor_layout.tp=2", "algo.policy_loss=ppo_clip"]],
+                         ids=["ep2", "tp2-ppo_clip"])
 def test_s3ac_few_steps_world2(layout, tmp_path):
     r0 = run_distributed(_e2e, 2, layout, str(tmp_path))[0]
+    # the policy loss is the registered one named by algo.policy_loss (default: CISPO's metrics)
+    only = "actor/clip_frac_dual" if "algo.policy_loss=ppo_clip" in layout else "actor/clip_frac_high"
+    assert all(only in m for m in r0["steps"])
     assert r0["trained"]
     for m in r0["steps"]:  # no group filter (_e2e): every step trains both models
         assert m["mismatch/train_rollout_kl"] == pytest.approx(0.0, abs=1e-5)  # weight sync is exact
@@ -132,7 +149,9 @@ def test_s3ac_few_steps_world2(layout, tmp_path):
 @pytest.mark.parametrize("algo", ["grpo_x", "reinforce_pp", "flash_reinforce"])
 def test_baselines_run(algo, tmp_path):
     k = ["rollout.k=1", "algo.actor_minibatches=2"] if algo != "grpo_x" else []
-    r0 = run_distributed(_e2e, 2, ["actor_layout.ep=2", f"algo.name={algo}", "daps.enabled=false"] + k, str(tmp_path))[0]
+    r0 = run_distributed(_e2e, 2, ["actor_layout.ep=2", f"algo.name={algo}", "daps.enabled=false",
+                                   "rollout.reward=test_char_parity"] + k, str(tmp_path))[0]
+    assert all(0 < m["rollout/pass_rate"] < 1 for m in r0["steps"])  # varied rewards: nonzero advantages
     assert all("critic/opt_steps" not in m and m["actor/opt_steps"] >= 1 for m in r0["steps"])
     assert r0["trained"]  # the baseline's updates changed the actor
     assert r0["unchanged"]  # and a non-finite loss did not
