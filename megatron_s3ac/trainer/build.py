@@ -134,12 +134,27 @@ def build_critic(cfg: Config, info, layout, init_from_actor) -> Model:
     critic = _to_device(_build(info, config, ValueHeadConfig(kind=cfg.model.critic_head)))
     if cfg.model.critic_init:
         critic.load_state_dict(dist_checkpointing.load(critic.sharded_state_dict(), cfg.model.critic_init))
-    else:  # backbone from the actor; the value head keeps its 1/(H+1) init
+    else:  # backbone from the actor; the value head keeps its 1/(H+1) init (or model.value_head_init_std)
         init_from_actor(critic)
+        if cfg.model.value_head_init_std is not None:
+            reinit_value_head(critic, cfg.model.value_head_init_std, seed=cfg.train.seed)
     ddp = wrap_ddp(critic, config)
     opt = _build_optimizer("critic", ddp, lr=a.actor_lr * a.critic_lr_mult, clip_grad=a.critic_clip_grad,
                            weight_decay=a.weight_decay, **_optim_kw(cfg.optim.critic))
     return Model(critic, ddp, opt, config)
+
+
+@torch.no_grad()
+def reinit_value_head(critic, std: float, seed: int) -> None:
+    """Value head weights := N(0, std^2), bias 0 (paper Table 4's init ablation). Drawn from a
+    generator seeded by ``seed`` alone, so every rank holding the head draws the same numbers."""
+    head = getattr(critic.module, "output_layer", None)
+    if head is None or not critic.module.post_process:  # not the last pipeline stage: no head here
+        return
+    g = torch.Generator().manual_seed(seed + 31)
+    w = torch.randn(tuple(head.weight.shape), generator=g, dtype=torch.float64) * std
+    head.weight.copy_(w.to(head.weight.dtype))
+    head.bias.zero_()
 
 
 def r3_setting(cfg: Config, info):
@@ -239,6 +254,11 @@ def build_data(cfg: Config, use_daps: bool) -> PromptData:
         prompts = D.arithmetic_prompts(cfg.data.num_prompts, cfg.data.max_operand, cfg.data.seed,
                                        exclude={p.text for p in eval_prompts})
         stats = {"rows": len(prompts), "malformed": 0}
+    elif cfg.data.task == "multistep":
+        from megatron_s3ac.trainer.tasks_multistep import multistep_data
+
+        vocab, prompts, eval_prompts = multistep_data(cfg.data)
+        stats = {"rows": len(prompts), "malformed": 0}
     else:
         from transformers import AutoTokenizer
 
@@ -284,9 +304,9 @@ def build_engine(cfg: Config, info):
 
             hf = AutoConfig.for_model(**info.hf)
         else:
-            from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+            from megatron_s3ac.trainer.tasks_multistep import tiny_hf_config
 
-            hf = tiny_arithmetic_hf_config()
+            hf = tiny_hf_config(cfg.data)
         # weights come from the actor right after
         factory = make_engine_factory(kind, hf_config=hf, torch_threads=threads, **dev)
     if in_process:

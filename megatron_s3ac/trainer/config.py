@@ -25,6 +25,7 @@ class ConfigError(ValueError):
 # choices OmegaConf checks (a str Enum: members compare equal to their names)
 class Task(str, enum.Enum):
     arithmetic = "arithmetic"
+    multistep = "multistep"  # multi-operand arithmetic written step by step (trainer.tasks_multistep)
     math = "math"
 
 
@@ -76,6 +77,8 @@ class ModelCfg:
     actor_init: Optional[str] = None  # megatron torch_dist dir (checkpoints_convert hf->mcore)
     critic_init: Optional[str] = None  # torch_dist dir of a (value-pretrained) critic
     critic_head: CriticHead = CriticHead.linear
+    # std of the fresh value head's weights (None: the recipe's 1/(H+1)); paper Table 4 ablates 0.01
+    value_head_init_std: Optional[float] = None
     engine_hf_dir: Optional[str] = None  # HF dir the rollout engine loads (else built from config)
     # actor and critic params and activations (bf16: fp32 main grads / main params / Adam states via
     # megatron's distributed optimizer); log-probs, values, advantages and losses are fp32 either way
@@ -84,6 +87,8 @@ class ModelCfg:
     def errors(self) -> list[str]:
         out = [] if (self.tiny is None) != (self.hf_config is None) else [
             "set exactly one of model.tiny and model.hf_config"]
+        if self.value_head_init_std is not None and not self.value_head_init_std > 0:
+            out.append(f"model.value_head_init_std={self.value_head_init_std} must be > 0 (or null: 1/(H+1))")
         return out + _missing_paths("model", self, ("hf_config", "actor_init", "critic_init", "engine_hf_dir"))
 
 
@@ -106,6 +111,10 @@ class DataCfg:
     num_prompts: int = 2000  # arithmetic: size of the synthetic train set
     eval_prompts: int = 200  # arithmetic: held-out set for pass rates
     max_operand: int = 99
+    # multistep task: operands per prompt in [min_operands, max_operands], operators drawn from ops
+    min_operands: int = 3
+    max_operands: int = 5
+    ops: str = "+"
     max_prompt_tokens: int = 1024
     apply_chat_template: bool = True
     seed: int = 1
@@ -113,6 +122,13 @@ class DataCfg:
     def errors(self) -> list[str]:
         if self.task == Task.math and (self.path is None or not os.path.exists(self.path)):
             return [f"data.path={self.path!r} does not exist (task=math needs a jsonl/parquet prompt set)"]
+        if self.task == Task.multistep:
+            from megatron_s3ac.trainer.tasks_multistep import spec_of
+
+            try:
+                spec_of(self)
+            except ValueError as e:
+                return [f"data (task=multistep): {e}"]
         return []
 
 
@@ -202,6 +218,17 @@ class AlgoCfg:
     # (the "corrections disabled" arm of docs/fp8.md); only for algorithms that use them
     mismatch_corrections: bool = True
     dynamic_sampling: bool = True  # DAPO group filter (K > 1)
+    # DAPO refill: when the filter drops groups, draw and roll out more prompts until the step holds
+    # rollout.prompts_per_step informative groups, at most refill_max_factor x prompts_per_step groups
+    # drawn per step (then the step trains on what it kept). Off: train on the kept groups only
+    dynamic_sampling_refill: bool = False
+    refill_max_factor: float = 3.0
+    # actor GAE lambda: None = length-adaptive 1 - 1/(actor_alpha T) (S3AC); a number = fixed lambda
+    actor_lambda: Optional[float] = None
+    # entropy control hook on the advantages (algorithms.entropy_control; GRPO-X's GEPO slot):
+    # none | gepo_candidate (a documented candidate form, not the paper's exact GEPO), with params
+    entropy_control: str = "none"
+    entropy_control_params: Dict[str, float] = field(default_factory=dict)
     grpo_normalize_std: bool = True
     flash_delta: float = 3e-3
     dual_clip_c: Optional[float] = None  # ppo_clip: dual clip c > 1 for A < 0 (None = off)
@@ -249,6 +276,16 @@ class AlgoCfg:
             out.append("algo.tv_delta_low and algo.tv_delta_high must be >= 0")
         if self.logprob_chunk_tokens < 0:
             out.append("algo.logprob_chunk_tokens must be >= 0 (0 = unchunked)")
+        if not self.refill_max_factor >= 1:
+            out.append(f"algo.refill_max_factor={self.refill_max_factor} must be >= 1")
+        if self.actor_lambda is not None and not 0 <= self.actor_lambda <= 1:
+            out.append(f"algo.actor_lambda={self.actor_lambda} must be in [0, 1] (or null: length-adaptive)")
+        from megatron_s3ac.algorithms.entropy_control import make_entropy_control
+
+        try:
+            make_entropy_control(self.entropy_control, **self.entropy_control_params)
+        except (KeyError, TypeError, ValueError) as e:
+            out.append(f"algo.entropy_control: {e.args[0] if e.args else e}")
         return out
 
 
@@ -472,8 +509,16 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             errs.append(f"algo.name={a.name} needs rollout.k >= 2 (group baseline)")
     if r.prompts_per_step * r.k < a.actor_minibatches:
         errs.append(f"rollout batch {r.prompts_per_step}x{r.k} is smaller than algo.actor_minibatches={a.actor_minibatches}")
-    if cfg.model.tiny is not None and cfg.data.task != Task.arithmetic:
-        errs.append("model.tiny=arithmetic_moe uses the character vocabulary: data.task must be arithmetic")
+    if cfg.model.tiny is not None and cfg.data.task not in (Task.arithmetic, Task.multistep):
+        errs.append("model.tiny=arithmetic_moe uses the character vocabulary: data.task must be arithmetic or multistep")
+    if cfg.data.task == Task.multistep and cfg.model.tiny is None:
+        errs.append("data.task=multistep needs the character-vocabulary model (model.tiny=arithmetic_moe)")
+    if cfg.data.task == Task.multistep and r.reward != "multistep":
+        errs.append(f"data.task=multistep is scored by rollout.reward=multistep, got {r.reward!r}")
+    if a.dynamic_sampling_refill and not (a.dynamic_sampling and r.k > 1):
+        errs.append("algo.dynamic_sampling_refill needs the group filter (algo.dynamic_sampling=true, rollout.k > 1)")
+    if a.entropy_control != "none" and r.k < 2:
+        errs.append(f"algo.entropy_control={a.entropy_control} shapes group advantages: needs rollout.k >= 2")
     if not errs:
         errs += _engine_errors(cfg, world_size)
     if cfg.train.r3 == "on" and not errs:
@@ -543,7 +588,7 @@ def model_info_for(cfg: Config):
     from megatron_s3ac.models.registry import model_info
 
     if cfg.model.tiny is not None:
-        from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+        from megatron_s3ac.trainer.tasks_multistep import tiny_hf_config
 
-        return model_info(tiny_arithmetic_hf_config().to_dict())
+        return model_info(tiny_hf_config(cfg.data).to_dict())
     return model_info(cfg.model.hf_config)

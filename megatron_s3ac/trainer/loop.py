@@ -73,6 +73,11 @@ class Trainer:
         self.reward_pool = None
         self._build_eval()
         self.step_idx, self.skipped_steps, self._last_v0 = 0, 0, None
+        from megatron_s3ac.algorithms.entropy_control import make_entropy_control
+
+        a = cfg.algo  # None: no hook (the default, "none")
+        self.entropy_control = (make_entropy_control(a.entropy_control, **a.entropy_control_params)
+                                if a.entropy_control != "none" else None)
         self.sync_weights()
 
     # ---- construction ------------------------------------------------------------------------
@@ -249,9 +254,9 @@ class Trainer:
         return res
 
     # ---- the phases of one step ----------------------------------------------------------------
-    def select_prompts(self) -> tuple[torch.Tensor, dict]:
-        """Prompt indices [prompts_per_step] and DAPS statistics."""
-        n = self.cfg.rollout.prompts_per_step
+    def select_prompts(self, n: int | None = None) -> tuple[torch.Tensor, dict]:
+        """Prompt indices [n] (default prompts_per_step) and DAPS statistics."""
+        n = n or self.cfg.rollout.prompts_per_step
         self._last_v0 = None
         if self.daps is None:
             return self.stream.take(n), {}
@@ -269,15 +274,16 @@ class Trainer:
         self._last_v0 = v0
         return v0
 
-    def rollout(self, pids: torch.Tensor) -> list[dict]:
-        """Rank 0 generates and scores; every rank receives the same list of sample dicts."""
+    def rollout(self, pids: torch.Tensor, round_idx: int = 0) -> list[dict]:
+        """Rank 0 generates and scores; every rank receives the same list of sample dicts.
+        round_idx: the refill round within the step (0 = the step's first rollout), for its own seed."""
         from megatron_s3ac.rollout.base import SamplingParams
 
         r = self.cfg.rollout
         payload = [None]
         if self.rank == 0:
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                    seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
+                                    seed=self.cfg.train.seed * 1_000_003 + self.step_idx + 7919 * round_idx)
             groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
                                           return_routed_experts=self.r3_on)
             # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
@@ -319,10 +325,69 @@ class Trainer:
             return None, {**m, "filter/empty_batch": 1}
         return batch.select(keep.nonzero()[:, 0]), m
 
+    def rollout_once(self, m: dict) -> tuple[list[dict], RolloutBatch | None, RolloutBatch | None, dict]:
+        """Select, roll out and filter once (no refill). Returns (samples, their batch, the kept batch,
+        metrics); the batches are None when every group aborted, the kept one when the filter left nothing."""
+        pids, stats = self.select_prompts()
+        self._place(m, off=["actor", "critic"])  # the engine generates
+        samples = self.rollout(pids)
+        if not samples:
+            return samples, None, None, stats
+        drawn = collate(samples, self.pad_to)
+        if self.daps is not None:
+            self.daps.update(drawn.pid, drawn.scores, step=self.step_idx)
+        batch, fm = self.filter_groups(drawn)
+        return samples, drawn, batch, {**stats, **fm}
+
+    def rollout_refilled(self) -> tuple[list[dict], RolloutBatch, RolloutBatch | None, dict]:
+        """DAPO dynamic sampling with refill (``algo.dynamic_sampling_refill``): select and roll out
+        prompt groups until ``prompts_per_step`` informative ones are kept, drawing at most
+        ``refill_max_factor`` x prompts_per_step groups (algorithms.filters.dynamic_sampling_refill).
+        Returns (every drawn sample, their batch, the kept batch or None, metrics); DAPS sees every
+        drawn group's outcomes."""
+        import math
+
+        k, target = self.cfg.rollout.k, self.cfg.rollout.prompts_per_step
+        drawn, stats, rounds, aborted = [], {}, [0], [0, 0]
+
+        def draw(n):
+            pids, st = self.select_prompts(n)
+            for key, v in st.items():
+                stats.setdefault(key, v)  # the first round's selection statistics
+            samples = self.rollout(pids, round_idx=rounds[0])
+            rounds[0] += 1
+            aborted[0] += self._aborted[0]
+            aborted[1] += self._aborted[1]
+            # rollout drops a group with an aborted sample: it counts as drawn and uninformative
+            got = len(samples) // k
+            scores = torch.zeros(n, k)
+            if samples:
+                b = collate(samples, self.pad_to)
+                if self.daps is not None:
+                    self.daps.update(b.pid, b.scores, step=self.step_idx)
+                scores[:got] = b.scores.reshape(got, k)
+                drawn.extend(samples)
+            return [samples[i * k:(i + 1) * k] for i in range(got)] + [None] * (n - got), scores
+
+        kept, st = A.dynamic_sampling_refill(draw, target, max_groups=max(target, math.floor(
+            self.cfg.algo.refill_max_factor * target)))
+        m = {**stats, "filter/kept_groups": st["kept_groups"], "filter/discarded_groups": st["discarded_groups"],
+             "filter/kept_trajectories": st["kept_groups"] * k, "filter/discarded_trajectories": st["discarded_groups"] * k,
+             "refill/rounds": st["rounds"], "refill/drawn_groups": st["drawn_groups"],
+             "refill/surplus_groups": st["surplus_groups"], "refill/reached_target": float(st["reached_target"])}
+        self._aborted = tuple(aborted)
+        if not drawn:
+            return drawn, None, None, m
+        all_batch = collate(drawn, self.pad_to)
+        if not kept:
+            return drawn, all_batch, None, {**m, "filter/empty_batch": 1}
+        return drawn, all_batch, collate([s for g in kept for s in g], self.pad_to), m
+
     def old_logprobs(self, batch: RolloutBatch) -> dict:
         """batch.old_logp := the actor's log-probs before this step's updates (+ entropy, R3 metrics)."""
         old = self._forward_only("actor", batch, "logp")
         batch.old_logp = old["logp"]
+        self._old_entropy = old["entropy"]  # [N, T] for the entropy-control hook
         m = {"rollout/entropy": float(A.masked_mean(old["entropy"], batch.mask)),
              "mismatch/train_rollout_kl": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask)),
              # the same gap whatever the routing (R3 on or off): |log pi_train - log pi_rollout| and k3 KL
@@ -353,6 +418,9 @@ class Trainer:
                       "mismatch/mis_masked_frac": float(((mis.amax(1) == 0) & rows).sum() / rows.sum().clamp(min=1))})
             if a.mismatch_corrections:
                 batch.is_w, batch.keep = is_w, keep
+        if self.entropy_control is not None:  # e.g. GRPO-X's GEPO slot (algorithms.entropy_control)
+            batch.adv, em = self.entropy_control(batch.adv, self._old_entropy, mask, self.cfg.rollout.k)
+            m.update({f"entropy_control/{key}": v for key, v in em.items()})
         adv = batch.adv
         m["adv/mean"] = float(A.masked_mean(adv if adv.dim() == 2 else adv[:, None].expand_as(mask), mask))
         return m
@@ -384,22 +452,17 @@ class Trainer:
         t0 = time.time()
         m: dict = {"step": self.step_idx}
         self._place(m, on=["critic"] if self.daps is not None else [])  # DAPS scores prompts with V(s0)
-        pids, daps_stats = self.select_prompts()
-        m.update(daps_stats)
-        self._place(m, off=["actor", "critic"])  # the engine generates
-        samples = self.rollout(pids)
-        if not samples:  # every group had an aborted sample: nothing to train on this step
-            m.update({"rollout/aborted": self._aborted[0], "rollout/aborted_groups": self._aborted[1],
-                      "time/rollout": time.time() - t0})
-            self.step_idx += 1
-            return m
-        batch = collate(samples, self.pad_to)
-        m.update(self.rollout_metrics(samples, batch))
-        if self.daps is not None:
-            self.daps.update(batch.pid, batch.scores, step=self.step_idx)
-        m["time/rollout"] = time.time() - t0
-        batch, fm = self.filter_groups(batch)
+        if self.cfg.algo.dynamic_sampling_refill:
+            self._place(m, off=["actor"])  # the engine generates; the critic scores every refill round (DAPS)
+            samples, drawn, batch, fm = self.rollout_refilled()
+        else:
+            samples, drawn, batch, fm = self.rollout_once(m)
         m.update(fm)
+        if drawn is None:  # every group had an aborted sample: nothing to train on this step
+            m.update({"rollout/aborted": self._aborted[0], "rollout/aborted_groups": self._aborted[1]})
+        else:
+            m.update(self.rollout_metrics(samples, drawn))  # over every drawn trajectory
+        m["time/rollout"] = time.time() - t0
         if batch is None:
             self._place(m, on=["actor", "critic"])
             self.step_idx += 1
