@@ -78,6 +78,7 @@ def run_modes(layout):
     return out, calls
 
 
+@pytest.mark.slow  # six model builds per layout
 @pytest.mark.parametrize("layout_kw", [dict(pp=2), dict(ep=2)], ids=["pp2", "ep2"])
 def test_recompute_same_gradients(layout_kw):
     from megatron_s3ac.models.parallel import ParallelLayout
