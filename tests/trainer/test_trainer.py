@@ -381,3 +381,14 @@ def test_standalone_eval_reproduces_demo_pass_rates_world2(tmp_path):
     last = _metrics(tmp_path)[-1]  # the periodic evaluation after the last step saw the same model
     assert last["eval/heldout/greedy"] == res["after"]["greedy"]
     assert last["eval/heldout/avg@3"] == res["after"]["sampled"]
+
+
+def test_fault_seam_exits_at_the_named_step_only():
+    code = ("from megatron_s3ac.testing import faults; faults.after_step(2); print('after 2', flush=True); "
+            "faults.after_step(3); print('after 3', flush=True)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, S3AC_TESTING_FAIL_AT_STEP="3"))
+    assert r.returncode == 9 and r.stdout.split("\n")[:2] == ["after 2", ""]
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "S3AC_TESTING_FAIL_AT_STEP"})
+    assert r.returncode == 0 and "after 3" in r.stdout  # unset: no effect
