@@ -350,6 +350,8 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=2, help="torchrun ranks per run")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a run is killed")
     p.add_argument("--dry-run", action="store_true", help="print the runs and exit")
+    p.add_argument("--reuse-only", action="store_true",
+                   help="launch nothing: use the runs already in OUT/runs (a missing one counts as failed)")
     args = p.parse_args(argv)
     if args.seeds is None:
         args.seeds = [1, 2] if args.quick else [1, 2, 3]
@@ -389,7 +391,10 @@ def main(argv=None) -> int:
     by_name = {c.name: c for c in all_claims}
     for i, (a, s) in enumerate(runs):
         d = os.path.join(out, "runs", a, f"seed{s}")
-        ok, secs = run_arm(args.config, base + arm_over[a] + [f"train.seed={s}"], d, args.nproc, args.run_timeout)
+        if args.reuse_only:
+            ok, secs = os.path.exists(os.path.join(d, "demo_result.json")), 0.0
+        else:
+            ok, secs = run_arm(args.config, base + arm_over[a] + [f"train.seed={s}"], d, args.nproc, args.run_timeout)
         print(f"[{i + 1}/{len(runs)}] {a} seed {s}: {'ok' if ok else 'FAILED'} ({secs:.0f} s)", flush=True)
         run_dirs[a].append(d)
         if not ok:
