@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_s3ac.eval.claims import RULE_PREFIX, arm_summary, combine, compare, threshold, write_claims  # noqa: E402
+from megatron_s3ac.eval.claims import RULE_PREFIX, THRESHOLD_RULE, arm_summary, combine, compare, threshold, write_claims  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "examples", "cpu_demo.yaml")
@@ -257,7 +257,8 @@ def evaluate_claim(c: Claim, values: dict[str, list[Optional[float]]], missing: 
         verdicts.append(v)
         sentences.append(s)
     entry["verdict"] = combine(verdicts)
-    entry["rule"] = RULE_PREFIX + ("higher" if c.higher_is_better else "lower") + " is better. " + "; ".join(sentences)
+    prefix = RULE_PREFIX + ("higher" if c.higher_is_better else "lower") + " is better. " if c.comparisons else THRESHOLD_RULE
+    entry["rule"] = prefix + "; ".join(sentences)
     return entry
 
 
