@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_s3ac.eval.claims import RULE_PREFIX, arm_summary, combine, compare, threshold, write_claims  # noqa: E402
+from megatron_s3ac.eval.claims import RULE_PREFIX, THRESHOLD_RULE, arm_summary, combine, compare, threshold, write_claims  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "examples", "cpu_demo.yaml")
@@ -257,7 +257,8 @@ def evaluate_claim(c: Claim, values: dict[str, list[Optional[float]]], missing: 
         verdicts.append(v)
         sentences.append(s)
     entry["verdict"] = combine(verdicts)
-    entry["rule"] = RULE_PREFIX + ("higher" if c.higher_is_better else "lower") + " is better. " + "; ".join(sentences)
+    prefix = RULE_PREFIX + ("higher" if c.higher_is_better else "lower") + " is better. " if c.comparisons else THRESHOLD_RULE
+    entry["rule"] = prefix + "; ".join(sentences)
     return entry
 
 
@@ -350,6 +351,8 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=2, help="torchrun ranks per run")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a run is killed")
     p.add_argument("--dry-run", action="store_true", help="print the runs and exit")
+    p.add_argument("--reuse-only", action="store_true",
+                   help="launch nothing: use the runs already in OUT/runs (a missing one counts as failed)")
     args = p.parse_args(argv)
     if args.seeds is None:
         args.seeds = [1, 2] if args.quick else [1, 2, 3]
@@ -389,7 +392,10 @@ def main(argv=None) -> int:
     by_name = {c.name: c for c in all_claims}
     for i, (a, s) in enumerate(runs):
         d = os.path.join(out, "runs", a, f"seed{s}")
-        ok, secs = run_arm(args.config, base + arm_over[a] + [f"train.seed={s}"], d, args.nproc, args.run_timeout)
+        if args.reuse_only:
+            ok, secs = os.path.exists(os.path.join(d, "demo_result.json")), 0.0
+        else:
+            ok, secs = run_arm(args.config, base + arm_over[a] + [f"train.seed={s}"], d, args.nproc, args.run_timeout)
         print(f"[{i + 1}/{len(runs)}] {a} seed {s}: {'ok' if ok else 'FAILED'} ({secs:.0f} s)", flush=True)
         run_dirs[a].append(d)
         if not ok:

@@ -142,8 +142,8 @@ def compare(better: Sequence[Optional[float]], worse: Sequence[Optional[float]],
     d = [(a - b) if higher_is_better else (b - a) for a, b in pairs]
     mean, (lo, hi) = mean_ci95(d)
     verdict = _verdict_of_interval(lo, hi)
-    sign = "-" if higher_is_better else "- (lower is better, so negated)"
-    sent = (f"{names[0]} {sign} {names[1]} over {len(d)} paired seeds: mean {_fmt(mean)}, 95% t-interval "
+    diff = f"{names[0]} - {names[1]}" if higher_is_better else f"{names[1]} - {names[0]} (lower is better)"
+    sent = (f"{diff} over {len(d)} paired seeds: mean {_fmt(mean)}, 95% t-interval "
             f"[{_fmt(lo)}, {_fmt(hi)}] -> {verdict}")
     return verdict, sent
 
@@ -170,6 +170,8 @@ def combine(verdicts: Sequence[str]) -> str:
     return "inconclusive"
 
 
+THRESHOLD_RULE = ("95% Student-t interval of the arm's mean over seeds; reproduced iff it lies beyond the "
+                  "claimed threshold, not reproduced iff it lies on the other side, else inconclusive. ")
 RULE_PREFIX = ("95% paired Student-t interval of the per-seed difference (claimed direction positive); "
                "reproduced iff every comparison's interval is above 0, not reproduced iff any is below 0, "
                "else inconclusive (also with < 2 seeds). ")

@@ -6,16 +6,13 @@ missing or extra), else -1: each step is computed from the previous written valu
 mistake dooms the answer, while a correct prefix of steps can still be read off (step_accuracy) to
 see where a response went wrong. Operators "+" and "-"; values may be negative ("5-9=" -> "-4").
 
-Registered as "multistep" (inline: a regex and integer compare on <= 64 characters, bounded).
-Importing this module registers it; rollout/rewards.py (or the caller) must import it for the name
-to resolve.
+Registered as "multistep" by rollout/rewards.py (inline: a regex and an integer compare on at most
+MAX_RESPONSE_CHARS characters, bounded). This module imports nothing of the package (no cycle).
 """
 from __future__ import annotations
 
 import re
 from typing import Optional
-
-from megatron_s3ac.rollout.rewards import register_reward
 
 MAX_RESPONSE_CHARS = 256  # a longer response is not a chain of a CPU-sized task: -1
 _PROMPT = re.compile(r"^\s*(\d+)((?:[+-]\d+)+)\s*=\s*$")
@@ -54,7 +51,6 @@ def parse_chain(text: str) -> Optional[list[int]]:
     return [int(v) for v in text.split(",")]
 
 
-@register_reward("multistep", isolate=False)
 def multistep_reward(response: str, reference: str) -> float:
     """+1 iff the response's chain of step values equals the reference chain exactly, else -1."""
     got, want = parse_chain(response), parse_chain(reference)

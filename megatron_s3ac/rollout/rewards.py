@@ -351,5 +351,7 @@ class RewardPool:
         return out
 
 
-# Task rewards defined in their own modules register on import (they import register_reward above).
-from megatron_s3ac.rollout import reward_multistep  # noqa: E402,F401  "multistep"
+# Task rewards defined in their own modules (pure functions, importing nothing of this package)
+from megatron_s3ac.rollout.reward_multistep import multistep_reward  # noqa: E402
+
+register_reward("multistep", isolate=False)(multistep_reward)

@@ -90,21 +90,25 @@ def _fake_run(out, arm, seed, result=None, metrics=(), vpt=()):
 
 
 def test_driver_on_synthetic_runs(tmp_path, capsys):
-    """Complete synthetic runs for three claims: the driver reuses them (no training), reads each
-    metric from the right file, writes claims.json in the schema, verdicts by the rule, a report
-    and plots; an arm needing a knob the trainer lacks is not run and its claim is inconclusive."""
+    """Complete synthetic runs for three claims: the driver reuses them (--reuse-only: it can never
+    launch training here), reads each metric from the right file, writes claims.json in the schema,
+    verdicts by the rule, a report and plots; a missing run leaves null values and no verdict."""
     drv = _driver()
     out = str(tmp_path / "claims")
     clip = {"s3ac": [0.10, 0.12, 0.11], "value_pretrain_clip_1": [0.99, 0.97, 1.0]}
     score = {"s3ac": [0.30, 0.36, 0.33], "grpo_x": [0.31, 0.33, 0.35]}
+    loss = {"s3ac": [0.40, 0.45, 0.42]}  # head_init_0.01 has runs for seeds 4 and 5 only (below)
     for seed_i, seed in enumerate((4, 5, 6)):
-        for arm in ("s3ac", "value_pretrain_clip_1", "grpo_x"):
+        for arm in ("s3ac", "value_pretrain_clip_1", "grpo_x", "head_init_0.01"):
+            if arm == "head_init_0.01" and seed == 6:
+                continue
             res = {"vpt/clip_frac": clip.get(arm, [0.5] * 3)[seed_i],
-                   "after": {"sampled": score.get(arm, [0.2] * 3)[seed_i]}}
+                   "after": {"sampled": score.get(arm, [0.2] * 3)[seed_i]},
+                   "vpt/loss_first": loss.get(arm, [0.7, 0.72, 0.0])[seed_i]}
             ev = [{"step": t, "critic/explained_variance": 0.1 * t + seed_i, "eval/average": 0.3} for t in range(5)]
             _fake_run(out, arm, seed, res, ev, [{"step": t, "vpt/grad_norm": 3.0} for t in range(3)])
     rc = drv.main(["--seeds", "4", "5", "6", "--out", out, "--claims", "critic_grad_clip", "s3ac_vs_grpo_x",
-                   "value_head_init"])
+                   "value_head_init", "--reuse-only"])
     assert rc == 0
     claims = json.load(open(os.path.join(out, "claims.json")))
     validate_claims(claims)
@@ -115,8 +119,10 @@ def test_driver_on_synthetic_runs(tmp_path, capsys):
     # differences -0.01, 0.03, -0.02: the interval contains 0
     assert by["s3ac_vs_grpo_x"]["verdict"] == "inconclusive"
     assert by["s3ac_vs_grpo_x"]["arms"]["grpo_x"]["mean"] == pytest.approx(0.33)
-    assert by["value_head_init"]["verdict"] == "inconclusive" and "not run" in by["value_head_init"]["rule"]
-    assert by["value_head_init"]["arms"]["head_init_0.01"]["values"] == [None, None, None]
+    # seed 6 has no 0.01 run: 2 pairs, differences 0.30, 0.27 -> mean 0.285, s = 0.0212,
+    # half-width 12.706 * 0.0212 / sqrt 2 = 0.19 -> [0.095, 0.475], above 0
+    assert by["value_head_init"]["arms"]["head_init_0.01"]["values"] == [0.7, 0.72, None]
+    assert by["value_head_init"]["verdict"] == "reproduced" and "over 2 paired seeds" in by["value_head_init"]["rule"]
     report = open(os.path.join(out, "report.md")).read()
     assert "critic_grad_clip" in report and "**reproduced**" in report
     for c in claims:
@@ -136,3 +142,12 @@ def test_metric_readers(tmp_path):
     assert drv.mean_over_run("k")(run) == 2.0
     assert drv.result("after", "sampled")(run) == 0.25 and drv.result("nope")(run) is None
     assert drv.first_mean("missing", 3)(run) is None
+
+
+def test_arm_the_trainer_cannot_run_is_reported_not_run():
+    drv = _driver()
+    c = next(c for c in drv.claims(10) if c.name == "value_head_init")
+    e = drv.evaluate_claim(c, {"s3ac": [0.4, 0.5, 0.45], "head_init_0.01": [None] * 3},
+                           {"head_init_0.01": "invalid config: Key 'value_head_init_std' not in 'ModelCfg'"})
+    validate_claims([e])
+    assert e["verdict"] == "inconclusive" and e["rule"].startswith("not run") and "value_head_init_std" in e["rule"]
