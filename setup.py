@@ -51,6 +51,7 @@ setup(
         "s3ac-eval=megatron_s3ac.eval.cli:main",
         "s3ac-convert=checkpoints_convert:main",
         "s3ac-train=megatron_s3ac.trainer.cli:main",
+        "s3ac-plan=megatron_s3ac.plan.cli:main",
         "s3ac-env=megatron_s3ac.env:main",
     ]},
 )

@@ -24,6 +24,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="HF dir (or config.json) of the model: required for training checkpoints; "
                         "config/tokenizer files are copied from it")
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
+    b.add_argument("--dtype", choices=("auto", "fp8"), default="auto",
+                   help="auto: the checkpoint's dtypes; fp8: block-scaled e4m3 weights + weight_scale_inv and a "
+                        "quantization_config, the layout SGLang loads (docs/fp8.md)")
+    b.add_argument("--fp8-keep", default=None, metavar="PATTERNS",
+                   help="comma-separated module patterns kept unquantized with --dtype fp8 "
+                        "(default: megatron_s3ac.convert.fp8.DEFAULT_KEEP; '' quantizes every matrix)")
     v = sub.add_parser("verify", help="compare transformers and megatron logits of a converted checkpoint")
     v.add_argument("--hf", required=True)
     v.add_argument("--mcore", required=True)
@@ -56,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_s3ac.convert.mcore_to_hf import mcore_to_hf
 
             stats = mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config,
-                                max_shard_bytes=int(args.max_shard_gb * (1 << 30)), progress=not args.no_progress)
+                                max_shard_bytes=int(args.max_shard_gb * (1 << 30)), progress=not args.no_progress,
+                                dtype=args.dtype, fp8_keep=_keep(args.fp8_keep))
             print(stats.summary(f"mcore-to-hf {args.mcore} -> {args.out}"))
         else:
             return _verify(args)
@@ -64,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"s3ac-convert {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _keep(arg: str | None):
+    if arg is None:
+        return None
+    return tuple(p.strip() for p in arg.split(",") if p.strip())
 
 
 def _verify(args) -> int:

@@ -4,6 +4,8 @@
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE.
 #   sbatch -N 2 --gpus-per-node 8 examples/qwen3_5/run.sh examples/qwen3_5/qwen3_5_35b_a3b.yaml
 #   SKIP_CONVERT=1 examples/qwen3_5/run.sh CONFIG.yaml train.steps=10     # extra args: key=value overrides
+# launch.sh starts (node 0) or joins (other nodes) the Ray cluster the SGLang engines run in, on every node before
+# torchrun, and stops it at exit (RAY_PORT, RAY_ADDRESS: see examples/paper/launch.sh).
 set -euo pipefail
 CFG=${1:?usage: run.sh CONFIG.yaml [key=value ...]}; shift
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -20,7 +20,8 @@ from .advantages import (
 )
 from .corrections import icepop_mask, mis_sequence_mask, token_is_weights
 from .daps import DAPSSampler, Selection
-from .filters import dynamic_sampling_filter
+from .entropy_control import make_entropy_control, register_entropy_control
+from .filters import dynamic_sampling_filter, dynamic_sampling_refill
 from .losses import (
     AGG_MODES,
     agg_loss,

@@ -1,4 +1,5 @@
-"""DAPO dynamic sampling: drop groups whose rewards carry no learning signal (all equal)."""
+"""DAPO dynamic sampling: drop groups whose rewards carry no learning signal (all equal), and refill
+the batch by over-sampling more prompt groups (bounded) until it holds the target number of groups."""
 from __future__ import annotations
 
 import torch
@@ -54,4 +55,68 @@ def dynamic_sampling_filter(
     return keep, stats
 
 
-__all__ = ["dynamic_sampling_filter"]
+# ----------------------------------------------------------------------------------------------
+# DAPO dynamic sampling with refill: over-sample prompt groups until the batch is full
+# ----------------------------------------------------------------------------------------------
+def dynamic_sampling_refill(
+    draw,
+    target_groups: int,
+    max_groups: int,
+    round_size: int | None = None,
+    atol: float = 0.0,
+) -> tuple[list, dict]:
+    """Draw and score prompt groups until ``target_groups`` informative groups are kept (DAPO).
+
+    draw(n) -> (groups, rewards): n new prompt groups (any objects, e.g. rollout results) and their
+    outcome rewards [n, K]; a group is kept when its K rewards are not all equal (the filter above).
+    max_groups: bound on the groups drawn in total, first round included (>= target_groups); when
+    it is spent the groups kept so far are returned (fewer than the target; stats say so).
+    round_size: groups per draw after the first (DAPO's fixed generation batch); None: adaptive,
+    ceil(missing / keep rate so far) (missing when nothing was kept yet) -- the expected number
+    needed. Each draw is clamped to the remaining budget. The first draw is ``target_groups``.
+
+    Returns (kept: the first target_groups kept groups in draw order; surplus kept groups of the
+    last round are dropped, as DAPO truncates), stats (python numbers): rounds, drawn_groups,
+    kept_groups (returned), discarded_groups (filtered out), surplus_groups (kept but dropped),
+    reached_target (bool), keep_rate (kept before truncation / drawn).
+    """
+    if target_groups < 1 or max_groups < target_groups:
+        raise ValueError(f"need 1 <= target_groups <= max_groups, got {target_groups}, {max_groups}")
+    if round_size is not None and round_size < 1:
+        raise ValueError(f"round_size must be >= 1 or None, got {round_size}")
+    kept: list = []
+    drawn = discarded = rounds = 0
+    n = target_groups
+    while True:
+        n = min(n, max_groups - drawn)
+        groups, rewards = draw(n)
+        rewards = torch.as_tensor(rewards)
+        if len(groups) != n or rewards.dim() != 2 or rewards.shape[0] != n:
+            raise ValueError(f"draw({n}) must return {n} groups and rewards [{n}, K], "
+                             f"got {len(groups)} groups and rewards {tuple(rewards.shape)}")
+        keep, _ = dynamic_sampling_filter(rewards.reshape(-1), group_size=rewards.shape[1], atol=atol)
+        informative = keep.reshape(n, -1)[:, 0].tolist()
+        kept += [g for g, k in zip(groups, informative) if k]
+        discarded += n - sum(informative)
+        drawn += n
+        rounds += 1
+        missing = target_groups - len(kept)
+        if missing <= 0 or drawn >= max_groups:
+            break
+        if round_size is not None:
+            n = round_size
+        else:  # expected draws to fill the gap at the observed keep rate
+            n = missing if not kept else -(-missing * drawn // len(kept))
+    stats = {
+        "rounds": rounds,
+        "drawn_groups": drawn,
+        "kept_groups": min(len(kept), target_groups),
+        "discarded_groups": discarded,
+        "surplus_groups": max(0, len(kept) - target_groups),
+        "reached_target": len(kept) >= target_groups,
+        "keep_rate": len(kept) / drawn,
+    }
+    return kept[:target_groups], stats
+
+
+__all__ = ["dynamic_sampling_filter", "dynamic_sampling_refill"]

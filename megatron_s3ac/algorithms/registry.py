@@ -139,12 +139,14 @@ def clamp_values(values: Tensor, cfg) -> Tensor:
 # ---- built-in advantage estimators ----------------------------------------------------------------
 @register_adv_est("s3ac_gae")
 def s3ac_gae(inp: AdvInputs, cfg) -> AdvOutput:
-    """S3AC §3.2: actor GAE with length-adaptive lambda = 1 - 1/(alpha T), critic returns with
+    """S3AC §3.2: actor GAE with length-adaptive lambda = 1 - 1/(alpha T) (or a fixed ``actor_lambda``), critic returns with
     ``critic_lambda``, on terminal +-1 rewards; values clamped to the reward range; no normalisation."""
     values, mask, scores = inp.values, inp.mask, inp.scores
     rew_tok = terminal_rewards(scores, mask)
     v_gae = clamp_values(values, cfg)
-    lam = length_adaptive_lambda(mask.sum(1), alpha=cfg.actor_alpha)
+    # ``actor_lambda`` (a number) fixes lambda instead (the ablation of paper §3.1 / VAPO)
+    fixed = getattr(cfg, "actor_lambda", None)
+    lam = length_adaptive_lambda(mask.sum(1), alpha=cfg.actor_alpha) if fixed is None else float(fixed)
     adv, _ = compute_gae(rew_tok, v_gae, mask, lam=lam)
     _, returns = compute_gae(rew_tok, v_gae, mask, lam=cfg.critic_lambda)
     m = {"critic/explained_variance": float(explained_variance(values, returns, mask)),

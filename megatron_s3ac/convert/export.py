@@ -47,18 +47,6 @@ def local_pieces(model_chunks) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
     return out
 
 
-def _pad8(n: int) -> int:
-    return n + (-n % 8)
-
-
-def _padded_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Flat bytes of ``t``, zero-padded to a multiple of 8 so every piece in a buffer stays aligned
-    for ``.view(dtype)`` on the receiving side, whatever dtypes a bucket mixes."""
-    b = t.contiguous().view(torch.uint8).reshape(-1)
-    pad = -b.numel() % 8
-    return torch.cat([b, b.new_zeros(pad)]) if pad else b
-
-
 def _owned_names(plan: Plan, sources, index) -> tuple[list[str], dict]:
     """HF tensors whose every region is held in this stage, and the key chosen for each chunk."""
     keys, names = {}, []
@@ -92,69 +80,150 @@ def _buckets(plan: Plan, names: list[str], itemsize: dict, bucket_bytes: int) ->
     return out + ([cur] if cur else [])
 
 
+def _signature(model_chunks) -> tuple:
+    """Identity of the parameters an export plan holds views of (a re-assigned ``p.data`` changes it)."""
+    return tuple((id(p), p.data_ptr()) for m in model_chunks for p in m.parameters())
+
+
+class _ExportPlan:
+    """Everything about an export that does not change between syncs: this rank's pieces (views of the
+    live parameters), the stage's metadata, the HF names, buckets and per-bucket transfers. Built
+    once (collective: one ``all_gather_object`` per stage) and reused while the parameters are the same
+    tensors (``_signature``): an optimizer step updates them in place, so later syncs skip
+    ``sharded_state_dict`` and the metadata exchange."""
+
+    def __init__(self, model_chunks, info: ModelInfo, bucket_bytes: int, group):
+        self.signature = _signature(model_chunks)
+        me, n = dist.get_rank(group), dist.get_world_size(group)
+        plan = build_plan(info)
+        sources = plan.sources()
+        self.pieces = local_pieces(model_chunks)
+        # Reusable only if every piece is a view of a parameter (a factory that copies would go stale).
+        owned = {p.untyped_storage().data_ptr() for m in model_chunks for p in m.parameters()}
+        self.reusable = all(t.untyped_storage().data_ptr() in owned for _, _, _, t in self.pieces)
+        metas = [None] * n
+        dist.all_gather_object(metas, [(k, o, s, p.dtype) for k, o, s, p in self.pieces], group=group)
+        index: dict[str, list] = {}  # key -> [(group rank, offset, shape, dtype, piece index on that rank)]
+        for r, lst in enumerate(metas):
+            for i, (k, o, s, dt) in enumerate(lst):
+                index.setdefault(k, []).append((r, o, s, dt, i))
+        names, keys = _owned_names(plan, sources, index)
+        self.dtypes = {nm: index[keys[id(sources[nm][0][0])]][0][3] for nm in names}
+        itemsize = {nm: dt.itemsize for nm, dt in self.dtypes.items()}
+        self.device = self.pieces[0][3].device if self.pieces else torch.device("cpu")
+        self.hf_shapes = plan.hf_shapes
+        self.buckets = []
+        for bucket in _buckets(plan, names, itemsize, bucket_bytes):
+            # The global boxes the bucket needs (in HF row order), and which rank's piece overlaps
+            # each; the same order on every rank, so sends and receives pair up.
+            regions = [(nm, keys[id(ch)], part_region(ch, row, part.rows))
+                       for nm in bucket for ch, row, part in sources[nm]]
+            transfers = [(r, ri, ov, pi) for ri, (_, key, (off, shp)) in enumerate(regions)
+                         for (r, o, s, _, pi) in index[key] if (ov := overlap(off, shp, o, s)) is not None]
+            by_rank = {r: [(ri, ov, pi) for (rr, ri, ov, pi) in transfers if rr == r] for r in range(n)}
+            self.buckets.append((bucket, regions, by_rank))
+        self.me = me
+        # gloo/NCCL open a point-to-point connection on first use: open them now (one tiny message
+        # per sender), so the first sync does not pay it inside its transfers.
+        leader = dist.get_global_rank(group, 0)
+        senders = sorted(r for r in range(1, n) if any(by_rank.get(r) for _, _, by_rank in self.buckets))
+        ping = torch.zeros(1, device=self.device)
+        if me in senders:
+            dist.send(ping, dst=leader, group=group)
+        elif me == 0:
+            for r in senders:
+                dist.recv(ping, src=dist.get_global_rank(group, r), group=group)
+
+    def piece_slice(self, ov, pi) -> torch.Tensor:
+        return self.pieces[pi][3][box_slices(*ov, self.pieces[pi][1])]
+
+
+def _plan_for(model_chunks, info, bucket_bytes, group) -> _ExportPlan:
+    """The cached plan of these chunks, rebuilt (collectively) when any rank's parameters changed."""
+    cache = model_chunks[0].__dict__.setdefault("_s3ac_export_plans", {})
+    key = (bucket_bytes, id(group), len(model_chunks), info.model_type)
+    plan = cache.get(key)
+    stale = torch.tensor([plan is None or not plan.reusable or plan.signature != _signature(model_chunks)],
+                         dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        stale = stale.cuda()
+    dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=group)
+    if int(stale.item()):
+        plan = cache[key] = _ExportPlan(model_chunks, info, bucket_bytes, group)
+    return plan
+
+
 def export_hf_weights(model_chunks, info: ModelInfo, bucket_bytes: int = 1 << 30,
-                      group=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                      group=None, into=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets (each at most ``bucket_bytes``, or one tensor) of ``(hf_name, tensor)``.
 
     ``model_chunks``: this rank's model chunks (a list, one per virtual pipeline stage). The leader of
     each pipeline stage yields the full HF tensors of that stage; the other ranks yield ``[]``.
+
+    Each rank sends exactly the pieces it owns, one message per piece, straight from the parameter's
+    memory when contiguous; the leader receives each piece directly into its place in the final HF
+    tensor when that place is contiguous (row splits), else via one temporary (column splits), and
+    an HF tensor that is one contiguous piece of its own is yielded as a view without any copy
+    (consumers copy it; they must not modify it).
+
+    ``into(hf_name, shape, dtype) -> tensor | None`` (leader only; e.g. ``CPUEngine.weight_buffer``):
+    memory to assemble an HF tensor in (the consumer's own), instead of a new tensor or a view.
     """
     from megatron.core import parallel_state as ps
 
     if group is None:
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    me, n = dist.get_rank(group), dist.get_world_size(group)
+    plan = _plan_for(list(model_chunks), info, bucket_bytes, group)
+    me = plan.me
     leader = dist.get_global_rank(group, 0)
-    plan = build_plan(info)
-    sources = plan.sources()
-    pieces = local_pieces(model_chunks)
-    metas = [None] * n
-    dist.all_gather_object(metas, [(k, o, s, p.dtype) for k, o, s, p in pieces], group=group)
-    index: dict[str, list] = {}  # key -> [(group rank, offset, shape, dtype, piece index on that rank)]
-    for r, lst in enumerate(metas):
-        for i, (k, o, s, dt) in enumerate(lst):
-            index.setdefault(k, []).append((r, o, s, dt, i))
-    names, keys = _owned_names(plan, sources, index)
-    dtypes = {nm: index[keys[id(sources[nm][0][0])]][0][3] for nm in names}
-    itemsize = {nm: dt.itemsize for nm, dt in dtypes.items()}
-    device = pieces[0][3].device if pieces else torch.device("cpu")
-
-    for bucket in _buckets(plan, names, itemsize, bucket_bytes):
-        # The global boxes the bucket needs, and which rank's piece overlaps each (same order everywhere).
-        regions = [(nm, ch, part_region(ch, row, part.rows), part) for nm in bucket for ch, row, part in sources[nm]]
-        transfers = [(r, ri, ov, pi) for ri, (_, ch, (off, shp), _) in enumerate(regions)
-                     for (r, o, s, _, pi) in index[keys[id(ch)]]
-                     if (ov := overlap(off, shp, o, s)) is not None]
+    for bucket, regions, by_rank in plan.buckets:
         if me != 0:
-            mine = [pieces[pi][3][box_slices(*ov, pieces[pi][1])] for (r, _, ov, pi) in transfers if r == me]
-            if mine:
-                buf = torch.cat([_padded_bytes(t) for t in mine])
-                dist.send(buf, dst=leader, group=group)
+            for ri, ov, pi in by_rank.get(me, ()):
+                dist.send(plan.piece_slice(ov, pi).contiguous(), dst=leader, group=group)
             yield []
             continue
-        out = {}
-        for ri, (nm, _, (off, shp), _) in enumerate(regions):
-            out[ri] = (off, torch.empty(shp, dtype=dtypes[nm], device=device))
-        for r in range(n):
-            lst = [(ri, ov, pi) for (rr, ri, ov, pi) in transfers if rr == r]
-            if not lst:
+        yield _assemble(plan, bucket, regions, by_rank, group, into)
+
+
+def _assemble(plan: _ExportPlan, bucket, regions, by_rank, group, into=None) -> list[tuple[str, torch.Tensor]]:
+    """Leader: the bucket's full HF tensors. A region's destination is a view of the final tensor
+    (regions of one HF tensor are consecutive row blocks, so their flat concatenation is the tensor)."""
+    result, dest = [], {}
+    local = by_rank.get(0, [])
+    for nm in bucket:
+        ris = [ri for ri, (n2, _, _) in enumerate(regions) if n2 == nm]
+        full = into(nm, plan.hf_shapes[nm], plan.dtypes[nm]) if into is not None else None
+        if full is None and len(ris) == 1:  # zero-copy: one local piece that is exactly this tensor, contiguous
+            only = [(ri, ov, pi) for ri, ov, pi in local if ri == ris[0]]
+            if len(only) == 1 and all(r == 0 or not any(x[0] == ris[0] for x in lst) for r, lst in by_rank.items()):
+                _, ov, pi = only[0]
+                t = plan.piece_slice(ov, pi)
+                if t.is_contiguous() and t.numel() == math.prod(plan.hf_shapes[nm]):
+                    result.append((nm, t.view(plan.hf_shapes[nm])))
+                    dest[ris[0]] = None
+                    continue
+        if full is None:
+            full = torch.empty(plan.hf_shapes[nm], dtype=plan.dtypes[nm], device=plan.device)
+        flat, at = full.view(-1), 0
+        for ri in ris:
+            off, shp = regions[ri][2]
+            k = math.prod(shp)
+            dest[ri] = (off, flat[at:at + k].view(shp))
+            at += k
+        assert at == full.numel(), f"{nm}: regions cover {at} of {full.numel()} elements"
+        result.append((nm, full))
+    for r, lst in sorted(by_rank.items()):
+        for ri, ov, pi in lst:
+            if dest[ri] is None:
                 continue
+            off, buf = dest[ri]
+            dst = buf[box_slices(*ov, off)]
             if r == 0:
-                chunks = [pieces[pi][3][box_slices(*ov, pieces[pi][1])] for ri, ov, pi in lst]
+                dst.copy_(plan.piece_slice(ov, pi))
+            elif dst.is_contiguous():
+                dist.recv(dst, src=dist.get_global_rank(group, r), group=group)
             else:
-                sizes = [math.prod(ov[1]) * out[ri][1].element_size() for ri, ov, _ in lst]
-                buf = torch.empty(sum(_pad8(sz) for sz in sizes), dtype=torch.uint8, device=device)
-                dist.recv(buf, src=dist.get_global_rank(group, r), group=group)
-                chunks, at = [], 0
-                for (ri, ov, _), sz in zip(lst, sizes):
-                    chunks.append(buf[at:at + sz].view(out[ri][1].dtype).view(ov[1]))
-                    at += _pad8(sz)
-            for (ri, ov, _), t in zip(lst, chunks):
-                off, dst = out[ri]
-                dst[box_slices(*ov, off)] = t
-        result = []
-        for nm in bucket:
-            rows = [out[ri][1].reshape(part.rows, *plan.hf_shapes[nm][1:])
-                    for ri, (n2, _, _, part) in enumerate(regions) if n2 == nm]
-            result.append((nm, rows[0] if len(rows) == 1 else torch.cat(rows)))
-        yield result
+                tmp = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+                dist.recv(tmp, src=dist.get_global_rank(group, r), group=group)
+                dst.copy_(tmp)
+    return result

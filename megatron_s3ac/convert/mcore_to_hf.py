@@ -124,11 +124,19 @@ def prefetch(ck: DistcpCheckpoint, regions: list[tuple[str, tuple, tuple]], dept
 
 
 def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, max_shard_bytes: int = 5 << 30,
-                progress: bool = True) -> ConvertStats:
-    """Write HF safetensors shards + index + config/tokenizer files of ``mcore_dir`` into new ``out_dir``."""
+                progress: bool = True, dtype: str = "auto", fp8_keep=None) -> ConvertStats:
+    """Write HF safetensors shards + index + config/tokenizer files of ``mcore_dir`` into new ``out_dir``.
+
+    ``dtype``: "auto" keeps the checkpoint's dtypes; "fp8" writes block-scaled e4m3 weights +
+    ``weight_scale_inv`` and a ``quantization_config`` (convert/fp8.py; ``fp8_keep``: the module
+    patterns kept unquantized, default ``fp8.DEFAULT_KEEP``)."""
     from tqdm import tqdm
 
+    if dtype not in ("auto", "fp8"):
+        raise ConversionError(f"unknown --dtype {dtype!r} (auto or fp8)")
     check_absent(out_dir)
+    if dtype == "fp8":
+        return _mcore_to_hf_fp8(mcore_dir, out_dir, hf_config, max_shard_bytes, progress, fp8_keep)
     # Our own checkpoints store every chunk contiguous, so HF rows are byte ranges of .distcp files.
     ck = DistcpCheckpoint(mcore_dir, contiguous_chunks=stored_config(mcore_dir) is not None)
     try:
@@ -179,3 +187,78 @@ def _write_side_files(out: str, mcore_dir: str, hf_config: str | None, cfg: dict
     if not os.path.exists(os.path.join(out, "config.json")):
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
+
+
+def _mcore_to_hf_fp8(mcore_dir: str, out_dir: str, hf_config: str | None, max_shard_bytes: int, progress: bool,
+                     keep) -> ConvertStats:
+    """``mcore_to_hf`` with block-FP8 weights: each HF tensor is assembled in memory (read path, torch),
+    quantized when ``fp8.will_quantize`` says so, and written as (name fp8, name_scale_inv fp32)."""
+    import sys
+
+    import torch
+    from tqdm import tqdm
+
+    from megatron_s3ac.convert import fp8
+    from megatron_s3ac.convert.dcp_meta import DType
+
+    try:
+        keep = fp8.check_keep(fp8.DEFAULT_KEEP if keep is None else keep)
+    except fp8.Fp8Error as e:
+        raise ConversionError(f"--fp8-keep: {e}") from None
+    ck = DistcpCheckpoint(mcore_dir, contiguous_chunks=stored_config(mcore_dir) is not None)
+    try:
+        cfg, info = resolve_config(mcore_dir, hf_config)
+        plan = build_plan(info)
+        keys = resolve_keys(plan, ck)
+        sources = plan.sources()
+        src = [(n, s, ck.dtype_name(keys[id(sources[n][0][0])])) for n, s in plan.hf_shapes.items()]
+        quant = {n for n, s, d in src if fp8.will_quantize(n, s, d, keep)}
+        tensors = []  # output entries: a quantized weight is followed by its scales
+        for n, s, d in src:
+            if n in quant:
+                tensors += [(n, s, DType("float8_e4m3fn")), (n + fp8.SCALE_SUFFIX, fp8.scale_shape(s), DType("float32"))]
+            else:
+                tensors.append((n, s, d))
+        problems = fp8.sglang_block_problems(src, keep)
+        if problems and progress:
+            print(f"mcore-to-hf --dtype fp8: warning: SGLang 0.5.23 would refuse {len(problems)} tensor(s) of this "
+                  f"model (transformers and the CPU engine load them): {problems[:3]}", file=sys.stderr)
+        total = sum(math.prod(s) * d.itemsize for _, s, d in tensors)
+        shards = plan_shards(tensors, max_shard_bytes)
+        t0 = time.time()
+        with staged_output(out_dir) as tmp:
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="mcore-to-hf fp8", disable=not progress)
+            regions = [(keys[id(ch)], *part_region(ch, row, part.rows))
+                       for name, _, _ in src for ch, row, part in sources[name]]
+            pieces = prefetch(ck, regions)
+            weight_map, scale = {}, None
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                w = ShardWriter(os.path.join(tmp, fname), shard)
+                for name, shape, _ in shard:
+                    weight_map[name] = fname
+                    if name.endswith(fp8.SCALE_SUFFIX) and name[: -len(fp8.SCALE_SUFFIX)] in quant:
+                        bar.update(w.write(scale))
+                        continue
+                    rows = [next(pieces).reshape(part.rows, *shape[1:]) for _, _, part in sources[name]]
+                    t = rows[0] if len(rows) == 1 else torch.cat(rows)
+                    if name in quant:
+                        try:
+                            t, scale = fp8.quantize_blockwise(t)
+                        except fp8.Fp8Error as e:
+                            raise ConversionError(f"{mcore_dir}: tensor {name}: {e}") from None
+                    bar.update(w.write(t))
+                w.close()
+            bar.close()
+            with open(os.path.join(tmp, INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            _write_side_files(tmp, mcore_dir, hf_config, cfg)
+            path = os.path.join(tmp, "config.json")
+            with open(path) as f:
+                out_cfg = json.load(f)
+            out_cfg["quantization_config"] = fp8.quantization_config(src, keep)
+            with open(path, "w") as f:
+                json.dump(out_cfg, f, indent=2)
+        return ConvertStats(total, time.time() - t0)
+    finally:
+        ck.close()

@@ -1,7 +1,7 @@
 """Check a converted checkpoint numerically: transformers vs megatron logits on the same tokens.
 
 ``verify(hf_dir, mcore_dir, tp, pp, ep)`` starts ``pp * lcm(tp, etp * ep)`` CPU gloo ranks, builds the
-actor at that layout (fp32), loads the torch_dist checkpoint with ``dist_checkpointing.load``, runs a
+actor at that layout (fp32; layers that do not divide by pp are split by ``ParallelLayout.resolve``), loads the torch_dist checkpoint with ``dist_checkpointing.load``, runs a
 fixed random batch through megatron's pipeline schedule, gathers the TP-sharded logits [b, s, Vp] and
 compares them over the real vocab with transformers' logits of the HF checkpoint.
 """
@@ -105,8 +105,15 @@ def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, e
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, info.vocab_size, (batch, seq), generator=g)
     ref = hf_logits(hf_dir, tokens)
-    layout = make_layout(tp, pp, ep, etp if info.is_moe else None)
-    layout.validate(info, world_size_for(layout))  # fail here, not inside N ranks
+    from megatron_s3ac.convert.plan import ConversionError
+    from megatron_s3ac.models.parallel import LayoutError
+
+    # Layers that do not divide by pp are split automatically (ParallelLayout.resolve).
+    try:
+        layout = make_layout(tp, pp, ep, etp if info.is_moe else None).resolve(info.num_layers)
+        layout.validate(info, world_size_for(layout))  # fail here, not inside N ranks
+    except LayoutError as e:
+        raise ConversionError(f"layout tp={tp} pp={pp} ep={ep}: {e}") from None
     got = megatron_logits(cfg, mcore_dir, tokens, layout)[..., :info.vocab_size].float()
     diff = (got - ref).abs().max().item()
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()

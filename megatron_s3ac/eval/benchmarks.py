@@ -11,6 +11,12 @@ Accepted row schemas (auto-detected per row; keys are matched case-insensitively
                                    always A and every run sees the same order.
 Any row may also carry "prompt_ids" (a list of token ids): it is then fed to the model exactly, with
 no template; the trainer uses this for its held-out split, so eval sees the prompts as training does.
+
+The reward a benchmark is scored with can be declared by the file: a "reward" field on its rows (one
+registered reward name, the same on every row that has it) or a sidecar ``<file>.meta.json`` holding
+{"reward": NAME}. A pre-tokenized file (rows with "prompt_ids", i.e. written by a trainer for its own
+task) that declares none cannot be scored without the caller naming the reward: the default math
+verifier would silently score a task it does not know (see runner.resolve_reward).
 Files: .jsonl / .json (list of rows) / .parquet. A row that fits no schema, has an empty field or
 an answer outside its choices is skipped and counted by reason in `Benchmark.skipped`.
 
@@ -38,6 +44,11 @@ CHOICE_INSTRUCTION = "Please reason step by step, and put the letter of the corr
 PLAIN_TEMPLATE = "{prompt}\n\nAnswer:"
 
 
+class EvalInputError(ValueError):
+    """Input that cannot be scored honestly (undeclared or conflicting reward, undecodable responses):
+    the evaluation stops instead of reporting a wrong number; the CLI exits 2 with this message."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Item:
     """One benchmark question. For kind "choice", reference is a letter and choices holds the options."""
@@ -56,6 +67,13 @@ class Benchmark:
     name: str
     items: list[Item]
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    reward: Optional[str] = None  # the reward the file declares (row field "reward" or sidecar), if any
+    source: str = "<rows>"  # the file it came from, for error messages
+
+    @property
+    def pretokenized(self) -> bool:
+        """True when any item carries its own token ids (a trainer-written set)."""
+        return any(it.token_ids for it in self.items)
 
     @property
     def num_skipped(self) -> int:
@@ -93,10 +111,49 @@ def read_rows(path: str) -> tuple[list[Any], dict[str, int]]:
     return rows, dict(skipped)
 
 
+SIDECAR_SUFFIX = ".meta.json"
+
+
+def sidecar_path(path: str) -> str:
+    """The metadata file next to a benchmark file: ``heldout.jsonl`` -> ``heldout.jsonl.meta.json``."""
+    return path + SIDECAR_SUFFIX
+
+
+def declared_reward(rows: list[Any], path: Optional[str] = None) -> Optional[str]:
+    """The reward name the rows' "reward" field and/or the sidecar of `path` declare, else None.
+
+    Raises ValueError when they disagree (two names on the rows, or rows vs sidecar): a file that
+    names two verifiers cannot be scored by one.
+    """
+    where = path or "rows"
+    names = {str(r.get("reward")).strip() for r in rows if isinstance(r, dict) and r.get("reward") is not None}
+    if len(names) > 1:
+        raise EvalInputError(f"{where}: rows declare different rewards {sorted(names)}; a benchmark is scored by one")
+    declared = names.pop() if names else None
+    if path is not None and os.path.isfile(sidecar_path(path)):
+        try:
+            with open(sidecar_path(path), encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise EvalInputError(f"{sidecar_path(path)}: unreadable benchmark metadata ({e})") from None
+        side = meta.get("reward") if isinstance(meta, dict) else None
+        if side is not None and not (isinstance(side, str) and side.strip()):
+            raise EvalInputError(f"{sidecar_path(path)}: 'reward' must be a reward name, got {side!r}")
+        if side is not None:
+            if declared is not None and side.strip() != declared:
+                raise EvalInputError(f"{where}: rows declare reward {declared!r} but {sidecar_path(path)} says {side!r}")
+            declared = side.strip()
+    if declared == "":
+        raise EvalInputError(f"{where}: empty 'reward' field")
+    return declared
+
+
 def load_benchmark(name: str, source: Union[str, Iterable[Any]]) -> Benchmark:
     """Load a file path or an iterable of row dicts into a Benchmark (malformed rows skipped, counted)."""
+    path = None
     if isinstance(source, (str, os.PathLike)):
-        rows, skipped = read_rows(os.fspath(source))
+        path = os.fspath(source)
+        rows, skipped = read_rows(path)
     else:
         rows, skipped = list(source), {}
     counts = collections.Counter(skipped)
@@ -107,7 +164,8 @@ def load_benchmark(name: str, source: Union[str, Iterable[Any]]) -> Benchmark:
             counts[reason] += 1
         else:
             items.append(item)
-    return Benchmark(name=name, items=items, skipped=dict(counts))
+    return Benchmark(name=name, items=items, skipped=dict(counts), reward=declared_reward(rows, path),
+                     source=path or "<rows>")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,6 +315,15 @@ def prompt_ids(item: Item, tokenizer, template: str = "auto") -> list[int]:
     if not callable(tokenizer):
         return list(tokenizer.encode(text))
     return list(tokenizer(text, add_special_tokens=not uses_chat_template(tokenizer, template))["input_ids"])
+
+
+def undecodable_ids(tokenizer, ids) -> list[int]:
+    """The ids among `ids` that `tokenizer` has no token for (id outside its vocabulary, e.g. a model
+    saved without its tokenizer, whose stand-in has an empty vocabulary). Empty list: all decodable."""
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "size", None)
+    if size is None:
+        return []
+    return [int(t) for t in ids if not 0 <= int(t) < size]
 
 
 def decode_response(tokenizer, ids) -> str:

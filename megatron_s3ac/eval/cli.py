@@ -9,6 +9,10 @@ directory (its actor/ is used) or a converted checkpoint directory, turned into 
 megatron_s3ac.convert.mcore_to_hf first (into --convert-dir, else a temporary directory removed
 afterwards). Training checkpoints do not store their HF config: pass --hf-config DIR (config.json
 + tokenizer files of the model that was trained).
+
+Exit status 2, with the cause on stderr and no report, when the numbers could not be trusted: the
+model directory has no tokenizer files (and no --tokenizer), a pre-tokenized benchmark declares no
+reward and --reward names none, --reward contradicts the file's, or the responses cannot be decoded.
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
+from megatron_s3ac.eval.benchmarks import EvalInputError
 from megatron_s3ac.eval.report import format_table, write_report
-from megatron_s3ac.eval.runner import BenchmarkSpec, evaluate
+from megatron_s3ac.eval.runner import BenchmarkSpec, as_spec, evaluate, resolve_reward
 from megatron_s3ac.rollout.base import SamplingParams
 
 
@@ -89,7 +94,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--template", default="auto", help="auto | chat | raw | a format string with {prompt}")
-    p.add_argument("--reward", default=None, help="reward for non-choice items (default math; e.g. arithmetic)")
+    p.add_argument("--reward", default=None,
+                   help="reward for non-choice items (default: the file's 'reward' field or <file>.meta.json; "
+                        "else math for text sets; a pre-tokenized set without one is refused)")
     p.add_argument("--engine", choices=("cpu", "sglang"), default="cpu")
     p.add_argument("--tp-size", type=int, default=1, help="SGLang tensor parallel size")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
@@ -98,6 +105,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--save-samples", action="store_true", help="include every response in the JSON report")
     p.add_argument("--out", default="eval_report.json", help="JSON report path")
     return p.parse_args(argv)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def has_tokenizer_files(path: str) -> bool:
+    """True when `path` holds the files of a saved HF tokenizer (any of TOKENIZER_FILES)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
 
 
 def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded: bool = True):
@@ -114,6 +129,14 @@ def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    try:
+        return _run(args)
+    except EvalInputError as e:
+        print(f"s3ac-eval: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     benches = {}
@@ -128,10 +151,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"--k-for names no --bench: {sorted(unknown)}")
     for name, spec in benches.items():
         spec.k = k_for.get(name, args.k)
+        # load and settle each file's reward now, before a (possibly slow) engine starts
+        spec.source = as_spec(name, spec)[1]
+        spec.reward = resolve_reward(spec, spec.source)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens)
     with model_directory(args.model, args.hf_config, args.convert_dir) as model_dir:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)
+        tok_dir = args.tokenizer or model_dir
+        if os.path.isdir(tok_dir) and not has_tokenizer_files(tok_dir):
+            # transformers would build the model type's tokenizer with an empty vocabulary and every
+            # response would decode to "" (scored 0): refuse instead
+            raise EvalInputError(f"{tok_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass --tokenizer DIR")
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         engine = build_engine(args.engine, model_dir, tokenizer, args.tp_size)
         try:
             report = evaluate(engine, tokenizer, benches, k=args.k, params=params, seed=args.seed,

@@ -24,7 +24,8 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from megatron_s3ac.eval.benchmarks import Benchmark, decode_response, load_benchmark, prompt_ids
+from megatron_s3ac.eval.benchmarks import (Benchmark, EvalInputError, decode_response, load_benchmark, prompt_ids,
+                                           undecodable_ids)
 from megatron_s3ac.eval.estimators import summarize
 from megatron_s3ac.eval.rng import preserved_rng_state
 from megatron_s3ac.eval.scoring import score
@@ -37,7 +38,8 @@ class BenchmarkSpec:
     """A benchmark with per-benchmark settings; None fields fall back to evaluate()'s arguments.
 
     source: a file path, an iterable of row dicts, or a loaded Benchmark.
-    reward: registered reward for kind "math" items (default "math"; "arithmetic" for the demo).
+    reward: registered reward for kind "math" items; see resolve_reward for how it combines with the
+        reward the file declares.
     template: see benchmarks.render_prompt ("auto", "chat", "raw", or a "{prompt}" format).
     """
 
@@ -55,6 +57,37 @@ def as_spec(name: str, source: BenchmarkSource) -> tuple[BenchmarkSpec, Benchmar
     spec = source if isinstance(source, BenchmarkSpec) else BenchmarkSpec(source)
     bench = spec.source if isinstance(spec.source, Benchmark) else load_benchmark(name, spec.source)
     return spec, bench
+
+
+DEFAULT_REWARD = "math"
+
+
+def resolve_reward(spec: BenchmarkSpec, bench: Benchmark) -> str:
+    """The reward `bench`'s math items are scored with; raises EvalInputError instead of guessing.
+
+    - caller's (spec.reward) and file's (bench.reward) both set: they must agree;
+    - one of them set: that one;
+    - neither: "math" (math-verify) for text benchmarks (the public math schemas); refused for a
+      pre-tokenized set: such files are written by a trainer for its own task (e.g. the CPU demo's
+      "a+b=" with reward "arithmetic"), and the math verifier scoring it would be a guess.
+    The name must be registered.
+    """
+    from megatron_s3ac.rollout.rewards import registered_rewards
+
+    if spec.reward is not None and bench.reward is not None and spec.reward != bench.reward:
+        raise EvalInputError(f"{bench.name}: reward {spec.reward!r} was asked for but {bench.source} declares "
+                             f"{bench.reward!r}; drop --reward or fix the file")
+    name = spec.reward or bench.reward
+    if name is None:
+        if bench.pretokenized and any(it.kind != "choice" for it in bench.items):
+            raise EvalInputError(
+                f"{bench.name}: {bench.source} is pre-tokenized (rows carry prompt_ids) and declares no reward; "
+                f"refusing to guess: pass --reward NAME (registered: {registered_rewards()}), add a \"reward\" "
+                f"field to its rows, or a sidecar {bench.source}.meta.json with {{\"reward\": NAME}}")
+        name = DEFAULT_REWARD
+    if name not in registered_rewards():
+        raise EvalInputError(f"{bench.name}: unknown reward {name!r}; registered: {registered_rewards()}")
+    return name
 
 
 def batch_seed(seed: int, name: str, batch: int) -> int:
@@ -77,6 +110,9 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, Benchmar
     """
     params = params or SamplingParams()
     loaded = {name: as_spec(name, src) for name, src in benchmarks.items()}
+    # every benchmark's reward is settled before anything is generated: no partial report
+    loaded = {name: (dataclasses.replace(spec, reward=resolve_reward(spec, bench)), bench)
+              for name, (spec, bench) in loaded.items()}
     own_pool = None
     report: dict[str, Any] = {"seed": seed, "sampling": dataclasses.asdict(params), "benchmarks": {}}
     with preserved_rng_state(), torch.no_grad():
@@ -84,7 +120,7 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, Benchmar
             for name, (spec, bench) in loaded.items():
                 bench_k = spec.k or (k.get(name, 1) if isinstance(k, Mapping) else k)
                 pool = reward_pool
-                needs_pool = any(it.kind != "choice" for it in bench.items) and get_reward(spec.reward or "math").isolate
+                needs_pool = any(it.kind != "choice" for it in bench.items) and get_reward(spec.reward).isolate
                 if needs_pool and pool is None:
                     own_pool = own_pool or RewardPool(num_workers=reward_workers, timeout_s=verifier_timeout_s)
                     pool = own_pool
@@ -99,6 +135,38 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, Benchmar
     return report
 
 
+def _undecodable(tokenizer, samples, texts) -> tuple[list[int], int, int]:
+    """(ids outside the tokenizer's vocabulary, responses with non-special tokens, those among them
+    that decode to empty text) for one prompt's samples and their decoded texts."""
+    specials = getattr(tokenizer, "all_special_ids", None)
+    if specials is None:  # a non-HF vocabulary (CharVocab): a special token is one that decodes to ""
+        is_content = lambda t: bool(decode_response(tokenizer, [t]))  # noqa: E731
+    else:
+        specials = set(specials)
+        is_content = lambda t: t not in specials  # noqa: E731
+    bad, content, empty = [], 0, 0
+    for s, text in zip(samples, texts):
+        bad += undecodable_ids(tokenizer, s.response_ids)
+        if any(is_content(t) for t in s.response_ids):
+            content += 1
+            empty += not text
+    return bad, content, empty
+
+
+def _check_decodable(name: str, tokenizer, bad: list[int], content: int, empty: int, example) -> None:
+    """Raise EvalInputError when responses cannot be decoded: any token outside the tokenizer's
+    vocabulary, or every response with content decoding to "" (a stand-in tokenizer; one odd empty
+    decode is left to the verifier). Scoring such text would report a wrong number, not a measurement."""
+    if not bad and not (content and empty == content):
+        return
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "size", "?")
+    why = (f"{len(bad)} generated ids are outside its vocabulary (e.g. {sorted(set(bad))[:8]})" if bad
+           else f"all {content} responses with content decode to empty text")
+    raise EvalInputError(f"{name}: the tokenizer ({type(tokenizer).__name__}, {size} tokens) cannot decode the "
+                         f"model's responses: {why}; e.g. ids {list(example)[:16]}. Is it the model's tokenizer? "
+                         f"(a model directory without tokenizer files gets an empty stand-in)")
+
+
 def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: int, params: SamplingParams,
                   seed: int, template: str, pool, batch_size: int, keep_samples: bool) -> dict:
     if k < 1:
@@ -108,6 +176,7 @@ def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: i
     texts: list[list[str]] = []
     finish = collections.Counter()
     num_tokens = 0
+    bad, content, empty, example = [], 0, 0, ()
     for b, start in enumerate(range(0, len(items), batch_size)):
         batch = items[start:start + batch_size]
         ids = [prompt_ids(it, tokenizer, template) for it in batch]
@@ -115,9 +184,13 @@ def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: i
         for samples in out:
             texts.append([s.response_text if s.response_text is not None
                           else decode_response(tokenizer, s.response_ids) for s in samples])
+            got = _undecodable(tokenizer, samples, texts[-1])
+            bad, content, empty = bad + got[0], content + got[1], empty + got[2]
+            example = example or next((s.response_ids for s in samples if s.response_ids), ())
             finish.update(s.finish_reason for s in samples)
             num_tokens += sum(len(s.response_ids) for s in samples)
 
+    _check_decodable(bench.name, tokenizer, bad, content, empty, example)
     correct = np.zeros((len(items), k), dtype=bool)
     counts = collections.Counter()
     for kind in sorted({it.kind for it in items}):

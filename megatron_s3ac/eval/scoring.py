@@ -4,7 +4,8 @@
   time limit); reward > 0 is correct. An answer whose verification times out, crashes or raises
   scores 0 and is counted, so one pathological answer cannot stall or crash an evaluation.
 - choice: the letter the response commits to (see `extract_choice_letter`) equals the reference.
-- any other registered reward name (e.g. "arithmetic" for the CPU demo) works like math.
+- any other registered reward name (e.g. "arithmetic" for the CPU demo, "multistep" for the step-by-step
+  arithmetic task) works like math.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_s3ac.models.parallel import ParallelLayout
+from megatron_s3ac.models.recompute import recompute_kwargs
 from megatron_s3ac.models.registry import ModelInfo, dtype_flags, get_arch
 
 
@@ -34,13 +35,21 @@ class ValueHeadConfig:
 
 
 def build_transformer_config(info: ModelInfo, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
-                             **overrides) -> TransformerConfig:
-    """TransformerConfig for ``info`` at ``layout``; ``overrides`` win (e.g. recompute settings)."""
+                             recompute: str = "none", recompute_modules: list[str] | None = None,
+                             recompute_num_layers: int | None = None, **overrides) -> TransformerConfig:
+    """TransformerConfig for ``info`` at ``layout`` in ``dtype`` (fp32 or bf16 params/activations;
+    bf16 trains with fp32 main grads through megatron's mixed-precision/distributed optimizer, see
+    optim.build_optimizer) with activation recompute (``recompute_kwargs``); ``overrides`` win.
+
+    An uneven layer count (num_layers % pp != 0) without explicit first/last stage sizes is split by
+    ``ParallelLayout.resolve`` (the rule is documented there)."""
+    layout = layout.resolve(info.num_layers)
     kw = get_arch(info.model_type).transformer_config_kwargs(info)
     kw.update(layout.transformer_config_kwargs())
     kw.update(dtype_flags(dtype))
     if layout.pp > 1:
         kw["pipeline_dtype"] = dtype
+    kw.update(recompute_kwargs(recompute, recompute_modules, recompute_num_layers))
     kw.update(overrides)
     return TransformerConfig(**kw)
 

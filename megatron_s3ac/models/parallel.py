@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -21,7 +21,8 @@ class ParallelLayout:
     # Expert tensor parallel. None -> tp when ep == 1 (experts are TP-sharded like dense MLPs), else 1
     # (the usual EP choice: whole experts per rank).
     etp: int | None = None
-    # Uneven pipeline: layers on the first/last stage (the rest split evenly). None = even split.
+    # Uneven pipeline: layers on the first/last stage (the rest split evenly over the middle stages).
+    # None for both: an even split, or ``auto_stage_layers`` when num_layers % pp != 0 (see ``resolve``).
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
 
@@ -39,6 +40,28 @@ class ParallelLayout:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def resolve(self, num_layers: int) -> "ParallelLayout":
+        """This layout with first/last stage sizes filled in by ``auto_stage_layers`` when the layers
+        do not split evenly over ``pp`` and neither size is given; otherwise ``self`` unchanged."""
+        if self.pp == 1 or self.first_stage_layers is not None or self.last_stage_layers is not None:
+            return self
+        if num_layers % self.pp == 0:
+            return self
+        first, last = auto_stage_layers(num_layers, self.pp)
+        return replace(self, first_stage_layers=first, last_stage_layers=last)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Transformer layers per pipeline stage, [pp] (after ``resolve``)."""
+        lay = self.resolve(num_layers)
+        lay._validate_pipeline(num_layers)
+        if lay.pp == 1:
+            return [num_layers]
+        first, last = lay.first_stage_layers, lay.last_stage_layers
+        n_mid = lay.pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        mid = [rest // n_mid] * n_mid if n_mid else []
+        return ([first] if first is not None else []) + mid + ([last] if last is not None else [])
 
     def validate(self, info: ModelInfo, world_size: int) -> None:
         """Raise LayoutError naming the first rule this layout breaks for ``info`` on ``world_size`` ranks."""
@@ -69,9 +92,11 @@ class ParallelLayout:
                 raise LayoutError(f"with ep=1, etp must equal tp (got etp={self.etp}, tp={self.tp})")
         elif self.ep > 1:
             raise LayoutError(f"ep={self.ep} > 1 needs an MoE model; {info.model_type} is dense")
-        self._validate_pipeline(info.num_layers)
+        self.resolve(info.num_layers)._validate_pipeline(info.num_layers)
 
     def _validate_pipeline(self, num_layers: int) -> None:
+        if num_layers < self.pp:
+            raise LayoutError(f"num_layers {num_layers} is fewer than pp={self.pp} stages (a stage would be empty)")
         if self.pp == 1:
             if self.first_stage_layers or self.last_stage_layers:
                 raise LayoutError("first/last_stage_layers need pp > 1")
@@ -104,6 +129,31 @@ class ParallelLayout:
         if self.pp > 1:
             kw["pipeline_dtype"] = torch.float32  # overridden with the model dtype by the builder
         return kw
+
+
+def auto_stage_layers(num_layers: int, pp: int) -> tuple[int, int]:
+    """(first, last) stage layer counts for ``num_layers`` that do not divide by ``pp``.
+
+    megatron-core splits the middle stages evenly and lets only the first and last stage differ
+    (``num_layers_in_first/last_pipeline_stage``). The rule: every middle stage gets
+    m = ceil(num_layers / pp) layers (the remainder goes to the middle), and the first and last
+    stage share the rest R = num_layers - (pp - 2) * m, the first taking ceil(R / 2): the first and
+    last stage also hold the embedding and the output layer + logits, so they get the lighter share,
+    the last (largest activations: the vocab logits) the lightest. If R < 2, m is lowered until both
+    ends get >= 1 layer. Never an empty stage. Examples: 3 layers pp=2 -> (2, 1);
+    60 layers pp=8 -> middle 6 x 8, (6, 6); 10 layers pp=4 -> middle 2 x 3, (2, 2) i.e. [2, 3, 3, 2].
+    """
+    if num_layers < pp:
+        raise LayoutError(f"num_layers {num_layers} is fewer than pp={pp} stages (a stage would be empty)")
+    if pp == 1:
+        raise LayoutError("uneven stage sizes need pp > 1")
+    if pp == 2:
+        return (num_layers + 1) // 2, num_layers // 2
+    m = -(-num_layers // pp)
+    while num_layers - (pp - 2) * m < 2:
+        m -= 1
+    rest = num_layers - (pp - 2) * m
+    return (rest + 1) // 2, rest // 2
 
 
 def init_distributed(backend: str | None = None) -> None:

@@ -88,7 +88,7 @@ class _RouterCapture:
             ids = next((t for t in reversed(outs) if torch.is_tensor(t) and not t.is_floating_point()), None)
             if ids is None:  # a router that returns logits only: apply the usual softmax top-k
                 ids = torch.topk(outs[0].float().softmax(-1), self.top_k, dim=-1).indices
-            self.current[layer] = ids.detach().reshape(-1, self.top_k)
+            self.current[layer] = ids.detach().reshape(-1, self.top_k).cpu()  # routes are assembled on the host
 
         return hook
 
@@ -109,46 +109,104 @@ class _WeightMap:
 
     transformers 5 fuses MoE experts in memory (experts.gate_up_proj [E, 2I, H]) while checkpoints
     (and SGLang) use one tensor per expert and projection. Rather than re-implementing that layout,
-    we run transformers' own reverse conversion on *index* tensors: each checkpoint tensor comes back
-    holding the flat positions of its elements inside the in-memory parameter.
+    we run transformers' own reverse conversion, first on meta views (free; maps every tensor that
+    comes back as a view, ``_map_views``), then, for parameters a conversion copies, on *index*
+    tensors: each checkpoint tensor comes back holding the flat positions of its elements inside the
+    in-memory parameter (``_map_indices``).
     """
 
     def __init__(self, model: torch.nn.Module):
-        from transformers.core_model_loading import revert_weight_conversion
-
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
         unique: dict[int, str] = {}
         for name, p in self.params.items():
             unique.setdefault(id(p), name)
         self.canonical = {name: unique[id(p)] for name, p in self.params.items()}  # tied -> owner
+        self.parts: dict[str, tuple[str, object, tuple[int, ...]]] = {}
+        todo = self._map_views(model)
+        if todo:
+            self._map_indices(model, todo)
+        # which checkpoint names together fill each parameter (to know when a param is complete)
+        self.parts_of: dict[str, set[str]] = {}
+        for ckpt_name, (owner, _, _) in self.parts.items():
+            self.parts_of.setdefault(owner, set()).add(ckpt_name)
+
+    def _map_views(self, model) -> set[str]:
+        """Fast pass: run the reverse conversion on *meta* views of one flat meta base per parameter
+        (no memory, no copies). A checkpoint tensor that comes back as a contiguous view of a base is
+        the slice [storage_offset, + numel) of that parameter: every unconverted tensor (dense models:
+        all of them) and split-only conversions. Returns the parameters not fully covered this way
+        (a conversion that copies), which ``_map_indices`` maps with index tensors."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        owners = [n for n in self.params if self.canonical[n] == n]
+        bases = {n: torch.empty(self.params[n].numel(), device="meta") for n in owners}
+        base_owner = {id(b): n for n, b in bases.items()}
+        views = {n: bases[self.canonical[n]].view(p.shape) for n, p in self.params.items()}
+        covered: dict[str, set[tuple[int, int]]] = {}
+        for ckpt_name, t in revert_weight_conversion(model, dict(views)).items():
+            owner = base_owner.get(id(t._base)) if t._base is not None else None
+            if owner is None or not t.is_contiguous():
+                continue
+            lo = t.storage_offset()
+            self.parts[ckpt_name] = (owner, slice(lo, lo + t.numel()), tuple(t.shape))
+            covered.setdefault(owner, set()).add((lo, lo + t.numel()))
+        todo = set()
+        for n in owners:
+            spans = sorted(covered.get(n, ()))
+            at = 0
+            for lo, hi in spans:  # distinct spans must tile the parameter exactly
+                if lo != at:
+                    break
+                at = hi
+            if at != self.params[n].numel():
+                todo.add(n)
+        if todo:  # re-mapped from scratch by the index pass
+            self.parts = {k: v for k, v in self.parts.items() if v[0] not in todo}
+        return todo
+
+    def _map_indices(self, model, todo: set[str]) -> None:
+        """Exact pass for the parameters in ``todo``: run the reverse conversion on *index* tensors;
+        each checkpoint tensor comes back holding the flat positions of its elements in the
+        in-memory parameter (an int64 per element of these parameters, briefly)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
         starts, index_sd, offset = [], {}, 0
         for name, p in self.params.items():
-            owner = self.canonical[name]
-            if owner == name:
+            if self.canonical[name] == name and name in todo:
                 index_sd[name] = torch.arange(offset, offset + p.numel()).view(p.shape)
                 starts.append((offset, name))
                 offset += p.numel()
         for name, owner in self.canonical.items():
-            index_sd.setdefault(name, index_sd[owner])
-        self.starts = torch.tensor([s for s, _ in starts])
-        self.start_names = [n for _, n in starts]
-        # checkpoint name -> (param owner name, flat index into it or a slice, shape)
-        self.parts: dict[str, tuple[str, object, tuple[int, ...]]] = {}
+            if owner in todo:
+                index_sd.setdefault(name, index_sd[owner])
+        starts_t = torch.tensor([s for s, _ in starts])
+        start_names = [n for _, n in starts]
         for ckpt_name, idx in revert_weight_conversion(model, dict(index_sd)).items():
             flat = idx.reshape(-1)
-            k = int(torch.searchsorted(self.starts, flat[0], right=True)) - 1
-            owner, base = self.start_names[k], int(self.starts[k])
+            k = int(torch.searchsorted(starts_t, flat[0], right=True)) - 1
+            owner, base = start_names[k], int(starts_t[k])
             local = flat - base
             if local.numel() and (local.min() < 0 or local.max() >= self.params[owner].numel()):
                 raise RuntimeError(f"checkpoint tensor {ckpt_name} spans several parameters")
             lo = int(local[0])
             contiguous = bool(torch.equal(local, torch.arange(lo, lo + local.numel())))
-            where = slice(lo, lo + local.numel()) if contiguous else local
+            where = slice(lo, lo + local.numel()) if contiguous else local.to(self.params[owner].device)
             self.parts[ckpt_name] = (owner, where, tuple(idx.shape))
-        # which checkpoint names together fill each parameter (to know when a param is complete)
-        self.parts_of: dict[str, set[str]] = {}
-        for ckpt_name, (owner, _, _) in self.parts.items():
-            self.parts_of.setdefault(owner, set()).add(ckpt_name)
+
+    def buffer(self, name: str, shape, dtype) -> Optional[torch.Tensor]:
+        """The engine memory that holds checkpoint tensor ``name`` as a contiguous ``shape`` view, if
+        it is one (a whole parameter or a contiguous slice of one) of that dtype; else None."""
+        name = self.resolve(name)
+        if name in self.params:
+            p = self.params[self.canonical[name]]
+            ok = tuple(p.shape) == tuple(shape) and p.dtype == dtype and p.is_contiguous()
+            return p.data if ok else None
+        if name in self.parts:
+            owner, where, part_shape = self.parts[name]
+            p = self.params[owner]
+            if isinstance(where, slice) and tuple(part_shape) == tuple(shape) and p.dtype == dtype and p.is_contiguous():
+                return p.data.view(-1)[where].view(shape)
+        return None
 
     def names(self) -> list[str]:
         return sorted(set(self.parts) | set(self.params))
@@ -176,14 +234,17 @@ class _WeightMap:
             param = self.params[owner]
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"shape mismatch for {name}: got {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            param.copy_(tensor.to(param.dtype))
+            if not _same_memory(tensor, param):  # already in place (see CPUEngine.weight_buffer)
+                param.copy_(tensor.to(param.dtype))
             return owner, None
         if name in self.parts:
             owner, where, shape = self.parts[name]
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"shape mismatch for {name}: got {tuple(tensor.shape)}, expected {shape}")
             flat = self.params[owner].view(-1)
-            src = tensor.detach().reshape(-1).to(flat.dtype)
+            if isinstance(where, slice) and _same_memory(tensor, flat[where]):
+                return owner, name
+            src = tensor.detach().reshape(-1).to(device=flat.device, dtype=flat.dtype)
             if isinstance(where, slice):
                 flat[where] = src
             else:
@@ -191,6 +252,11 @@ class _WeightMap:
             return owner, name
         close = difflib.get_close_matches(name, self.names(), n=3)
         raise KeyError(f"unknown weight name {name!r}; closest known names: {close}")
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype \
+        and a.is_contiguous() and b.is_contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,10 +290,15 @@ def sample_tokens(
 # Engine
 # ----------------------------------------------------------------------------------------------
 class CPUEngine(RolloutEngine):
-    """Generator on a transformers causal LM (fp32 by default), batched, with a KV cache."""
+    """Generator on a transformers causal LM (fp32 by default), batched, with a KV cache.
 
-    def __init__(self, model: torch.nn.Module, tokenizer=None):
-        self.model = model.eval()
+    ``device``: where the model runs (default: where its parameters are; CPU here, ``cuda`` for the
+    single-GPU loop without SGLang, ``rollout.engine: hf``), with the dtype it was loaded in (e.g.
+    bf16 on CUDA). Sampled tokens, log-probs and routes come back on the host."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, device=None):
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = int(self.config.num_hidden_layers)
@@ -237,7 +308,8 @@ class CPUEngine(RolloutEngine):
         num_experts = int(getattr(self.config, "num_experts", 0) or getattr(self.config, "n_routed_experts", 0) or 0)
         self.routes_dtype = routed_experts_dtype(num_experts) if self.routers else None
         self._capture = _RouterCapture(self.routers, self.top_k) if self.routers else None
-        self._weight_map: Optional[_WeightMap] = None
+        # built now (engine start-up), not in the first weight sync: the meta-view pass costs no memory
+        self._weight_map: Optional[_WeightMap] = _WeightMap(self.model)
         self._stale: set[str] = set()  # params whose memory holds no valid weights (after sleep)
         self._partial: dict[str, set[str]] = {}
         self._backup: Optional[dict[str, torch.Tensor]] = None
@@ -252,28 +324,30 @@ class CPUEngine(RolloutEngine):
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str, tokenizer="auto", dtype=torch.float32, multimodal: bool = False,
-                        **kwargs) -> "CPUEngine":
+                        device=None, **kwargs) -> "CPUEngine":
         """Load an HF directory; tokenizer="auto" loads the directory's tokenizer if it has one.
         ``multimodal``: load a vision-language checkpoint as the full model (vision tower included)
         instead of transformers' text-only causal LM of it."""
         from transformers import AutoTokenizer
 
+        if _fp8_checkpoint(path):  # block-FP8 (SGLang layout): dequantized on load, see _from_fp8
+            return _from_fp8(cls, path, tokenizer, dtype, multimodal, **kwargs)
         model = _auto_class(multimodal).from_pretrained(path, dtype=dtype, **kwargs)
         if tokenizer == "auto":
             try:
                 tokenizer = AutoTokenizer.from_pretrained(path)
             except (OSError, ValueError):
                 tokenizer = None
-        return cls(model, tokenizer=tokenizer)
+        return cls(model, tokenizer=tokenizer, device=device)
 
     @classmethod
     def from_config(cls, config, state_dict=None, tokenizer=None, dtype=torch.float32, seed: int = 0,
-                    multimodal: bool = False) -> "CPUEngine":
+                    multimodal: bool = False, device=None) -> "CPUEngine":
         """Build from an HF config; weights random (seeded) unless state_dict (HF names) is given.
         ``multimodal`` as in ``from_pretrained``."""
         torch.manual_seed(seed)
         model = _auto_class(multimodal).from_config(config, dtype=dtype)
-        engine = cls(model, tokenizer=tokenizer)
+        engine = cls(model, tokenizer=tokenizer, device=device)
         if state_dict is not None:
             engine.update_weights(state_dict.items() if hasattr(state_dict, "items") else state_dict)
         return engine
@@ -289,15 +363,25 @@ class CPUEngine(RolloutEngine):
             self._weight_map = _WeightMap(self.model)
         return self._weight_map
 
+    def weight_buffer(self, name: str, shape, dtype) -> Optional[torch.Tensor]:
+        """Where ``update_weights`` would put checkpoint tensor ``name`` (a view of the engine's own
+        parameter memory), or None. An exporter in this process may assemble the tensor right there
+        and then pass that view to ``update_weights``, which sees the data in place and skips the copy
+        (the weight sync of a colocated HF engine: one copy from the trainer's shards, no staging)."""
+        return self._get_weight_map().buffer(name, shape, dtype)
+
     def hf_weight_names(self) -> list[str]:
         """Every name update_weights accepts (checkpoint names and in-memory names; the text model's
         names are accepted under the other ``LM_PREFIXES`` prefix too, not listed here)."""
         return self._get_weight_map().names()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load (hf_name, tensor) pairs; raises KeyError on unknown names, ValueError on bad shapes."""
+        """Load (hf_name, tensor) pairs; raises KeyError on unknown names, ValueError on bad shapes.
+        Block-FP8 weights come as (name, float8_e4m3fn) + (name + "_scale_inv", float32) pairs, in either
+        order and possibly in different calls; each is loaded dequantized (q * scale_inv, convert/fp8.py)
+        once both halves have arrived, and ``generate`` refuses to run while one is unpaired."""
         weight_map = self._get_weight_map()
-        for name, tensor in named_tensors:
+        for name, tensor in self._dequantized(named_tensors):
             owner, part = weight_map.load(name, torch.as_tensor(tensor))
             if part is None:
                 self._stale.discard(owner)
@@ -309,6 +393,18 @@ class CPUEngine(RolloutEngine):
                     self._stale.discard(owner)
                     self._partial.pop(owner)
         self.flush_cache()
+
+    def _dequantized(self, named_tensors):
+        """The stream with fp8 + scale pairs joined and dequantized (plain tensors pass through)."""
+        from megatron_s3ac.convert.fp8 import Fp8Pairs
+
+        for name, tensor in named_tensors:
+            if name.endswith("_scale_inv") or getattr(tensor, "dtype", None) == torch.float8_e4m3fn:
+                if getattr(self, "_fp8_pairs", None) is None:
+                    self._fp8_pairs = Fp8Pairs()
+                yield from self._fp8_pairs.feed(name, tensor)
+            else:
+                yield name, tensor
 
     # -- memory ---------------------------------------------------------------------------------
     def _is_asleep(self) -> bool:
@@ -328,7 +424,7 @@ class CPUEngine(RolloutEngine):
         for name, p in self._unique_params():
             if keep_cpu_backup:
                 self._backup[name] = p.data
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
 
     def wake(self) -> None:
         """Re-allocate weights: restored from the backup, or uninitialised and marked stale."""
@@ -339,7 +435,7 @@ class CPUEngine(RolloutEngine):
             if self._backup is not None:
                 p.data = self._backup[name]
             else:
-                p.data = torch.empty(shape, dtype=dtype)
+                p.data = torch.empty(shape, dtype=dtype, device=self.device)
                 self._stale.add(name)
         self._backup = None
 
@@ -350,6 +446,8 @@ class CPUEngine(RolloutEngine):
     def _check_ready(self):
         if self._is_asleep():
             raise RuntimeError("engine is asleep: call wake() first")
+        if getattr(self, "_fp8_pairs", None) is not None:
+            self._fp8_pairs.check_complete()  # an fp8 weight whose scale never came (or vice versa)
         if self._stale:
             missing = sorted(self._stale)
             raise RuntimeError(f"weights not loaded since wake(): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -384,9 +482,11 @@ class CPUEngine(RolloutEngine):
             input_ids[b, P - len(p):] = torch.tensor(p)
             mask[b, P - len(p):] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        dev = self.device
+        input_ids, mask, position_ids = input_ids.to(dev), mask.to(dev), position_ids.to(dev)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        stop_ids_t = torch.tensor(sorted(stop_ids), dtype=torch.long)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        stop_ids_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+        generator = torch.Generator(device=dev).manual_seed(params.seed) if params.seed is not None else None
 
         tokens: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
@@ -412,10 +512,11 @@ class CPUEngine(RolloutEngine):
             for step in range(params.max_new_tokens):
                 new, lp = sample_tokens(out.logits[:, -1].float(), params, generator)
                 done = torch.zeros(len(active), dtype=torch.bool)
+                new_l, lp_l = new.tolist(), lp.tolist()  # one device -> host copy per step
                 for i, row in enumerate(active.tolist()):
-                    tokens[row].append(int(new[i]))
-                    logps[row].append(float(lp[i]))
-                is_stop = torch.isin(new, stop_ids_t)
+                    tokens[row].append(new_l[i])
+                    logps[row].append(lp_l[i])
+                is_stop = torch.isin(new, stop_ids_t).cpu()
                 for i, row in enumerate(active.tolist()):
                     if is_stop[i] or (params.stop_strings and self._hit_stop_string(tokens[row], params.stop_strings)):
                         finish[row], done[i] = "stop", True
@@ -427,8 +528,9 @@ class CPUEngine(RolloutEngine):
                 if len(keep) < len(active):  # drop finished rows from the batch and the cache
                     for layer_cache in cache.layers:  # reorder_cache: also on linear-attention layers
                         layer_cache.reorder_cache(keep)
-                    active, new, mask, next_pos = active[keep], new[keep], mask[keep], next_pos[keep]
-                mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype)], dim=1)
+                    kd = keep.to(dev)
+                    active, new, mask, next_pos = active[keep], new[kd], mask[kd], next_pos[kd]
+                mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=dev)], dim=1)
                 next_pos = next_pos + 1
                 out = self.model(input_ids=new[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                                  cache=cache, use_cache=True, logits_to_keep=1)
@@ -464,6 +566,59 @@ class CPUEngine(RolloutEngine):
     def shutdown(self) -> None:
         if self._capture is not None:
             self._capture.remove()
+
+
+def _fp8_checkpoint(path: str) -> bool:
+    """Whether ``path`` is an HF directory whose config.json declares block-FP8 weights."""
+    import json
+    import os
+
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        return False
+    with open(cfg) as f:
+        q = json.load(f).get("quantization_config") or {}
+    return "fp8" in str(q.get("quant_method", ""))
+
+
+def _from_fp8(cls, path: str, tokenizer, dtype, multimodal: bool, **kwargs) -> "CPUEngine":
+    """An engine on a block-FP8 checkpoint (``s3ac-convert mcore-to-hf --dtype fp8`` / SGLang's layout):
+    the model is built from the config without its quantization_config (so transformers does not swap
+    in its FP8 linears, which need accelerate + a GPU), then every safetensors tensor goes through
+    ``update_weights``, which dequantizes fp8 + scale pairs. A tensor the model needs but the checkpoint
+    lacks leaves its parameter stale: ``generate`` then refuses, naming it."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path)
+    qcfg = config.quantization_config
+    block = qcfg.get("weight_block_size") if isinstance(qcfg, dict) else getattr(qcfg, "weight_block_size", None)
+    if list(block or []) != [128, 128]:
+        raise ValueError(f"{path}: fp8 checkpoint with weight_block_size {block}; the CPU engine reads [128, 128] blocks")
+    del config.quantization_config
+    model = _auto_class(multimodal).from_config(config, dtype=dtype, **kwargs)
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    if tokenizer == "auto":
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            tokenizer = None
+    engine = cls(model, tokenizer=tokenizer)
+    engine._stale = {n for n, _ in engine._unique_params()}  # filled as the checkpoint's tensors arrive
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    for fn in files:
+        with safe_open(os.path.join(path, fn), framework="pt") as f:
+            engine.update_weights((k, f.get_tensor(k)) for k in f.keys())
+    return engine
 
 
 def _auto_class(multimodal: bool):

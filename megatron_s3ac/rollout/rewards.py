@@ -349,3 +349,7 @@ class RewardPool:
                     busy -= 1
                     self._replace(k)
         return out
+
+
+# Task rewards defined in their own modules register on import (they import register_reward above).
+from megatron_s3ac.rollout import reward_multistep  # noqa: E402,F401  "multistep"

@@ -1,28 +1,54 @@
 """SGLang rollout engine (GPU): a wrapper of `sglang.Engine`, pinned to sglang==0.5.23.
 
-sglang is imported lazily (it is a GPU-only extra). Every ServerArgs field, Engine method/kwarg,
-sampling key, meta_info key and memory tag this wrapper uses is declared in the tuples below;
-tests/rollout/test_sglang_contract.py reads them and checks each against the pinned wheel's source.
+sglang is imported lazily (a GPU-only extra). Every ServerArgs field, Engine method/kwarg, sampling
+key, meta_info key and memory tag used is declared in the tuples below; tests/rollout/test_sglang_contract.py
+checks them against the pinned wheel. The 0.5.23 behaviours this wrapper handles (file:line in the wheel,
+``sglang/srt/...``; the CPU stand-in tests/rollout/fake_sglang.py reproduces each one):
 
-Parallelism: tp_size, ep_size, attention data parallelism (`attn_dp_size`: in 0.5.23 the old
-`dp_size + enable_dp_attention` spelling is deprecated and rewritten to it), moe_a2a_backend.
-R3: `enable_return_routed_experts` at launch and `return_routed_experts` per request; SGLang returns
-base64 int32 [P + R - 1, num_hidden_layers, top_k] which we decode into the compact dtype.
-Weights: `update_weights_from_tensor` in bounded buckets (same process / colocated), or
-`init_weights_update_group` + `update_weights_from_distributed` (NCCL broadcast from the trainer,
-separate GPUs); the prefix cache is flushed after every complete update, because SGLang's routed
-experts are indexed by KV slot and would otherwise replay the old policy's routes.
-Memory: `enable_memory_saver` with release/resume_memory_occupation by tags.
+* Weight updates only inside a session: ``update_weights_from_tensor`` / ``_from_distributed`` outside
+  ``begin_weight_update()`` .. ``end_weight_update()`` return ``(False, "... must run between ...")`` and
+  load nothing (managers/scheduler_components/weight_updater.py:187-238). -> one session around each
+  whole sync; every ``(success, message)`` checked -> ``WeightUpdateError`` naming engine and tensors.
+* The Qwen3-MoE loader skips unknown names silently and still reports success (models/qwen3_moe.py:1222-1225,
+  1264-1267). -> names and shapes are checked against the served checkpoint (its safetensors index /
+  headers, else its config) before anything is sent (``WeightUpdateError``).
+* ``flush_cache()`` returns ``FlushCacheReqOutput(success=False)`` while requests run or wait
+  (managers/scheduler.py:5518-5543, scheduler_components/flush_wrapper.py:22-31). -> bounded retry with
+  back-off, then ``FlushCacheError``.
+* ``resume_memory_occupation(tags)`` does ``offload_tags.remove(tag)``: a tag not released raises KeyError
+  in the scheduler (weight_updater.py:383-391), which kills the engine (scheduler.py:6370-6373); no tags ==
+  all three (weight_updater.py:344-345, 386-387). -> released tags are tracked; ``wake()`` resumes only those.
+* An aborted request's meta_info has no ``routed_experts`` (tokenizer_manager.py:3597-3635). -> it becomes a
+  ``finish_reason="abort"`` Sample without routes; it never raises.
+* A prompt + max_new_tokens over the context length raises ValueError for the whole batch
+  (tokenizer_manager.py:1338-1375, 1711). -> refused up front (``PromptTooLongError``), naming the prompt.
+* With ``enable_deterministic_inference`` a request without ``sampling_seed`` samples with seed 42
+  (sampling/sampling_batch_info.py:157-171): all K samples of a prompt would be identical. Without it,
+  seeds are ignored. -> every request carries a distinct int seed.
+* Qwen3-MoE makes every layer sparse (models/qwen3_moe.py:878), ignoring ``mlp_only_layers`` /
+  ``decoder_sparse_step``: such a checkpoint's dense MLPs would be skipped silently. -> refused
+  (``UnservableModelError``) by ``check_servable``.
+
+Parallelism: GPUs per engine = tp_size (attention DP and EP live inside the TP group: tp_size %
+attn_dp_size == 0, arg_groups/parallel_hook.py:162,326; fields/parallel.py:81-90); one engine per data-
+parallel replica (weight updates assert dp_size == 1, tokenizer_control_mixin.py:452,574).
 """
 from __future__ import annotations
 
 import base64
 import dataclasses
-from typing import Any, Iterable, Optional, Sequence
+import difflib
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
 from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets, routed_experts_dtype
+
+logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 
@@ -36,10 +62,12 @@ SERVER_ARGS_USED = (
     "attn_dp_size",
     "moe_a2a_backend",
     "mem_fraction_static",
+    "context_length",
     "enable_return_routed_experts",
     "enable_memory_saver",
     "enable_weights_cpu_backup",
     "enable_deterministic_inference",
+    "disable_cuda_graph",
     "skip_tokenizer_init",
     "random_seed",
     "base_gpu_id",
@@ -52,9 +80,11 @@ SERVER_ARGS_USED = (
 # Engine methods -> keyword arguments this wrapper passes.
 ENGINE_CALLS_USED: dict[str, tuple[str, ...]] = {
     "generate": ("input_ids", "sampling_params", "return_logprob", "return_routed_experts"),
+    "begin_weight_update": (),
+    "end_weight_update": (),
     "update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
     "init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
-    "update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "flush_cache"),
+    "update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format"),
     "destroy_weights_update_group": ("group_name",),
     "release_memory_occupation": ("tags",),
     "resume_memory_occupation": ("tags",),
@@ -69,10 +99,33 @@ SAMPLING_KEYS_USED = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_t
 # Keys read from each output's meta_info (string literals in tokenizer_manager.py).
 META_INFO_KEYS_USED = ("finish_reason", "output_token_logprobs", "routed_experts")
 
-# release/resume_memory_occupation tags (sglang/srt/constants.py).
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# release/resume_memory_occupation tags (sglang/srt/constants.py:2-10), in sglang's order.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
+# sglang's default seed for a request without sampling_seed under deterministic inference
+# (sampling/sampling_batch_info.py:163).
+SGLANG_DEFAULT_SEED = 42
+
+
+class SGLangError(RuntimeError):
+    """An sglang engine call failed (base class)."""
+
+
+class WeightUpdateError(SGLangError):
+    """A weight update was refused or failed; the engine's weights may be partially updated."""
+
+
+class FlushCacheError(SGLangError):
+    """flush_cache kept failing (the engine stayed busy)."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt cannot fit prompt + max_new_tokens in the engine's context length."""
+
+
+class UnservableModelError(ValueError):
+    """sglang would serve this checkpoint wrongly (or not at all)."""
 
 
 @dataclasses.dataclass
@@ -87,11 +140,14 @@ class SGLangConfig:
     attn_dp_size: int = 1
     moe_a2a_backend: str = "none"
     mem_fraction_static: float = 0.7
+    context_length: Optional[int] = None  # default: the model's (max_position_embeddings)
     enable_return_routed_experts: bool = False
     enable_memory_saver: bool = True
     enable_weights_cpu_backup: bool = False
-    # Needed for SamplingParams.seed to take effect: SGLang ignores sampling_seed otherwise.
+    # Seeds are honoured only with it (sglang ignores sampling_seed otherwise); requests without a seed then
+    # all sample with 42, which is why this wrapper always sends one.
     enable_deterministic_inference: bool = False
+    disable_cuda_graph: bool = False
     random_seed: int = 0
     base_gpu_id: int = 0
     nnodes: int = 1
@@ -110,8 +166,10 @@ class SGLangConfig:
         return args
 
 
-def to_sglang_sampling_params(params: SamplingParams, seed_offset: int = 0) -> dict[str, Any]:
-    """Our SamplingParams -> one request's sglang sampling_params dict."""
+def to_sglang_sampling_params(params: SamplingParams, seed_offset: int = 0, base_seed: Optional[int] = None
+                              ) -> dict[str, Any]:
+    """Our SamplingParams -> one request's sglang sampling_params dict. The seed is always set
+    (``params.seed``, else ``base_seed``) plus ``seed_offset``, so requests never share sglang's default 42."""
     out = {
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -124,8 +182,9 @@ def to_sglang_sampling_params(params: SamplingParams, seed_offset: int = 0) -> d
         out["stop_token_ids"] = list(params.stop_token_ids)
     if params.stop_strings:
         out["stop"] = list(params.stop_strings)
-    if params.seed is not None:
-        out["sampling_seed"] = params.seed + seed_offset  # distinct per sample, reproducible
+    seed = params.seed if params.seed is not None else base_seed
+    if seed is not None:
+        out["sampling_seed"] = int(seed) + int(seed_offset)
     return out
 
 
@@ -152,156 +211,512 @@ def _finish_reason(meta: dict) -> str:
     return kind if kind in ("stop", "length") else "abort"
 
 
+def result_status(result: Any) -> tuple[bool, str]:
+    """(success, message) of an Engine call's return: a ``(bool, str)`` tuple (update/session calls,
+    tokenizer_control_mixin.py:445-601) or an object/dict with ``success`` (FlushCacheReqOutput, io_struct.py:1859)."""
+    if isinstance(result, (bool, np.bool_)):
+        return bool(result), ""
+    if isinstance(result, (tuple, list)) and result and isinstance(result[0], (bool, np.bool_)):
+        return bool(result[0]), str(result[1]) if len(result) > 1 else ""
+    if isinstance(result, dict) and "success" in result:
+        return bool(result["success"]), str(result.get("message", ""))
+    if hasattr(result, "success"):
+        return bool(result.success), str(getattr(result, "message", "") or "")
+    raise SGLangError(f"unexpected return value from sglang: {result!r} (expected (success, message))")
+
+
+# ----------------------------------------------------------------------------------------------
+# What the engine serves: weight names/shapes and servability, from the checkpoint directory
+# ----------------------------------------------------------------------------------------------
+def _read_hf_config(model_path: str) -> Optional[dict]:
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_servable(hf_config: Optional[dict], what: str = "the model") -> None:
+    """Raise UnservableModelError if sglang 0.5.23 would mis-serve this HF config (dict of config.json)."""
+    if hf_config is None:
+        raise UnservableModelError(f"{what} has no config.json: sglang serves HF checkpoint directories only")
+    text = hf_config.get("text_config") or hf_config
+    model_type = text.get("model_type") or hf_config.get("model_type")
+    if model_type == "qwen3_moe":
+        dense = list(text.get("mlp_only_layers") or [])
+        step = int(text.get("decoder_sparse_step", 1) or 1)
+        if dense or step != 1:
+            raise UnservableModelError(
+                f"{what} is a Qwen3-MoE with dense layers (mlp_only_layers={dense}, decoder_sparse_step={step}); "
+                f"sglang {SGLANG_VERSION} makes every Qwen3-MoE layer sparse (models/qwen3_moe.py:878) and would "
+                f"skip those layers' dense MLP weights without an error. Use a checkpoint without dense layers")
+
+
+def served_weight_shapes(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
+    """{checkpoint name: shape} of the HF checkpoint at model_path: its safetensors headers (index or single file,
+    read without loading data), else what its config.json describes (the transformers model built on the meta
+    device, under checkpoint names); None if neither exists."""
+    from safetensors import safe_open
+
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(model_path, "model.safetensors")):
+        files = ["model.safetensors"]
+    elif os.path.isfile(os.path.join(model_path, "config.json")):
+        return _config_weight_shapes(model_path)
+    else:
+        return None
+    shapes = {}
+    for name in files:
+        with safe_open(os.path.join(model_path, name), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def _config_weight_shapes(model_path: str) -> Optional[dict[str, tuple[int, ...]]]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        cfg = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        return {k: tuple(v.shape) for k, v in revert_weight_conversion(model, dict(model.state_dict())).items()}
+    except Exception as err:  # an architecture transformers does not know: no check possible
+        logger.warning("cannot derive weight names from %s/config.json: %s", model_path, err)
+        return None
+
+
+def _flat_bucket(bucket: Sequence[tuple[str, Any]]) -> dict:
+    """sglang's flattened bucket (weight_sync/tensor_bucket.py:19-80): one uint8 tensor with every tensor's
+    bytes back to back + per-tensor metadata. One CUDA IPC handle per bucket when serialised on GPU."""
+    import torch
+
+    metadata, parts, at = [], [], 0
+    for name, tensor in bucket:
+        t = torch.as_tensor(tensor).detach().contiguous()
+        if at % t.element_size():
+            raise ValueError(f"flattened bucket: {name} ({t.dtype}) would start at unaligned byte {at}; "
+                             f"order tensors by decreasing element size")
+        flat = t.reshape(-1).view(torch.uint8)
+        n = flat.numel()
+        metadata.append(FlatTensorMeta(name=name, shape=tuple(t.shape), dtype=t.dtype, start_idx=at,
+                                       end_idx=at + n, numel=n))
+        parts.append(flat)
+        at += n
+    return {"flattened_tensor": torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8),
+            "metadata": metadata}
+
+
+@dataclasses.dataclass
+class FlatTensorMeta:
+    """Field-for-field sglang's FlattenedTensorMetadata (weight_sync/tensor_bucket.py:8-16)."""
+
+    name: str
+    shape: tuple
+    dtype: Any
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def _default_serializer(engine: Any) -> Callable[[dict], Any]:
+    """Per-TP-rank payload of a flattened bucket: sglang's MultiprocessingSerializer (CUDA IPC handle of the
+    one flat tensor) for a real Engine; the dict itself for an injected stand-in."""
+    if type(engine).__module__.startswith("sglang."):
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        return MultiprocessingSerializer.serialize
+    return lambda bucket: bucket
+
+
 class SGLangEngine(RolloutEngine):
     """sglang.Engine behind the RolloutEngine interface.
 
-    model shape (num_layers, top_k, num_experts) is read from the HF config at model_path unless
-    given; `engine` injects an already built engine object (used by the CPU tests with a fake).
+    model shape (num_layers, top_k, num_experts) is read from the HF config at model_path unless given.
+    ``engine`` injects an already built engine object; ``engine_cls`` a class called as
+    ``engine_cls(**config.server_args())`` instead of ``sglang.Engine`` (the CPU tests' stand-in).
+    ``served_shapes`` ({name: shape}) overrides what is read from model_path for the name/shape check.
+    ``name`` labels errors (e.g. "sglang engine 3").
     """
 
     def __init__(self, config: SGLangConfig, *, num_layers: Optional[int] = None, top_k: Optional[int] = None,
-                 num_experts: Optional[int] = None, engine: Any = None):
-        self.config = config
-        if num_layers is None or (config.enable_return_routed_experts and (top_k is None or num_experts is None)):
-            from transformers import AutoConfig
-
-            hf = AutoConfig.from_pretrained(config.model_path)
-            hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-            num_layers = num_layers or hf.num_hidden_layers
-            top_k = top_k or getattr(hf, "num_experts_per_tok", None)
-            num_experts = num_experts or getattr(hf, "num_experts", None) or getattr(hf, "n_routed_experts", None)
-        self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
-        self.engine = engine if engine is not None else self._launch(config)
+                 num_experts: Optional[int] = None, engine: Any = None, engine_cls: Optional[Callable] = None,
+                 served_shapes: Optional[dict] = None, name: str = "sglang engine",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, flush_retries: int = 6, flush_retry_delay_s: float = 0.05,
+                 seed: int = 0):
+        self.config, self.name = config, name
+        self.bucket_bytes = int(bucket_bytes)
+        self.flush_retries, self.flush_retry_delay_s = int(flush_retries), float(flush_retry_delay_s)
+        hf = _read_hf_config(config.model_path) if os.path.isdir(config.model_path) else None
+        if hf is not None:
+            check_servable(hf, f"{config.model_path}")
+        text = (hf or {}).get("text_config") or (hf or {})
+        self.num_layers = num_layers or text.get("num_hidden_layers")
+        self.top_k = top_k or text.get("num_experts_per_tok")
+        self.num_experts = (num_experts or text.get("num_experts") or text.get("num_local_experts")
+                            or text.get("n_routed_experts"))
+        if config.enable_return_routed_experts and not (self.num_layers and self.top_k and self.num_experts):
+            raise ValueError(f"{name}: routed experts need num_layers/top_k/num_experts (from {config.model_path}"
+                             f"/config.json or given)")
+        self.context_length = config.context_length or _context_length(text)
+        if served_shapes is None and os.path.isdir(config.model_path):
+            served_shapes = served_weight_shapes(config.model_path)
+        self.served_shapes = {k: tuple(v) for k, v in served_shapes.items()} if served_shapes else None
+        if self.served_shapes is None:
+            logger.warning("%s: no safetensors or config at %s; weight names/shapes cannot be checked before sending",
+                           name, config.model_path)
+        self._released: set[str] = set()
+        self._weights_lost = False  # weights released without a CPU backup and not re-sent since
+        self._session_open = False
+        self._seed_base = int(seed) * 1_000_003
+        self._calls = 0  # generate calls (distinct default seeds per call)
+        self.last_sync: dict = {}
+        if engine is not None:
+            self.engine = engine
+        else:
+            self.engine = (engine_cls or self._launch)(**config.server_args())
+        self._serialize = _default_serializer(self.engine)
 
     @staticmethod
-    def _launch(config: SGLangConfig):
+    def _launch(**server_args):
         import sglang  # GPU-only extra: imported here, never at module import
 
         if sglang.__version__ != SGLANG_VERSION:
             raise RuntimeError(f"sglang {sglang.__version__} installed; this wrapper is checked against {SGLANG_VERSION}")
-        return sglang.Engine(**config.server_args())
+        return sglang.Engine(**server_args)
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
                  return_routed_experts: bool = False) -> list[list[Sample]]:
-        """One request per sample (prompt-major), so each gets its own seed and R3 payload."""
+        """One request per sample (prompt-major), each with its own seed: ``params.seed + k`` for request k,
+        or, without params.seed, a per-call base (never sglang's shared default 42)."""
         if return_routed_experts and not self.config.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs SGLangConfig(enable_return_routed_experts=True)")
         if params.stop_strings and self.config.skip_tokenizer_init:
             raise ValueError("stop_strings need the tokenizer: SGLangConfig(skip_tokenizer_init=False)")
-        requests = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
+        self._check_awake("generate")
+        prompts = [list(map(int, p)) for p in prompt_ids]
+        self._check_lengths(prompts, params.max_new_tokens)
+        requests = [p for p in prompts for _ in range(n_samples)]
         if not requests:
-            return [[] for _ in prompt_ids]
-        sampling = [to_sglang_sampling_params(params, seed_offset=k) for k in range(len(requests))]
-        outputs = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True,
-                                       return_routed_experts=return_routed_experts)
+            return [[] for _ in prompts]
+        self._calls += 1
+        base = self._seed_base + self._calls * 1_000_000 if params.seed is None else None
+        sampling = [to_sglang_sampling_params(params, seed_offset=k, base_seed=base) for k in range(len(requests))]
+        try:
+            outputs = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True,
+                                           return_routed_experts=return_routed_experts)
+        except ValueError as err:  # context length unknown here: sglang refused the whole batch; name the prompt
+            ctx = _context_from_message(str(err))
+            if ctx is None:
+                raise
+            self.context_length = ctx
+            self._check_lengths(prompts, params.max_new_tokens)
+            raise
+        if len(outputs) != len(requests):
+            raise SGLangError(f"{self.name}: {len(outputs)} outputs for {len(requests)} requests")
         samples = [self._to_sample(p, out, return_routed_experts) for p, out in zip(requests, outputs)]
-        return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
+        return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompts))]
+
+    def _check_lengths(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """sglang raises for the whole batch if any prompt + max_new_tokens > context (tokenizer_manager.py:1338-1375)."""
+        if not self.context_length:
+            return
+        for i, p in enumerate(prompts):
+            if len(p) + max_new_tokens > self.context_length:
+                raise PromptTooLongError(
+                    f"{self.name}: prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                    f"{len(p) + max_new_tokens} > the context length {self.context_length}. Shorten or filter the "
+                    f"prompt (data.max_prompt_tokens) or lower max_new_tokens")
 
     def _to_sample(self, prompt: list[int], out: dict, with_routes: bool) -> Sample:
-        meta = out["meta_info"]
+        meta = out.get("meta_info") or {}
+        reason = _finish_reason(meta)
         pairs = meta.get("output_token_logprobs") or []  # [(logprob, token_id, text_or_None)]
         response = [int(t) for _, t, *_ in pairs]
+        logprobs = np.asarray([lp for lp, *_ in pairs], dtype=np.float32)
+        if reason == "abort":
+            # aborted: partial tokens (maybe without log-probs) and never routed_experts (tokenizer_manager.py:3597-3635)
+            ids = [int(t) for t in out.get("output_ids") or []]
+            if len(ids) != len(response):
+                response, logprobs = [], np.zeros(0, np.float32)
+            return Sample(prompt_ids=prompt, response_ids=response, logprobs=logprobs, finish_reason="abort",
+                          routed_experts=None, response_text=out.get("text"))
         if "output_ids" in out and list(out["output_ids"]) != response:
-            raise RuntimeError("sglang output_ids disagree with output_token_logprobs")
+            raise SGLangError(f"{self.name}: output_ids disagree with output_token_logprobs")
         routes = None
         if with_routes:
+            if meta.get("routed_experts") is None:
+                raise SGLangError(f"{self.name}: a finished ({reason}) request came back without routed_experts")
             routes = decode_routed_experts(meta["routed_experts"], len(prompt) + len(response) - 1,
                                            self.num_layers, self.top_k, self.num_experts)
-        return Sample(prompt_ids=prompt, response_ids=response,
-                      logprobs=np.asarray([lp for lp, *_ in pairs], dtype=np.float32),
-                      finish_reason=_finish_reason(meta), routed_experts=routes, response_text=out.get("text"))
+        return Sample(prompt_ids=prompt, response_ids=response, logprobs=logprobs, finish_reason=reason,
+                      routed_experts=routes, response_text=out.get("text"))
 
     # -- weights --------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """Same-process / colocated update: (hf_name, tensor) pairs in buckets of <= bucket_bytes,
-        so the peak extra memory is one bucket; the cache is flushed once at the end."""
-        for bucket in iter_buckets(named_tensors, bucket_bytes):
-            self.engine.update_weights_from_tensor(named_tensors=bucket, load_format=None, flush_cache=False)
+    def check_weight(self, name: str, shape: Sequence[int]) -> None:
+        """Raise WeightUpdateError unless ``name`` with ``shape`` is a tensor of the served checkpoint
+        (sglang would skip an unknown name silently and report success)."""
+        if self.served_shapes is None:
+            return
+        want = self.served_shapes.get(name)
+        if want is None:
+            close = difflib.get_close_matches(name, list(self.served_shapes), n=3)
+            raise WeightUpdateError(
+                f"{self.name}: tensor {name!r} is not in the served checkpoint {self.config.model_path} (sglang "
+                f"would skip it silently and report success); closest served names: {close}")
+        if tuple(int(s) for s in shape) != want:
+            raise WeightUpdateError(f"{self.name}: tensor {name!r} has shape {tuple(shape)}, the served checkpoint "
+                                    f"has {want}")
+
+    def check_weights(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:
+        """check_weight for each (name, shape); the broadcast sender calls it before broadcasting a bucket."""
+        for n, s in zip(names, shapes):
+            self.check_weight(n, s)
+
+    def _checked(self, named_tensors, seen: set):
+        if hasattr(named_tensors, "items"):
+            named_tensors = named_tensors.items()
+        for name, tensor in named_tensors:
+            self.check_weight(name, tuple(tensor.shape))
+            seen.add(name)
+            yield name, tensor
+
+    def _call_checked(self, method: str, what: str, **kwargs) -> str:
+        ok, msg = result_status(getattr(self.engine, method)(**kwargs))
+        if not ok:
+            raise WeightUpdateError(f"{self.name}: {method} failed for {what}: {msg}")
+        return msg
+
+    def begin_weight_update(self) -> None:
+        """Open the weight-update session (sglang refuses updates outside one)."""
+        if self._session_open:
+            raise WeightUpdateError(f"{self.name}: a weight-update session is already open")
+        if "weights" in self._released:
+            raise WeightUpdateError(f"{self.name}: weights are released; call wake(['weights']) before syncing")
+        self._call_checked("begin_weight_update", "the session")
+        self._session_open = True
+        self.last_sync = {"tensors": 0, "bytes": 0, "buckets": 0}
+
+    def end_weight_update(self) -> None:
+        if not self._session_open:
+            return
+        self._session_open = False
+        self._call_checked("end_weight_update", "the session")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None,
+                       flattened: bool = False, require_complete: bool = False) -> None:
+        """Same-process / colocated update: (hf_name, tensor) pairs, each checked against the served checkpoint,
+        sent in buckets of <= bucket_bytes inside ONE weight-update session; then the cache is flushed (retried).
+
+        flattened: send each bucket as sglang's flattened bucket (load_format="flattened_bucket"): one flat
+            tensor + metadata per TP rank, i.e. one CUDA IPC handle per bucket instead of one per tensor.
+        require_complete: raise if some served tensor was not sent (a full sync must cover the checkpoint).
+        """
+        cap = int(bucket_bytes or self.bucket_bytes)
+        seen: set = set()
+        self.last_sync = {"tensors": 0, "bytes": 0, "buckets": 0}
+        self.begin_weight_update()
+        try:
+            for bucket in iter_buckets(self._checked(named_tensors, seen), cap):
+                self.load_weights_bucket(bucket, flattened=flattened, checked=True)
+        except BaseException:
+            self._abandon_session()
+            raise
+        self.finish_sync(seen, require_complete)
+
+    def load_weights_bucket(self, bucket: Sequence[tuple[str, Any]], flattened: bool = False,
+                            checked: bool = False) -> None:
+        """Send one bucket inside the open session (update_weights_from_tensor, flush deferred to finish_sync)."""
+        if not self._session_open:
+            raise WeightUpdateError(f"{self.name}: weights sent outside a weight-update session; call "
+                                    f"begin_weight_update() first (sglang would load nothing and return success=False)")
+        if not checked:
+            for n, t in bucket:
+                self.check_weight(n, tuple(t.shape))
+        stats = self.last_sync
+        what = f"bucket {stats.get('buckets', 0)} ({bucket[0][0]} .. {bucket[-1][0]}, {len(bucket)} tensors)"
+        if flattened:
+            payload = self._serialize(_flat_bucket(bucket))
+            self._call_checked("update_weights_from_tensor", what, named_tensors=[payload] * self.config.tp_size,
+                               load_format="flattened_bucket", flush_cache=False)
+        else:
+            self._call_checked("update_weights_from_tensor", what, named_tensors=list(bucket),
+                               load_format=None, flush_cache=False)
+        stats["buckets"] = stats.get("buckets", 0) + 1
+        stats["tensors"] = stats.get("tensors", 0) + len(bucket)
+        stats["bytes"] = stats.get("bytes", 0) + sum(int(t.numel()) * int(t.element_size()) for _, t in bucket)
+
+    def _abandon_session(self):
+        try:
+            self.end_weight_update()
+        except Exception as err:  # the first error is the one to report
+            logger.error("%s: end_weight_update after a failed sync: %s", self.name, err)
+
+    def finish_sync(self, names_sent: Iterable[str], require_complete: bool = False) -> None:
+        """After the last bucket (tensor or broadcast path): close the session, flush the cache (retried), and
+        check that every served tensor was sent when require_complete."""
+        self.end_weight_update()
+        missing = sorted(set(self.served_shapes or ()) - set(names_sent))
+        self.last_sync["missing"] = missing
         self.flush_cache()
+        if require_complete and missing:
+            raise WeightUpdateError(f"{self.name}: the sync left {len(missing)} served tensors unsent "
+                                    f"(stale weights), e.g. {missing[:3]}")
+        if not missing:
+            self._weights_lost = False
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "nccl"):
-        """Join the trainer's broadcast group (separate GPUs); the trainer is rank 0."""
-        return self.engine.init_weights_update_group(master_address=master_address, master_port=master_port,
-                                                     rank_offset=rank_offset, world_size=world_size,
-                                                     group_name=group_name, backend=backend)
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> None:
+        """Join the trainer's broadcast group (separate GPUs): the trainer's sender is rank 0, this engine's
+        TP ranks are rank_offset .. rank_offset + tp_size - 1. Blocks until every member joined."""
+        self._call_checked("init_weights_update_group", f"group {group_name!r}", master_address=master_address,
+                           master_port=int(master_port), rank_offset=int(rank_offset), world_size=int(world_size),
+                           group_name=group_name, backend=backend)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str = "weight_update_group", last: bool = True):
-        """Receive one bucket broadcast by the trainer; flush the cache after the last bucket."""
-        result = self.engine.update_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
-                                                             group_name=group_name, flush_cache=False)
-        if last:
-            self.flush_cache()
-        return result
+                                        group_name: str = "weight_update_group", flattened: bool = True) -> None:
+        """Receive one bucket broadcast by the trainer (inside an open session: see begin_weight_update).
+        flattened: one broadcast of the whole bucket (load_format="flattened_bucket"), else one per tensor."""
+        if not self._session_open:
+            raise WeightUpdateError(f"{self.name}: update_weights_from_distributed outside a session; "
+                                    f"call begin_weight_update() first")
+        # names/shapes are checked by the sender before it broadcasts (check_weights): refusing here, after the
+        # trainer started broadcasting, would leave its broadcast without a receiver.
+        what = f"bucket ({names[0]} .. {names[-1]}, {len(names)} tensors)" if names else "an empty bucket"
+        self._call_checked("update_weights_from_distributed", what, names=list(names), dtypes=list(dtypes),
+                           shapes=[list(s) for s in shapes], group_name=group_name, flush_cache=False,
+                           load_format="flattened_bucket" if flattened else None)
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group"):
-        return self.engine.destroy_weights_update_group(group_name=group_name)
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._call_checked("destroy_weights_update_group", f"group {group_name!r}", group_name=group_name)
 
     # -- memory ---------------------------------------------------------------------------------
+    @property
+    def released_tags(self) -> tuple[str, ...]:
+        return tuple(t for t in MEMORY_TAGS if t in self._released)
+
     def sleep(self, tags: Optional[Sequence[str]] = None) -> None:
-        """Release GPU memory (all of MEMORY_TAGS by default); needs enable_memory_saver."""
+        """Release GPU memory of ``tags`` (default all of MEMORY_TAGS) not already released."""
         self._check_tags(tags)
-        self.engine.release_memory_occupation(tags=list(tags) if tags else None)
+        todo = [t for t in (tags or MEMORY_TAGS) if t not in self._released]
+        if not todo:
+            return
+        self.engine.release_memory_occupation(tags=todo)
+        self._released.update(todo)
+        if "weights" in todo and not self.config.enable_weights_cpu_backup:
+            self._weights_lost = True
 
     def wake(self, tags: Optional[Sequence[str]] = None) -> None:
-        """Resume memory; colocated order: wake(["weights"]), update_weights, wake(["kv_cache", "cuda_graph"])."""
+        """Resume what was released among ``tags`` (default: everything released). sglang raises KeyError (and
+        its scheduler dies) on a tag that was not released, so such tags are skipped here.
+        Colocated order: wake(["weights"]) -> update_weights -> wake(["kv_cache", "cuda_graph"])."""
         self._check_tags(tags)
-        self.engine.resume_memory_occupation(tags=list(tags) if tags else None)
+        todo = [t for t in MEMORY_TAGS if t in self._released and (tags is None or t in tags)]
+        if not todo:
+            return
+        self.engine.resume_memory_occupation(tags=todo)
+        self._released.difference_update(todo)
 
     def _check_tags(self, tags):
         if not self.config.enable_memory_saver:
-            raise RuntimeError("sleep/wake need SGLangConfig(enable_memory_saver=True)")
+            raise RuntimeError(f"{self.name}: sleep/wake need SGLangConfig(enable_memory_saver=True)")
+        if isinstance(tags, str):
+            raise ValueError(f"tags must be a list of tags, got the string {tags!r}")
         bad = set(tags or ()) - set(MEMORY_TAGS)
         if bad:
             raise ValueError(f"unknown memory tags {sorted(bad)}; known: {MEMORY_TAGS}")
 
+    def _check_awake(self, what: str):
+        if self._released:
+            raise RuntimeError(f"{self.name}: {what} while {list(self.released_tags)} are released; call wake() first")
+        if self._weights_lost:
+            raise RuntimeError(f"{self.name}: {what} after the weights were released without a CPU backup; "
+                               f"sync the weights (update_weights) first")
+
     def flush_cache(self) -> None:
-        self.engine.flush_cache()
+        """Flush the KV/prefix cache (stale KV and R3 routes otherwise). sglang refuses while requests are running
+        or queued: retried flush_retries times with doubling delays, then FlushCacheError."""
+        delay, msg = self.flush_retry_delay_s, ""
+        for attempt in range(self.flush_retries + 1):
+            ok, msg = result_status(self.engine.flush_cache())
+            if ok:
+                return
+            if attempt < self.flush_retries:
+                time.sleep(delay)
+                delay *= 2
+        waited = self.flush_retry_delay_s * (2 ** self.flush_retries - 1)
+        raise FlushCacheError(f"{self.name}: flush_cache() failed {self.flush_retries + 1} times over {waited:.2f} s "
+                              f"(requests still running or queued): {msg or 'success=False'}. The cache still holds "
+                              f"KV entries and routes of the old weights")
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
 
-class SGLangEngineActor:
-    """Ray actor body: one SGLangEngine (which may span several GPUs through its own processes).
+def _context_from_message(msg: str) -> Optional[int]:
+    """The context length in sglang's refusal (tokenizer_manager.py:1341-1375), if it is one."""
+    import re
 
-    Create with `launch_sglang_actor`. Tensors passed to update_weights travel through Ray's
-    object store (a host copy); zero-copy CUDA-IPC payloads are not wired yet.
+    m = re.search(r"context length \((\d+) tokens\)|maximum context length of (\d+) tokens", msg)
+    return int(m.group(1) or m.group(2)) if m else None
+
+
+def _context_length(text_config: dict) -> Optional[int]:
+    """sglang's default context length from an HF config dict (utils/hf_transformers/common.py:668-694)."""
+    for key in ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings"):
+        if text_config.get(key) is not None:
+            scaling = text_config.get("rope_scaling") or {}
+            factor = scaling.get("factor", 1) if scaling else 1
+            if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
+                factor = 1
+            return int(factor * text_config[key])
+    return None
+
+
+class SessionSync:
+    """Adapter that makes a bucket-by-bucket sync (``weight_sync.sync_weights`` calls ``update_weights(bucket)``
+    per bucket, then ``flush_cache()``) ONE weight-update session on a session engine (SGLangEngine, EnginePool):
+    the first bucket opens the session, each bucket is loaded in it, ``flush_cache()`` closes it (end, flush with
+    retries, completeness check). Any failure closes the session before it propagates.
+
+        sync_weights(chunks, info, SessionSync(engine, require_complete=True))
     """
 
-    def __init__(self, config: SGLangConfig, **model_shape):
-        self.engine = SGLangEngine(config, **model_shape)
+    def __init__(self, engine, require_complete: bool = True, flattened: bool = False):
+        self.engine, self.require_complete, self.flattened = engine, bool(require_complete), bool(flattened)
+        self.names: list[str] = []
+        self.open = False
 
-    def generate(self, prompt_ids, params, n_samples=1, return_routed_experts=False):
-        return self.engine.generate(prompt_ids, params, n_samples, return_routed_experts)
+    def update_weights(self, bucket) -> None:
+        bucket = list(bucket.items() if hasattr(bucket, "items") else bucket)
+        if not bucket:
+            return
+        try:
+            if not self.open:
+                self.engine.begin_weight_update()
+                self.open = True
+            self.engine.load_weights_bucket(bucket, flattened=self.flattened)
+        except BaseException:
+            self.abandon()
+            raise
+        self.names.extend(n for n, _ in bucket)
 
-    def update_weights(self, named_tensors, bucket_bytes=DEFAULT_BUCKET_BYTES):
-        return self.engine.update_weights(named_tensors, bucket_bytes)
+    def flush_cache(self) -> None:
+        if not self.open:
+            self.engine.begin_weight_update()  # an empty sync still closes cleanly and flushes
+        self.open = False
+        self.engine.finish_sync(self.names, self.require_complete)
 
-    def init_weights_update_group(self, *args, **kwargs):
-        return self.engine.init_weights_update_group(*args, **kwargs)
-
-    def update_weights_from_distributed(self, *args, **kwargs):
-        return self.engine.update_weights_from_distributed(*args, **kwargs)
-
-    def sleep(self, tags=None):
-        return self.engine.sleep(tags)
-
-    def wake(self, tags=None):
-        return self.engine.wake(tags)
-
-    def flush_cache(self):
-        return self.engine.flush_cache()
-
-    def shutdown(self):
-        return self.engine.shutdown()
-
-
-def launch_sglang_actor(config: SGLangConfig, num_gpus: Optional[float] = None, **ray_options):
-    """Start an SGLangEngineActor in Ray; by default it reserves tp_size GPUs on one node."""
-    import ray
-
-    options = {"num_gpus": config.tp_size if num_gpus is None else num_gpus, **ray_options}
-    return ray.remote(SGLangEngineActor).options(**options).remote(config)
+    def abandon(self) -> None:
+        if self.open:
+            self.open = False
+            try:
+                self.engine.end_weight_update()
+            except Exception as err:  # the first error is the one to report
+                logger.error("closing the weight-update session after a failed sync: %s", err)

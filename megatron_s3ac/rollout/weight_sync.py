@@ -6,7 +6,9 @@ one name/layout mapping: TP/EP/ETP shards are gathered to the stage leader, buck
 each stage leader hands its buckets to the engine rank:
 
 * the engine rank's own stage (when it is that stage's leader): buckets go straight to
-  ``engine.update_weights``, no copy;
+  ``engine.update_weights``; an engine with ``weight_buffer`` (the colocated ``CPUEngine``) has the
+  tensors assembled directly in its own parameter memory (``export_hf_weights(into=...)``), so each
+  byte is copied once: from the local shard, or received from the owning rank straight into place;
 * any other stage: the leader sends each bucket with plain point-to-point ``send``/``recv`` of tensors
   (an int64 header [header bytes, payload bytes], a UTF-8 JSON header of (name, dtype, shape) and one
   flat uint8 payload), then an end marker. No object collectives, so it works on gloo and NCCL alike
@@ -154,7 +156,10 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
         stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
 
     # 1) every stage exports; leaders either feed the engine (same rank) or send to the engine rank
-    for bucket in export_hf_weights(model_chunks, info, bucket_bytes, group=group):
+    # A colocated engine that exposes its weight memory gets the stage assembled in place: one copy
+    # from the trainer's shards (local pieces copied, remote ones received straight into it).
+    into = getattr(engine, "weight_buffer", None) if (engine is not None and me == leader) else None
+    for bucket in export_hf_weights(model_chunks, info, bucket_bytes, group=group, into=into):
         if me == leader:
             if me == engine_rank:
                 feed(bucket)

@@ -11,7 +11,6 @@ import dataclasses
 import math
 import os
 import shutil
-from functools import partial
 from typing import Optional
 
 import torch
@@ -62,6 +61,36 @@ def check_packing(cfg: Config, info) -> None:
                           "needs THD PackedSeqParams, not wired yet")
 
 
+def model_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+
+
+def _config_kw(cfg: Config) -> dict:
+    """``model.dtype`` and ``train.recompute*`` for ``build_transformer_config``."""
+    t = cfg.train
+    return dict(dtype=model_dtype(cfg), recompute=str(t.recompute.value if hasattr(t.recompute, "value") else t.recompute),
+                recompute_modules=t.recompute_modules, recompute_num_layers=t.recompute_num_layers)
+
+
+def _optim_kw(o) -> dict:
+    """``optim.<model>`` for ``build_optimizer``; a setting megatron refuses here is a ConfigError."""
+    return dict(cpu_offload=o.cpu_offload, offload_fraction=o.offload_fraction, precision_aware=o.precision_aware)
+
+
+def _build_optimizer(name: str, ddp, **kw):
+    from megatron_s3ac.models.optim import OptimizerUnavailable, build_optimizer
+
+    try:
+        return build_optimizer([ddp], **kw)
+    except OptimizerUnavailable as e:
+        raise ConfigError(f"optim.{name}: {e}") from None
+
+
+def _to_device(module):
+    """The model on this rank's CUDA device when present (megatron already allocates there)."""
+    return module.cuda() if torch.cuda.is_available() else module
+
+
 @dataclasses.dataclass
 class Model:
     """One trained model: the megatron module, its DDP wrapper, optimizer and TransformerConfig."""
@@ -77,17 +106,18 @@ def build_actor(cfg: Config, info, layout, r3_overrides: dict, before_build=None
     from megatron.core import dist_checkpointing
 
     from megatron_s3ac.models.actor_critic import build_actor as _build, build_transformer_config
-    from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
+    from megatron_s3ac.models.optim import wrap_ddp
 
     a = cfg.algo
-    config = build_transformer_config(info, layout, **r3_overrides)
+    config = build_transformer_config(info, layout, **_config_kw(cfg), **r3_overrides)
     if before_build is not None:
         before_build(config)
-    actor = _build(info, config)
+    actor = _to_device(_build(info, config))
     if cfg.model.actor_init:
         actor.load_state_dict(dist_checkpointing.load(actor.sharded_state_dict(), cfg.model.actor_init))
     ddp = wrap_ddp(actor, config)
-    opt = build_optimizer([ddp], lr=a.actor_lr, clip_grad=a.actor_clip_grad, weight_decay=a.weight_decay)
+    opt = _build_optimizer("actor", ddp, lr=a.actor_lr, clip_grad=a.actor_clip_grad, weight_decay=a.weight_decay,
+                           **_optim_kw(cfg.optim.actor))
     return Model(actor, ddp, opt, config)
 
 
@@ -97,19 +127,34 @@ def build_critic(cfg: Config, info, layout, init_from_actor) -> Model:
     from megatron.core import dist_checkpointing
 
     from megatron_s3ac.models.actor_critic import ValueHeadConfig, build_critic as _build, build_transformer_config
-    from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
+    from megatron_s3ac.models.optim import wrap_ddp
 
     a = cfg.algo
-    config = build_transformer_config(info, layout)
-    critic = _build(info, config, ValueHeadConfig(kind=cfg.model.critic_head))
+    config = build_transformer_config(info, layout, **_config_kw(cfg))
+    critic = _to_device(_build(info, config, ValueHeadConfig(kind=cfg.model.critic_head)))
     if cfg.model.critic_init:
         critic.load_state_dict(dist_checkpointing.load(critic.sharded_state_dict(), cfg.model.critic_init))
-    else:  # backbone from the actor; the value head keeps its 1/(H+1) init
+    else:  # backbone from the actor; the value head keeps its 1/(H+1) init (or model.value_head_init_std)
         init_from_actor(critic)
+        if cfg.model.value_head_init_std is not None:
+            reinit_value_head(critic, cfg.model.value_head_init_std, seed=cfg.train.seed)
     ddp = wrap_ddp(critic, config)
-    opt = build_optimizer([ddp], lr=a.actor_lr * a.critic_lr_mult, clip_grad=a.critic_clip_grad,
-                          weight_decay=a.weight_decay)
+    opt = _build_optimizer("critic", ddp, lr=a.actor_lr * a.critic_lr_mult, clip_grad=a.critic_clip_grad,
+                           weight_decay=a.weight_decay, **_optim_kw(cfg.optim.critic))
     return Model(critic, ddp, opt, config)
+
+
+@torch.no_grad()
+def reinit_value_head(critic, std: float, seed: int) -> None:
+    """Value head weights := N(0, std^2), bias 0 (paper Table 4's init ablation). Drawn from a
+    generator seeded by ``seed`` alone, so every rank holding the head draws the same numbers."""
+    head = getattr(critic.module, "output_layer", None)
+    if head is None or not critic.module.post_process:  # not the last pipeline stage: no head here
+        return
+    g = torch.Generator().manual_seed(seed + 31)
+    w = torch.randn(tuple(head.weight.shape), generator=g, dtype=torch.float64) * std
+    head.weight.copy_(w.to(head.weight.dtype))
+    head.bias.zero_()
 
 
 def r3_setting(cfg: Config, info):
@@ -209,6 +254,11 @@ def build_data(cfg: Config, use_daps: bool) -> PromptData:
         prompts = D.arithmetic_prompts(cfg.data.num_prompts, cfg.data.max_operand, cfg.data.seed,
                                        exclude={p.text for p in eval_prompts})
         stats = {"rows": len(prompts), "malformed": 0}
+    elif cfg.data.task == "multistep":
+        from megatron_s3ac.trainer.tasks_multistep import multistep_data
+
+        vocab, prompts, eval_prompts = multistep_data(cfg.data)
+        stats = {"rows": len(prompts), "malformed": 0}
     else:
         from transformers import AutoTokenizer
 
@@ -225,31 +275,46 @@ def build_data(cfg: Config, use_daps: bool) -> PromptData:
 
 
 def build_engine(cfg: Config, info):
-    """Rank 0's rollout engine: in this process (colocated) or in its own Ray actor process
-    (separate: ``rollout.RemoteEngine``; same engine code, so the same samples for the same seed).
+    """Rank 0's rollout engine, chosen by ``rollout.engine`` through ``rollout.factory`` (the one factory of
+    training, evaluation and coverage data). cpu: in this process (colocated) or its own Ray actor (separate:
+    ``RemoteEngine``; same engine code, so the same samples for the same seed). sglang: ``rollout.sglang.num_engines``
+    engines (an ``EnginePool`` of Ray actors; one colocated engine runs in this process).
     Returns (engine, owns_ray): a Ray started here is shut down by ``Trainer.close``."""
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.factory import build_rollout_engine, make_engine_factory
+    from megatron_s3ac.trainer.config import EngineKind, Placement, engine_model_dir
 
-    if cfg.model.engine_hf_dir:
-        factory = partial(CPUEngine.from_pretrained, cfg.model.engine_hf_dir)
+    r = cfg.rollout
+    placement = Placement(r.placement).value
+    kind = EngineKind(r.engine).value
+    in_process = placement == "colocated" and (kind != "sglang" or r.sglang.num_engines == 1)
+    threads = None if in_process else cfg.train.threads  # an engine process's own torch threads
+    # cpu / hf: transformers' model in model.dtype; hf puts it on this rank's GPU when CUDA is present (the
+    # single-GPU loop without SGLang); an engine in its own process decides its device
+    dev = dict(dtype=model_dtype(cfg))
+    if in_process:
+        dev["device"] = "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"
+    if kind == "sglang":
+        factory = make_engine_factory("sglang", model_dir=engine_model_dir(cfg), settings=r.sglang,
+                                      seed=cfg.train.seed, torch_threads=threads)
+    elif cfg.model.engine_hf_dir:
+        factory = make_engine_factory(kind, model_dir=cfg.model.engine_hf_dir, torch_threads=threads, **dev)
     else:
         if cfg.model.tiny is None:
             from transformers import AutoConfig
 
             hf = AutoConfig.for_model(**info.hf)
         else:
-            from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+            from megatron_s3ac.trainer.tasks_multistep import tiny_hf_config
 
-            hf = tiny_arithmetic_hf_config()
-        factory = partial(CPUEngine.from_config, hf)  # weights come from the actor right after
-    if cfg.rollout.placement == "separate":
-        import ray
+            hf = tiny_hf_config(cfg.data)
+        # weights come from the actor right after
+        factory = make_engine_factory(kind, hf_config=hf, torch_threads=threads, **dev)
+    if in_process:
+        return factory(), False
+    import ray
 
-        from megatron_s3ac.rollout.remote import RemoteEngine
-
-        owns_ray = not ray.is_initialized()
-        return RemoteEngine(factory, num_cpus=1, torch_threads=cfg.train.threads), owns_ray
-    return factory(), False
+    owns_ray = not ray.is_initialized()
+    return build_rollout_engine(factory, placement), owns_ray
 
 
 def reset_optimizer(opt, lr: float) -> None:

@@ -19,7 +19,6 @@ import os
 import random
 import re
 import shutil
-import time
 
 import numpy as np
 import torch

@@ -3,7 +3,12 @@
     torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli train  examples/cpu_demo.yaml train.steps=20
     torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli value-pretrain cfg.yaml value_pretrain.coverage_path=cov.jsonl
     torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli demo   examples/cpu_demo.yaml
-    s3ac-train check cfg.yaml [key=value ...]     # validate only (no torchrun needed)
+    s3ac-train check cfg.yaml [key=value ...] [--strict]   # validate + plan memory (no torchrun needed)
+
+``check`` validates the config, then runs the planner's pre-flight (megatron_s3ac.plan.preflight): every
+layout rule (world-size rules when WORLD_SIZE or a ``cluster:`` section gives the world size) and, with a
+``cluster:`` section, the memory fit per phase and pipeline stage. Layout errors exit 2; memory misfits are
+warnings (stderr), or exit 2 with ``--strict``.
 """
 from __future__ import annotations
 
@@ -24,7 +29,10 @@ def _parse(argv):
 def main(argv=None) -> int:
     from megatron_s3ac.trainer.config import ConfigError, load_config, to_yaml
 
-    cmd, path, overrides = _parse(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    strict = "--strict" in args
+    args = [a for a in args if a != "--strict"]
+    cmd, path, overrides = _parse(args)
     if cmd not in ("train", "value-pretrain", "demo", "check"):
         print(f"unknown command {cmd!r}; use train | value-pretrain | demo | check", file=sys.stderr)
         return 2
@@ -33,7 +41,15 @@ def main(argv=None) -> int:
         if cmd == "check":
             from megatron_s3ac.trainer.config import validate
 
-            validate(cfg, int(os.environ.get("WORLD_SIZE", "0")) or None)
+            world = int(os.environ.get("WORLD_SIZE", "0")) or None
+            validate(cfg, world)
+            from megatron_s3ac.plan.preflight import preflight
+
+            rep = preflight(cfg, world)
+            for msg in rep.messages():
+                print(f"s3ac-train check: {msg}", file=sys.stderr)
+            if rep.errors or (strict and rep.warnings):
+                return 2
             print(to_yaml(cfg))
             return 0
     except ConfigError as e:

@@ -15,6 +15,8 @@ from typing import Dict, Optional
 
 from omegaconf import OmegaConf
 
+from megatron_s3ac.rollout.factory import SGLangSettings
+
 
 class ConfigError(ValueError):
     """An invalid experiment config; the message lists every broken rule by its dotted key."""
@@ -23,12 +25,24 @@ class ConfigError(ValueError):
 # choices OmegaConf checks (a str Enum: members compare equal to their names)
 class Task(str, enum.Enum):
     arithmetic = "arithmetic"
+    multistep = "multistep"  # multi-operand arithmetic written step by step (trainer.tasks_multistep)
     math = "math"
 
 
 class Placement(str, enum.Enum):
     colocated = "colocated"
     separate = "separate"
+
+
+class EngineKind(str, enum.Enum):
+    cpu = "cpu"  # transformers' model in this project's engine (rollout.cpu_engine), on the CPU
+    hf = "hf"  # the same engine on rank 0's GPU in model.dtype when CUDA is present
+    sglang = "sglang"
+
+
+class WeightsDtype(str, enum.Enum):  # the rollout engine's weights (docs/fp8.md)
+    bf16 = "bf16"  # the trainer's weights as they are, unquantized
+    fp8 = "fp8"  # block-scaled e4m3 + weight_scale_inv, quantized at every weight sync (SGLang's layout)
 
 
 class CriticHead(str, enum.Enum):
@@ -38,6 +52,17 @@ class CriticHead(str, enum.Enum):
 
 class TinyModel(str, enum.Enum):
     arithmetic_moe = "arithmetic_moe"
+
+
+class DType(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Recompute(str, enum.Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
 
 
 def _missing_paths(section: str, obj, keys) -> list[str]:
@@ -52,11 +77,18 @@ class ModelCfg:
     actor_init: Optional[str] = None  # megatron torch_dist dir (checkpoints_convert hf->mcore)
     critic_init: Optional[str] = None  # torch_dist dir of a (value-pretrained) critic
     critic_head: CriticHead = CriticHead.linear
+    # std of the fresh value head's weights (None: the recipe's 1/(H+1)); paper Table 4 ablates 0.01
+    value_head_init_std: Optional[float] = None
     engine_hf_dir: Optional[str] = None  # HF dir the rollout engine loads (else built from config)
+    # actor and critic params and activations (bf16: fp32 main grads / main params / Adam states via
+    # megatron's distributed optimizer); log-probs, values, advantages and losses are fp32 either way
+    dtype: DType = DType.fp32
 
     def errors(self) -> list[str]:
         out = [] if (self.tiny is None) != (self.hf_config is None) else [
             "set exactly one of model.tiny and model.hf_config"]
+        if self.value_head_init_std is not None and not self.value_head_init_std > 0:
+            out.append(f"model.value_head_init_std={self.value_head_init_std} must be > 0 (or null: 1/(H+1))")
         return out + _missing_paths("model", self, ("hf_config", "actor_init", "critic_init", "engine_hf_dir"))
 
 
@@ -66,6 +98,10 @@ class LayoutCfg:
     pp: int = 1
     ep: int = 1
     etp: Optional[int] = None
+    # uneven pipeline: layers on the first / last stage (the rest split evenly); both None and
+    # num_layers % pp != 0: split automatically (models.parallel.auto_stage_layers)
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
 
 @dataclass
@@ -75,6 +111,10 @@ class DataCfg:
     num_prompts: int = 2000  # arithmetic: size of the synthetic train set
     eval_prompts: int = 200  # arithmetic: held-out set for pass rates
     max_operand: int = 99
+    # multistep task: operands per prompt in [min_operands, max_operands], operators drawn from ops
+    min_operands: int = 3
+    max_operands: int = 5
+    ops: str = "+"
     max_prompt_tokens: int = 1024
     apply_chat_template: bool = True
     seed: int = 1
@@ -82,6 +122,13 @@ class DataCfg:
     def errors(self) -> list[str]:
         if self.task == Task.math and (self.path is None or not os.path.exists(self.path)):
             return [f"data.path={self.path!r} does not exist (task=math needs a jsonl/parquet prompt set)"]
+        if self.task == Task.multistep:
+            from megatron_s3ac.trainer.tasks_multistep import spec_of
+
+            try:
+                spec_of(self)
+            except ValueError as e:
+                return [f"data (task=multistep): {e}"]
         return []
 
 
@@ -99,9 +146,32 @@ class RolloutCfg:
     # released, refilled by the next weight sync); separate: the engine runs in its own process (a Ray
     # actor) and stays awake; the trainer streams weights to it
     placement: Placement = Placement.colocated
+    # cpu: CPUEngine (transformers, exact; the demo); hf: the same engine on rank 0's GPU in model.dtype when
+    # CUDA is present; sglang: sglang==0.5.23 engines (rollout.sglang; docs/rollout.md)
+    engine: EngineKind = EngineKind.cpu
+    sglang: SGLangSettings = field(default_factory=SGLangSettings)
+    # fp8: every weight sync sends convert.fp8.quantize_stream of the export (the engine dequantizes /
+    # SGLang serves fp8), so rollout and trainer log-probs really differ; fp8_keep: module patterns kept
+    # unquantized (null = convert.fp8.DEFAULT_KEEP: router, embeddings, lm_head, GDN gates, ...)
+    weights_dtype: WeightsDtype = WeightsDtype.bf16
+    fp8_keep: Optional[list] = None
 
     def errors(self) -> list[str]:
         out = []
+        if self.engine == EngineKind.sglang:
+            from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_sglang_settings
+
+            try:
+                validate_sglang_settings(self.sglang)
+            except EngineConfigError as e:
+                out.append(str(e))
+        if self.fp8_keep is not None:
+            from megatron_s3ac.convert.fp8 import Fp8Error, check_keep
+
+            try:
+                check_keep(list(self.fp8_keep))
+            except Fp8Error as e:
+                out.append(f"rollout.fp8_keep: {e}")
         if self.k < 1 or self.prompts_per_step < 1:
             out.append("rollout.k and rollout.prompts_per_step must be >= 1")
         if self.reward_workers < 1 or not self.reward_timeout_s > 0:
@@ -144,7 +214,21 @@ class AlgoCfg:
     icepop_low: float = 0.5
     icepop_high: float = 5.0
     mis_threshold: float = 2.0  # nats: mask a response whose max log-ratio exceeds this
+    # false: the token IS weights and IcePoP/MIS masks are computed and logged but not applied
+    # (the "corrections disabled" arm of docs/fp8.md); only for algorithms that use them
+    mismatch_corrections: bool = True
     dynamic_sampling: bool = True  # DAPO group filter (K > 1)
+    # DAPO refill: when the filter drops groups, draw and roll out more prompts until the step holds
+    # rollout.prompts_per_step informative groups, at most refill_max_factor x prompts_per_step groups
+    # drawn per step (then the step trains on what it kept). Off: train on the kept groups only
+    dynamic_sampling_refill: bool = False
+    refill_max_factor: float = 3.0
+    # actor GAE lambda: None = length-adaptive 1 - 1/(actor_alpha T) (S3AC); a number = fixed lambda
+    actor_lambda: Optional[float] = None
+    # entropy control hook on the advantages (algorithms.entropy_control; GRPO-X's GEPO slot):
+    # none | gepo_candidate (a documented candidate form, not the paper's exact GEPO), with params
+    entropy_control: str = "none"
+    entropy_control_params: Dict[str, float] = field(default_factory=dict)
     grpo_normalize_std: bool = True
     flash_delta: float = 3e-3
     dual_clip_c: Optional[float] = None  # ppo_clip: dual clip c > 1 for A < 0 (None = off)
@@ -157,6 +241,8 @@ class AlgoCfg:
     clamp_values: bool = True
     reward_min: float = -1.0
     reward_max: float = 1.0
+    # token log-probs / entropy over at most this many tokens' fp32 logits at a time (0 = all at once)
+    logprob_chunk_tokens: int = 0
 
     def errors(self) -> list[str]:
         from megatron_s3ac.algorithms.registry import get_algo, get_policy_loss
@@ -188,6 +274,18 @@ class AlgoCfg:
             out.append(f"algo.dual_clip_c={self.dual_clip_c} must be > 1 (or null)")
         if self.tv_delta_low < 0 or self.tv_delta_high < 0:
             out.append("algo.tv_delta_low and algo.tv_delta_high must be >= 0")
+        if self.logprob_chunk_tokens < 0:
+            out.append("algo.logprob_chunk_tokens must be >= 0 (0 = unchunked)")
+        if not self.refill_max_factor >= 1:
+            out.append(f"algo.refill_max_factor={self.refill_max_factor} must be >= 1")
+        if self.actor_lambda is not None and not 0 <= self.actor_lambda <= 1:
+            out.append(f"algo.actor_lambda={self.actor_lambda} must be in [0, 1] (or null: length-adaptive)")
+        from megatron_s3ac.algorithms.entropy_control import make_entropy_control
+
+        try:
+            make_entropy_control(self.entropy_control, **self.entropy_control_params)
+        except (KeyError, TypeError, ValueError) as e:
+            out.append(f"algo.entropy_control: {e.args[0] if e.args else e}")
         return out
 
 
@@ -303,6 +401,15 @@ class TrainCfg:
     # YAML 1.1 reads a bare on/off as a boolean, which load_config maps back
     r3: str = "auto"
     r3_agreement_every: int = 1  # native-vs-rollout routing agreement every N steps (extra forward; 0 = never)
+    # activation recompute (megatron-core): none | selective (train.recompute_modules, e.g. [core_attn,
+    # mlp, moe]) | full (whole layers, train.recompute_num_layers per chunk, default 1); R3 replays
+    # the routes in the recomputed forward
+    recompute: Recompute = Recompute.none
+    recompute_modules: Optional[list] = None
+    recompute_num_layers: Optional[int] = None
+    # move the idle model's params, grads and optimizer state to host memory (models.offload): both
+    # while the colocated engine generates, the critic during the actor update and vice versa
+    offload_idle: bool = False
 
     def errors(self) -> list[str]:
         out = [] if self.r3 in R3_MODES else [f"train.r3={self.r3!r} must be auto, on or off"]
@@ -313,7 +420,31 @@ class TrainCfg:
                 out.append("train.wandb_project is set but wandb is not installed (pip install 'megatron_s3ac[wandb]')")
         if self.keep_last < 1:
             out.append("train.keep_last must be >= 1")
+        from megatron_s3ac.models.recompute import recompute_kwargs
+
+        try:
+            recompute_kwargs(self.recompute.value, self.recompute_modules, self.recompute_num_layers)
+        except ValueError as e:
+            out.append(f"train.recompute: {e}")
         return out
+
+
+@dataclass
+class ModelOptimCfg:
+    """Optimizer placement of one model (megatron-core's OptimizerConfig; models.optim.build_optimizer)."""
+    cpu_offload: bool = False  # optimizer state + update on the host (HybridDeviceOptimizer; needs CUDA)
+    offload_fraction: float = 1.0  # share of the state offloaded
+    precision_aware: bool = False  # bf16 Adam moments (needs Transformer Engine)
+
+
+@dataclass
+class OptimCfg:
+    actor: ModelOptimCfg = field(default_factory=ModelOptimCfg)
+    critic: ModelOptimCfg = field(default_factory=ModelOptimCfg)
+
+    def errors(self) -> list[str]:
+        return [f"optim.{n}.offload_fraction={getattr(self, n).offload_fraction} must be in [0, 1]"
+                for n in ("actor", "critic") if not 0 <= getattr(self, n).offload_fraction <= 1]
 
 
 @dataclass
@@ -329,14 +460,16 @@ class Config:
     demo: DemoCfg = field(default_factory=DemoCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     cluster: ClusterCfg = field(default_factory=ClusterCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
     train: TrainCfg = field(default_factory=TrainCfg)
 
 
-SECTIONS = ("model", "data", "rollout", "algo", "value_pretrain", "demo", "eval", "cluster", "train")
+SECTIONS = ("model", "data", "rollout", "algo", "value_pretrain", "demo", "eval", "cluster", "optim", "train")
 
 
-def load_config(path: Optional[str] = None, overrides: list[str] = ()) -> Config:
-    """YAML file (optional) merged onto the defaults, then ``key=value`` overrides; validated."""
+def load_config(path: Optional[str] = None, overrides: list[str] = (), check: bool = True) -> Config:
+    """YAML file (optional) merged onto the defaults, then ``key=value`` overrides; validated (``check=False``:
+    schema only — keys, types, enums — as s3ac-plan reads configs whose model paths live elsewhere)."""
     base = OmegaConf.structured(Config)
     try:
         if path is not None:
@@ -355,7 +488,8 @@ def load_config(path: Optional[str] = None, overrides: list[str] = ()) -> Config
     cfg: Config = OmegaConf.to_object(base)
     # YAML 1.1 reads a bare on/off as a boolean, which OmegaConf turns into "True"/"False"
     cfg.train.r3 = {"True": "on", "False": "off"}.get(cfg.train.r3, cfg.train.r3)
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 
@@ -375,8 +509,18 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             errs.append(f"algo.name={a.name} needs rollout.k >= 2 (group baseline)")
     if r.prompts_per_step * r.k < a.actor_minibatches:
         errs.append(f"rollout batch {r.prompts_per_step}x{r.k} is smaller than algo.actor_minibatches={a.actor_minibatches}")
-    if cfg.model.tiny is not None and cfg.data.task != Task.arithmetic:
-        errs.append("model.tiny=arithmetic_moe uses the character vocabulary: data.task must be arithmetic")
+    if cfg.model.tiny is not None and cfg.data.task not in (Task.arithmetic, Task.multistep):
+        errs.append("model.tiny=arithmetic_moe uses the character vocabulary: data.task must be arithmetic or multistep")
+    if cfg.data.task == Task.multistep and cfg.model.tiny is None:
+        errs.append("data.task=multistep needs the character-vocabulary model (model.tiny=arithmetic_moe)")
+    if cfg.data.task == Task.multistep and r.reward != "multistep":
+        errs.append(f"data.task=multistep is scored by rollout.reward=multistep, got {r.reward!r}")
+    if a.dynamic_sampling_refill and not (a.dynamic_sampling and r.k > 1):
+        errs.append("algo.dynamic_sampling_refill needs the group filter (algo.dynamic_sampling=true, rollout.k > 1)")
+    if a.entropy_control != "none" and r.k < 2:
+        errs.append(f"algo.entropy_control={a.entropy_control} shapes group advantages: needs rollout.k >= 2")
+    if not errs:
+        errs += _engine_errors(cfg, world_size)
     if cfg.train.r3 == "on" and not errs:
         try:
             if not model_info_for(cfg).is_moe:
@@ -387,6 +531,33 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         errs += _layout_errors(cfg, world_size)
     if errs:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+def engine_model_dir(cfg: Config) -> Optional[str]:
+    """The HF directory the rollout engine starts from: model.engine_hf_dir, else model.hf_config's directory."""
+    path = cfg.model.engine_hf_dir or cfg.model.hf_config
+    if path and os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    return path
+
+
+def _engine_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """rollout.engine against the model (sglang cannot serve every model) and rollout.sglang against the GPUs."""
+    from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError
+    from megatron_s3ac.rollout.factory import validate_rollout_engine, validate_sglang_settings
+
+    r = cfg.rollout
+    tiny = None if cfg.model.tiny is None else TinyModel(cfg.model.tiny).value
+    try:
+        validate_rollout_engine(EngineKind(r.engine).value, model_dir=engine_model_dir(cfg), tiny=tiny)
+        if r.engine == EngineKind.sglang:
+            if world_size is None:
+                world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+            validate_sglang_settings(r.sglang, cluster_gpus=cfg.cluster.gpus, trainer_gpus=world_size,
+                                     placement=Placement(r.placement).value)
+    except EngineConfigError as e:
+        return [str(e)]
+    return []
 
 
 def _layout_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
@@ -409,14 +580,15 @@ def _layout_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
 def layout_of(lay: LayoutCfg):
     from megatron_s3ac.models.parallel import ParallelLayout
 
-    return ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp)
+    return ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, first_stage_layers=lay.first_stage_layers,
+                          last_stage_layers=lay.last_stage_layers)
 
 
 def model_info_for(cfg: Config):
     from megatron_s3ac.models.registry import model_info
 
     if cfg.model.tiny is not None:
-        from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+        from megatron_s3ac.trainer.tasks_multistep import tiny_hf_config
 
-        return model_info(tiny_arithmetic_hf_config().to_dict())
+        return model_info(tiny_hf_config(cfg.data).to_dict())
     return model_info(cfg.model.hf_config)

@@ -70,8 +70,9 @@ def supervised_warmup(tr, log) -> list[list[dict]]:
 
 
 def export_eval_inputs(tr, out: str, tag: str) -> None:
-    """Rank 0: the engine's current model as an HF directory (``OUT/hf_<tag>``) and the held-out set as
-    a benchmark file (``OUT/heldout.jsonl``, pre-tokenized rows), so the table's pass rates can be
+    """Rank 0: the engine's current model as an HF directory (``OUT/hf_<tag>``, with the character
+    vocabulary as its tokenizer) and the held-out set as a benchmark file (``OUT/heldout.jsonl``,
+    pre-tokenized rows that name their reward), so the table's pass rates can be
     re-derived by standalone evaluation (``megatron_s3ac.eval.runner.evaluate`` on a fresh engine)."""
     if tr.rank != 0:
         return
@@ -80,10 +81,17 @@ def export_eval_inputs(tr, out: str, tag: str) -> None:
         tr.engine.call("model.save_pretrained", path)
     else:
         tr.engine.model.save_pretrained(path)
+    if hasattr(tr.vocab, "chars"):  # the character vocabulary as HF tokenizer files: any HF tool decodes it
+        from megatron_s3ac.trainer.char_tokenizer import save_char_tokenizer
+
+        save_char_tokenizer(tr.vocab, path)
+    # the reward travels with the set: s3ac-eval scores it as the trainer did, never by a guess
+    reward = tr.cfg.eval.reward or tr.cfg.rollout.reward
     path = os.path.join(out, "heldout.jsonl")
     with open(path + ".tmp", "w") as f:
         for p in tr.eval_prompts:
-            f.write(json.dumps({"prompt": p.text, "answer": p.reference, "prompt_ids": list(p.ids)}) + "\n")
+            f.write(json.dumps({"prompt": p.text, "answer": p.reference, "prompt_ids": list(p.ids),
+                                "reward": reward}) + "\n")
     os.replace(path + ".tmp", path)
 
 

@@ -31,7 +31,7 @@ from megatron_s3ac import algorithms as A
 from megatron_s3ac.algorithms.registry import AdvInputs, clamp_values, get_adv_est, get_algo
 from megatron_s3ac.trainer import build as B
 from megatron_s3ac.trainer.batch import RolloutBatch, collate
-from megatron_s3ac.trainer.config import Config, ConfigError, model_info_for, validate
+from megatron_s3ac.trainer.config import Config, model_info_for, validate
 from megatron_s3ac.trainer.losses import actor_loss, critic_loss, forward_outputs
 from megatron_s3ac.trainer.metrics import token_means, world_mean
 from megatron_s3ac.trainer.minibatch import MicroBatcher, forward_only, run_minibatches, shuffled_minibatches
@@ -73,6 +73,11 @@ class Trainer:
         self.reward_pool = None
         self._build_eval()
         self.step_idx, self.skipped_steps, self._last_v0 = 0, 0, None
+        from megatron_s3ac.algorithms.entropy_control import make_entropy_control
+
+        a = cfg.algo  # None: no hook (the default, "none")
+        self.entropy_control = (make_entropy_control(a.entropy_control, **a.entropy_control_params)
+                                if a.entropy_control != "none" else None)
         self.sync_weights()
 
     # ---- construction ------------------------------------------------------------------------
@@ -126,14 +131,56 @@ class Trainer:
     # ---- the engine: weight sync, sleep ----------------------------------------------------------
     def sync_weights(self):
         """The one weight path, actor -> engine. Collective: every rank joins the export; rank 0's
-        engine receives every pipeline stage's tensors (rollout.weight_sync gathers them)."""
+        engine receives every pipeline stage's tensors (rollout.weight_sync gathers them).
+        SGLang engines (sessions): the whole sync is one weight-update session (``SessionSync``), checked
+        complete, and a colocated engine wakes in sglang's order: weights -> sync -> kv_cache + cuda_graph."""
+        from megatron_s3ac.rollout.sglang_engine import SessionSync
         from megatron_s3ac.rollout.weight_sync import sync_weights
 
         chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
-        if self.engine is not None and self._engine_asleep:
-            self.engine.wake()  # weights re-allocated but stale: the sync below must refill every one
+        target, sessions, kw = self.engine, hasattr(self.engine, "begin_weight_update"), {}
+        if sessions:
+            sg = self.cfg.rollout.sglang
+            target = SessionSync(self.engine, require_complete=True, flattened=sg.flattened_buckets)
+            kw["bucket_bytes"] = sg.bucket_bytes
+        woke = self.engine is not None and self._engine_asleep
+        if woke:
+            # weights re-allocated but stale: the sync below must refill every one
+            self.engine.wake(["weights"]) if sessions else self.engine.wake()
             self._engine_asleep = False
-        return sync_weights(chunks, self.info, self.engine)
+        if target is not None and self.cfg.rollout.weights_dtype == "fp8":  # quantized bucket by bucket
+            from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, Fp8WeightUpdates
+
+            keep = self.cfg.rollout.fp8_keep
+            target = Fp8WeightUpdates(target, DEFAULT_KEEP if keep is None else tuple(keep))
+        stats = sync_weights(chunks, self.info, target, **kw)
+        if woke and sessions:
+            self.engine.wake(["kv_cache", "cuda_graph"])
+        return stats
+
+    # ---- idle-model offload (train.offload_idle) -------------------------------------------------
+    def _place(self, m: dict, on=(), off=()) -> None:
+        """Models in ``off`` to host memory, those in ``on`` back (no-op without train.offload_idle);
+        seconds and bytes go to ``m`` (time/offload, mem/offload_gb, mem/<model>_<kind>_gb)."""
+        if not self.cfg.train.offload_idle:
+            return
+        from megatron_s3ac.models.offload import HostOffload
+
+        if not hasattr(self, "_offloaders"):
+            self._offloaders = {"actor": HostOffload([self.actor_ddp], self.actor_opt)}
+            if self.critic_ddp is not None:
+                self._offloaders["critic"] = HostOffload([self.critic_ddp], self.critic_opt)
+        for name in off:
+            h = self._offloaders.get(name)
+            if h is not None and not h.on_host:
+                st = h.offload()
+                m["time/offload"] = m.get("time/offload", 0.0) + st.seconds
+                m["mem/offload_gb"] = m.get("mem/offload_gb", 0.0) + st.total_bytes / 2**30
+                m.update({k: v for k, v in st.metrics(name).items() if k.startswith("mem/")})
+        for name in on:
+            h = self._offloaders.get(name)
+            if h is not None and h.on_host:
+                m["time/offload"] = m.get("time/offload", 0.0) + h.onload().seconds
 
     def _engine_sleep(self) -> None:
         """Colocated placement: release the engine's weights while the models train (rank 0)."""
@@ -164,7 +211,7 @@ class Trainer:
         keys = {"values": ["values"], "logp": ["logp", "entropy"], "native_logp": ["logp"]}[what]
         ddp = self.critic_ddp if which == "critic" else self.actor_ddp
         loss_fn = partial(forward_outputs, what=what, vocab_size=self.info.vocab_size,
-                          temperature=self.cfg.rollout.temperature)
+                          temperature=self.cfg.rollout.temperature, chunk_tokens=self.cfg.algo.logprob_chunk_tokens or None)
         if what == "native_logp":
             ctx_fn = lambda mbs: self.r3.record_native(ddp)  # noqa: E731
         else:
@@ -207,9 +254,9 @@ class Trainer:
         return res
 
     # ---- the phases of one step ----------------------------------------------------------------
-    def select_prompts(self) -> tuple[torch.Tensor, dict]:
-        """Prompt indices [prompts_per_step] and DAPS statistics."""
-        n = self.cfg.rollout.prompts_per_step
+    def select_prompts(self, n: int | None = None) -> tuple[torch.Tensor, dict]:
+        """Prompt indices [n] (default prompts_per_step) and DAPS statistics."""
+        n = n or self.cfg.rollout.prompts_per_step
         self._last_v0 = None
         if self.daps is None:
             return self.stream.take(n), {}
@@ -227,29 +274,39 @@ class Trainer:
         self._last_v0 = v0
         return v0
 
-    def rollout(self, pids: torch.Tensor) -> list[dict]:
-        """Rank 0 generates and scores; every rank receives the same list of sample dicts."""
+    def rollout(self, pids: torch.Tensor, round_idx: int = 0) -> list[dict]:
+        """Rank 0 generates and scores; every rank receives the same list of sample dicts.
+        round_idx: the refill round within the step (0 = the step's first rollout), for its own seed."""
         from megatron_s3ac.rollout.base import SamplingParams
 
         r = self.cfg.rollout
         payload = [None]
         if self.rank == 0:
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                    seed=self.cfg.train.seed * 1_000_003 + self.step_idx)
+                                    seed=self.cfg.train.seed * 1_000_003 + self.step_idx + 7919 * round_idx)
             groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
                                           return_routed_experts=self.r3_on)
-            flat = [(pid, s) for pid, group in zip(pids.tolist(), groups) for s in group]
+            # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
+            # need all K samples; counted in rollout/aborted*
+            aborted = sum(s.finish_reason == "abort" for g in groups for s in g)
+            kept = [(pid, g) for pid, g in zip(pids.tolist(), groups) if all(s.finish_reason != "abort" for s in g)]
+            self._aborted = (aborted, len(groups) - len(kept))
+            flat = [(pid, s) for pid, group in kept for s in group]
             rewards = self._score([self.decode(s.response_ids) for _, s in flat],
-                                  [self.prompts[pid].reference for pid, _ in flat])
+                                  [self.prompts[pid].reference for pid, _ in flat]) if flat else []
             payload = [[{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
                          "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
                          "finish": s.finish_reason, "routes": s.routed_experts}
                         for (pid, s), rew in zip(flat, rewards)]]
+            payload = [(payload[0], self._aborted)]
         dist.broadcast_object_list(payload, src=0)
-        return payload[0]
+        samples, self._aborted = payload[0]
+        return samples
 
     def rollout_metrics(self, samples: list[dict], batch: RolloutBatch) -> dict:
-        m = {"rollout/reward_mean": float(batch.scores.mean()),
+        aborted = getattr(self, "_aborted", (0, 0))
+        m = {"rollout/aborted": aborted[0], "rollout/aborted_groups": aborted[1],
+             "rollout/reward_mean": float(batch.scores.mean()),
              "rollout/pass_rate": float((batch.scores > 0).float().mean()),
              "rollout/response_len": float(batch.resp_len.float().mean()),
              "rollout/truncated_frac": sum(s["finish"] == "length" for s in samples) / len(samples)}
@@ -268,12 +325,74 @@ class Trainer:
             return None, {**m, "filter/empty_batch": 1}
         return batch.select(keep.nonzero()[:, 0]), m
 
+    def rollout_once(self, m: dict) -> tuple[list[dict], RolloutBatch | None, RolloutBatch | None, dict]:
+        """Select, roll out and filter once (no refill). Returns (samples, their batch, the kept batch,
+        metrics); the batches are None when every group aborted, the kept one when the filter left nothing."""
+        pids, stats = self.select_prompts()
+        self._place(m, off=["actor", "critic"])  # the engine generates
+        samples = self.rollout(pids)
+        if not samples:
+            return samples, None, None, stats
+        drawn = collate(samples, self.pad_to)
+        if self.daps is not None:
+            self.daps.update(drawn.pid, drawn.scores, step=self.step_idx)
+        batch, fm = self.filter_groups(drawn)
+        return samples, drawn, batch, {**stats, **fm}
+
+    def rollout_refilled(self) -> tuple[list[dict], RolloutBatch, RolloutBatch | None, dict]:
+        """DAPO dynamic sampling with refill (``algo.dynamic_sampling_refill``): select and roll out
+        prompt groups until ``prompts_per_step`` informative ones are kept, drawing at most
+        ``refill_max_factor`` x prompts_per_step groups (algorithms.filters.dynamic_sampling_refill).
+        Returns (every drawn sample, their batch, the kept batch or None, metrics); DAPS sees every
+        drawn group's outcomes."""
+        import math
+
+        k, target = self.cfg.rollout.k, self.cfg.rollout.prompts_per_step
+        drawn, stats, rounds, aborted = [], {}, [0], [0, 0]
+
+        def draw(n):
+            pids, st = self.select_prompts(n)
+            for key, v in st.items():
+                stats.setdefault(key, v)  # the first round's selection statistics
+            samples = self.rollout(pids, round_idx=rounds[0])
+            rounds[0] += 1
+            aborted[0] += self._aborted[0]
+            aborted[1] += self._aborted[1]
+            # rollout drops a group with an aborted sample: it counts as drawn and uninformative
+            got = len(samples) // k
+            scores = torch.zeros(n, k)
+            if samples:
+                b = collate(samples, self.pad_to)
+                if self.daps is not None:
+                    self.daps.update(b.pid, b.scores, step=self.step_idx)
+                scores[:got] = b.scores.reshape(got, k)
+                drawn.extend(samples)
+            return [samples[i * k:(i + 1) * k] for i in range(got)] + [None] * (n - got), scores
+
+        kept, st = A.dynamic_sampling_refill(draw, target, max_groups=max(target, math.floor(
+            self.cfg.algo.refill_max_factor * target)))
+        m = {**stats, "filter/kept_groups": st["kept_groups"], "filter/discarded_groups": st["discarded_groups"],
+             "filter/kept_trajectories": st["kept_groups"] * k, "filter/discarded_trajectories": st["discarded_groups"] * k,
+             "refill/rounds": st["rounds"], "refill/drawn_groups": st["drawn_groups"],
+             "refill/surplus_groups": st["surplus_groups"], "refill/reached_target": float(st["reached_target"])}
+        self._aborted = tuple(aborted)
+        if not drawn:
+            return drawn, None, None, m
+        all_batch = collate(drawn, self.pad_to)
+        if not kept:
+            return drawn, all_batch, None, {**m, "filter/empty_batch": 1}
+        return drawn, all_batch, collate([s for g in kept for s in g], self.pad_to), m
+
     def old_logprobs(self, batch: RolloutBatch) -> dict:
         """batch.old_logp := the actor's log-probs before this step's updates (+ entropy, R3 metrics)."""
         old = self._forward_only("actor", batch, "logp")
         batch.old_logp = old["logp"]
+        self._old_entropy = old["entropy"]  # [N, T] for the entropy-control hook
         m = {"rollout/entropy": float(A.masked_mean(old["entropy"], batch.mask)),
-             "mismatch/train_rollout_kl": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask))}
+             "mismatch/train_rollout_kl": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask)),
+             # the same gap whatever the routing (R3 on or off): |log pi_train - log pi_rollout| and k3 KL
+             "mismatch/logprob_abs_diff": float(A.masked_mean((batch.old_logp - batch.rollout_logp).abs(), batch.mask)),
+             "mismatch/kl_k3": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask, kind="k3"))}
         if self.r3_on:
             m.update(self.r3.step_metrics(self.step_idx, batch.old_logp, batch.rollout_logp, batch.mask,
                                           lambda: self._forward_only("actor", batch, "native_logp")))
@@ -288,10 +407,20 @@ class Trainer:
         m = dict(out.metrics)
         if self.spec.uses_is_corrections:
             old, beh = batch.old_logp, batch.rollout_logp
-            batch.is_w = A.token_is_weights(old, beh, mask, cap=a.tis_cap)
-            batch.keep = (A.icepop_mask(old, beh, mask, a.icepop_low, a.icepop_high)
-                          * A.mis_sequence_mask(old, beh, mask, a.mis_threshold))
-            m["mismatch/keep_frac"] = float(A.masked_mean(batch.keep, mask))
+            is_w = A.token_is_weights(old, beh, mask, cap=a.tis_cap)
+            ice = A.icepop_mask(old, beh, mask, a.icepop_low, a.icepop_high)
+            mis = A.mis_sequence_mask(old, beh, mask, a.mis_threshold)
+            keep = ice * mis
+            rows = mask.bool().any(1)
+            m.update({"mismatch/keep_frac": float(A.masked_mean(keep, mask)),
+                      "mismatch/is_weight_mean": float(A.masked_mean(is_w, mask)),
+                      "mismatch/icepop_masked_frac": float(1 - A.masked_mean(ice, mask)),  # of tokens
+                      "mismatch/mis_masked_frac": float(((mis.amax(1) == 0) & rows).sum() / rows.sum().clamp(min=1))})
+            if a.mismatch_corrections:
+                batch.is_w, batch.keep = is_w, keep
+        if self.entropy_control is not None:  # e.g. GRPO-X's GEPO slot (algorithms.entropy_control)
+            batch.adv, em = self.entropy_control(batch.adv, self._old_entropy, mask, self.cfg.rollout.k)
+            m.update({f"entropy_control/{key}": v for key, v in em.items()})
         adv = batch.adv
         m["adv/mean"] = float(A.masked_mean(adv if adv.dim() == 2 else adv[:, None].expand_as(mask), mask))
         return m
@@ -312,7 +441,8 @@ class Trainer:
 
     def _actor_loss(self, mb, logits):
         return actor_loss(mb, logits, policy_loss=self.policy_loss, algo_cfg=self.cfg.algo,
-                          vocab_size=self.info.vocab_size, temperature=self.cfg.rollout.temperature)
+                          vocab_size=self.info.vocab_size, temperature=self.cfg.rollout.temperature,
+                          chunk_tokens=self.cfg.algo.logprob_chunk_tokens or None)
 
     def _critic_loss(self, mb, values):
         return critic_loss(mb, values, value_clip=self.cfg.algo.value_clip)
@@ -321,27 +451,34 @@ class Trainer:
     def step(self) -> dict:
         t0 = time.time()
         m: dict = {"step": self.step_idx}
-        pids, daps_stats = self.select_prompts()
-        m.update(daps_stats)
-        samples = self.rollout(pids)
-        batch = collate(samples, self.pad_to)
-        m.update(self.rollout_metrics(samples, batch))
-        if self.daps is not None:
-            self.daps.update(batch.pid, batch.scores, step=self.step_idx)
-        m["time/rollout"] = time.time() - t0
-        batch, fm = self.filter_groups(batch)
+        self._place(m, on=["critic"] if self.daps is not None else [])  # DAPS scores prompts with V(s0)
+        if self.cfg.algo.dynamic_sampling_refill:
+            self._place(m, off=["actor"])  # the engine generates; the critic scores every refill round (DAPS)
+            samples, drawn, batch, fm = self.rollout_refilled()
+        else:
+            samples, drawn, batch, fm = self.rollout_once(m)
         m.update(fm)
+        if drawn is None:  # every group had an aborted sample: nothing to train on this step
+            m.update({"rollout/aborted": self._aborted[0], "rollout/aborted_groups": self._aborted[1]})
+        else:
+            m.update(self.rollout_metrics(samples, drawn))  # over every drawn trajectory
+        m["time/rollout"] = time.time() - t0
         if batch is None:
+            self._place(m, on=["actor", "critic"])
             self.step_idx += 1
             return m
         self._engine_sleep()  # from here until the weight sync only the models run
         t1 = time.time()
+        self._place(m, on=["actor", "critic"])
         m.update(self.old_logprobs(batch))
         m.update(self.advantages(batch))
         m["time/old_logp_values"] = time.time() - t1
         t2 = time.time()
+        self._place(m, off=["critic"])
         m.update(self.update_actor(batch))
+        self._place(m, on=["critic"], off=["actor"])
         m.update(self.update_critic(batch))
+        self._place(m, on=["actor"])  # both resident between steps (checkpoints, evaluation, DAPS)
         m["time/train"] = time.time() - t2
         self.skipped_steps += int(m.get("actor/skipped_minibatches", 0) + m.get("critic/skipped_minibatches", 0) > 0)
         m["skipped_steps_total"] = self.skipped_steps
@@ -370,8 +507,9 @@ class Trainer:
         if getattr(self, "reward_pool", None) is not None:
             self.reward_pool.close()
             self.reward_pool = None
-        if self.cfg.rollout.placement == "separate" and getattr(self, "engine", None) is not None:
-            self.engine.close()  # the engine's own process
+        if getattr(self, "engine", None) is not None and (self.cfg.rollout.placement == "separate"
+                                                          or hasattr(self.engine, "begin_weight_update")):
+            getattr(self.engine, "close", self.engine.shutdown)()  # the engine's own processes
             self.engine = None
             if getattr(self, "_owns_ray", False):
                 import ray

@@ -15,13 +15,13 @@ from megatron_s3ac.trainer.batch import MicroBatch, per_token
 
 
 def actor_loss(mb: MicroBatch, logits: torch.Tensor, *, policy_loss: str, algo_cfg, vocab_size: int,
-               temperature: float):
+               temperature: float, chunk_tokens: int | None = None):
     """The registered policy loss ``policy_loss`` on one micro-batch's logits [b, s, V/TP]."""
     from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
 
     fn, normalizer = get_policy_loss(policy_loss)
     targets = torch.roll(mb.input_ids, -1, dims=1)
-    logp = per_token(vocab_parallel_log_probs(logits, targets, vocab_size, temperature), mb)
+    logp = per_token(vocab_parallel_log_probs(logits, targets, vocab_size, temperature, chunk_tokens=chunk_tokens), mb)
     mask = mb.mask
     loss, met = fn(PolicyLossInputs(logp, mb.old_logp, mb.rollout_logp, mb.adv, mask, is_weights=mb.is_w,
                                     keep_mask=mb.keep), algo_cfg)
@@ -42,7 +42,8 @@ def critic_loss(mb: MicroBatch, values_all: torch.Tensor, *, value_clip: float):
     return loss, mask.sum().long(), met
 
 
-def forward_outputs(mb: MicroBatch, out: torch.Tensor, *, what: str, vocab_size: int, temperature: float):
+def forward_outputs(mb: MicroBatch, out: torch.Tensor, *, what: str, vocab_size: int, temperature: float,
+                    chunk_tokens: int | None = None):
     """Forward-only "loss": per-token outputs of one micro-batch. what: "values" (critic), "logp"
     (log-probs + entropy) or "native_logp" (log-probs only)."""
     from megatron_s3ac.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
@@ -50,8 +51,9 @@ def forward_outputs(mb: MicroBatch, out: torch.Tensor, *, what: str, vocab_size:
     if what == "values":
         res = {"values": per_token(out, mb).detach()}
     else:
-        lp = vocab_parallel_log_probs(out, torch.roll(mb.input_ids, -1, dims=1), vocab_size, temperature)
+        lp = vocab_parallel_log_probs(out, torch.roll(mb.input_ids, -1, dims=1), vocab_size, temperature,
+                                      chunk_tokens=chunk_tokens)
         res = {"logp": per_token(lp, mb).detach()}
         if what == "logp":
-            res["entropy"] = per_token(vocab_parallel_entropy(out, vocab_size, temperature), mb)
+            res["entropy"] = per_token(vocab_parallel_entropy(out, vocab_size, temperature, chunk_tokens=chunk_tokens), mb)
     return torch.zeros(()), torch.tensor(1), res

@@ -16,6 +16,12 @@ PANELS = [  # (title, metric keys, file); an entry of None = the per-benchmark k
     ("value loss", ["critic/value_loss_tok"], "value_loss.png"),
     ("explained variance", ["critic/explained_variance"], "explained_variance.png"),
     ("trajectories discarded by the group filter", ["filter/discarded_trajectories"], "discarded.png"),
+    # training-inference mismatch (nonzero with rollout.weights_dtype=fp8; docs/fp8.md)
+    ("train/rollout mismatch", ["mismatch/train_rollout_kl", "mismatch/kl_k3", "mismatch/logprob_abs_diff",
+                                "r3/native_logprob_abs_diff"], "mismatch.png"),
+    ("masked by corrections (IcePoP: tokens, MIS: responses)", ["mismatch/icepop_masked_frac",
+                                                                "mismatch/mis_masked_frac"], "masked.png"),
+    ("R3 routing agreement (native vs replayed)", ["r3/agreement"], "routing_agreement.png"),
 ]
 
 
@@ -44,7 +50,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     out_dir = out_dir or os.path.join(run_dir, "plots")
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    fig_all, axes = plt.subplots(3, 3, figsize=(16, 10))
+    fig_all, axes = plt.subplots(3, 4, figsize=(21, 10))  # one cell per panel (zip would drop extras)
     panels = PANELS + [("value pretraining loss", ["vpt/value_loss"], "vpt_loss.png"),
                        ("value pretraining explained variance", ["vpt/explained_variance"], "vpt_ev.png")]
     for ax_all, (title, keys, fname) in zip(axes.ravel(), panels):

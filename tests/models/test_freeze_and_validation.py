@@ -101,7 +101,8 @@ DENSE = tiny_config("qwen2").to_dict()
     (MOE, dict(tp=3), 3, "num_attention_heads 4 is not divisible by tp 3"),
     (dict(MOE, num_attention_heads=8), dict(tp=4), 4, "num_query_groups .* 2 is not divisible by tp 4"),
     (MOE, dict(ep=3), 3, "num_experts 4 is not divisible by ep 3"),
-    (MOE, dict(pp=3), 3, "num_layers 4 .* not divisible by the 3 remaining pipeline stages"),
+    (MOE, dict(pp=3, first_stage_layers=1), 3, "num_layers 4 .* not divisible by the 2 remaining pipeline stages"),
+    (MOE, dict(pp=5), 5, "num_layers 4 is fewer than pp=5 stages"),
     (MOE, dict(pp=2, first_stage_layers=4), 2, "cannot fill pp=2 stages"),
     (MOE, dict(tp=2), 3, "world size 3 is not divisible by tp\\*pp"),
     (MOE, dict(tp=2, ep=4, etp=1), 2, "world size 2 is not divisible by etp\\*ep\\*pp"),
@@ -148,3 +149,28 @@ def test_registry_mapping():
     assert q2.qkv_bias and not q2.qk_norm and q2.tie_embeddings
     c2 = build_transformer_config(q2, ParallelLayout())
     assert c2.add_qkv_bias and not c2.qk_layernorm and c2.num_moe_experts is None
+
+
+def test_auto_stage_layers_rule():
+    """num_layers % pp != 0 without explicit sizes: middle stages get ceil(L / pp), the first and last
+    share the rest (first >= last), never an empty stage; megatron-core accepts every split."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_s3ac.models.parallel import auto_stage_layers
+
+    assert ParallelLayout(pp=2).stage_layers(3) == [2, 1]
+    assert ParallelLayout(pp=3).stage_layers(4) == [1, 2, 1]
+    assert ParallelLayout(pp=8).stage_layers(60) == [6, 8, 8, 8, 8, 8, 8, 6]  # Qwen3.5-397B at PP=8
+    assert ParallelLayout(pp=4).stage_layers(8) == [2, 2, 2, 2]  # even: untouched
+    assert ParallelLayout(pp=4).resolve(8) == ParallelLayout(pp=4)
+    assert ParallelLayout(pp=2, first_stage_layers=1).stage_layers(3) == [1, 2]  # explicit wins
+    for L in range(2, 40):
+        for pp in range(2, min(L, 9) + 1):
+            stages = ParallelLayout(pp=pp).stage_layers(L)
+            assert len(stages) == pp and sum(stages) == L and min(stages) >= 1, (L, pp, stages)
+            if L % pp:
+                first, last = auto_stage_layers(L, pp)
+                assert (stages[0], stages[-1]) == (first, last) and first >= last
+                TransformerConfig(num_layers=L, hidden_size=8, num_attention_heads=1, pipeline_model_parallel_size=pp,
+                                  num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                                  pipeline_dtype=torch.float32)

@@ -91,10 +91,12 @@ LAYOUTS = {
     "pp2": (2, dict(pp=2)),
     "tp2ep2": (4, dict(tp=2, ep=2, etp=1)),
     "pp2_uneven": (2, dict(pp=2, first_stage_layers=1)),
+    "pp3_auto": (3, dict(pp=3)),  # 4 layers over 3 stages: split automatically, [1, 2, 1]
 }
 CASES = [("qwen3_moe", r, l) for r in ("actor", "critic") for l in ("tp2", "ep2", "pp2", "tp2ep2")] + \
         [("qwen2", r, l) for r in ("actor", "critic") for l in ("tp2", "pp2_uneven")] + \
-        [("qwen3", "actor", "tp2")]
+        [("qwen3", "actor", "tp2")] + \
+        [("qwen3_moe", "actor", "pp3_auto"), ("qwen2", "critic", "pp3_auto")]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,179 @@
+"""Exact parameter counts per rank, summed from the converter plan's global tensor shapes.
+
+``convert.plan.build_plan(info)`` lists every megatron-core checkpoint tensor with its global shape
+(layout-independent). How each one shards follows megatron-core 0.16.1's modules:
+  * experts (``mlp.experts.experts.*``): the expert axis over EP, the FFN dim over ETP -> numel/(EP*ETP);
+  * norms, q/k layernorms, the GDN ``out_norm``, the router and the shared-expert gate are replicated
+    over TP;
+  * everything else (QKV / proj / fc1 / fc2 / shared expert, GDN ``in_proj`` / ``conv1d`` / ``A_log`` /
+    ``dt_bias`` / ``out_proj``, embedding and output layer rows) is split over TP -> numel/TP.
+Layers go to pipeline stages as megatron splits them (``stage_layers``); the embedding lives on the
+first stage, the final norm and the output layer on the last (a tied model keeps a copy of the
+embedding on the last stage when PP > 1). The critic's output layer is the value head: H + 1
+parameters, replicated over TP, and the critic never ties embeddings.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+from megatron_s3ac.models.registry import ModelInfo
+
+_REPLICATED = re.compile(r"(layer_norm_weight|layernorm\.weight|out_norm\.weight|router\.weight|"
+                         r"shared_experts\.gate_weight)$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_GDN_PIECE = re.compile(r"\.(in_proj|conv1d)\.weight\.(query|key|value|z|beta|alpha)$")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One checkpoint tensor: key, global numel, which layer (None = not a decoder layer), kind."""
+
+    key: str
+    numel: int
+    layer: int | None  # global layer index; -1 = a stacked [L, ...] tensor (numel is per layer)
+    expert: bool
+    replicated: bool
+    pieces: int = 1  # megatron parameters this checkpoint tensor is made of (experts: one per expert)
+
+
+_CACHE: dict[str, tuple[Tensor, ...]] = {}
+
+
+def _build_tensors(info: ModelInfo) -> tuple[Tensor, ...]:
+    from megatron_s3ac.convert.plan import build_plan
+
+    plan = build_plan(info)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for ch in plan.chunks:  # aliases are the same tensor under another name: count the key once
+        shapes[ch.key] = ch.global_shape
+    # megatron keeps GDN in_proj / conv1d as one parameter each; the checkpoint splits them in pieces
+    merged: dict[str, tuple[int, ...]] = {}
+    for key, shape in shapes.items():
+        m = _GDN_PIECE.search(key)
+        if m:
+            parent = key[:m.start()] + f".{m.group(1)}.weight"
+            prev = merged.get(parent)
+            merged[parent] = (shape[0] + (prev[0] if prev else 0), *shape[1:])
+        else:
+            merged[key] = shape
+    out = []
+    for key, shape in merged.items():
+        numel = math.prod(shape)
+        m = _LAYER.match(key)
+        if m:
+            layer = int(m.group(1))
+        elif key.startswith("decoder.layers."):
+            layer, numel = -1, numel // shape[0]  # stacked: leading layer axis
+        else:
+            layer = None
+        expert = ".mlp.experts.experts." in key
+        out.append(Tensor(key, numel, layer, expert, bool(_REPLICATED.search(key)),
+                          pieces=shape[1 if layer == -1 else 0] if expert else 1))
+    return tuple(out)
+
+
+def tensors(info: ModelInfo) -> tuple[Tensor, ...]:
+    """Every checkpoint tensor of the model (cached per HF config)."""
+    key = json.dumps(info.hf, sort_keys=True, default=str)
+    if key not in _CACHE:
+        _CACHE[key] = _build_tensors(info)
+    return _CACHE[key]
+
+
+def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[range]:
+    """Global layer indices of each pipeline stage, as megatron-core splits them (uneven first/last)."""
+    if pp == 1:
+        return [range(num_layers)]
+    sizes = [None] * pp
+    rest, middle = num_layers, pp
+    if first is not None:
+        sizes[0], rest, middle = first, rest - first, middle - 1
+    if last is not None:
+        sizes[-1], rest, middle = last, rest - last, middle - 1
+    each = rest // middle if middle else 0
+    sizes = [s if s is not None else each for s in sizes]
+    out, start = [], 0
+    for s in sizes:
+        out.append(range(start, start + s))
+        start += s
+    return out
+
+
+@dataclass
+class StageParams:
+    """Parameters held by one rank of one pipeline stage (elements, not bytes)."""
+
+    stage: int
+    layers: range
+    dense: int = 0  # reduced over the data-parallel group (DP = W / (TP*PP))
+    expert: int = 0  # reduced over the expert-data-parallel group (EDP = W / (EP*ETP*PP))
+    embedding: int = 0  # part of ``dense``: embedding / output-layer rows on this rank
+    dense_numels: list = field(default_factory=list)  # numel of each local megatron parameter
+    expert_numels: list = field(default_factory=list)
+    shared_embedding: int = 0  # numel of a tied embedding kept in its own DDP bucket (PP > 1)
+    counts: dict = field(default_factory=dict)  # per-layer-kind breakdown (for docs / debugging)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def rank_params(info: ModelInfo, layout, critic: bool = False) -> list[StageParams]:
+    """Parameters per rank on each pipeline stage for ``layout`` (a ``ParallelLayout``).
+
+    TP ranks of a stage hold equal counts when the layout is valid (every split dim divides)."""
+    tp, ep, etp = layout.tp, layout.ep, layout.etp
+    stages = stage_layers(info.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
+    out = [StageParams(stage=i, layers=r) for i, r in enumerate(stages)]
+    h = info.hidden_size
+    for t in tensors(info):
+        if t.expert:
+            share = t.numel // (ep * etp)
+        elif t.replicated:
+            share = t.numel
+        else:
+            share = t.numel // tp
+        if t.layer is None:
+            if t.key.startswith("embedding."):
+                targets = [out[0]]
+                if info.tie_embeddings and not critic and layout.pp > 1:
+                    targets.append(out[-1])  # megatron's copy of the tied embedding on the last stage
+            elif t.key.startswith("output_layer."):
+                if critic:
+                    continue  # replaced by the value head below
+                targets = [out[-1]]
+            else:  # final norm
+                targets = [out[-1]]
+            for st in targets:
+                st.dense += share
+                st.dense_numels.append(share)
+                if not t.key.startswith("decoder."):
+                    st.embedding += share
+                    if info.tie_embeddings and not critic and layout.pp > 1:
+                        st.shared_embedding = share
+            continue
+        for st in out:
+            n = len(st.layers) if t.layer == -1 else int(t.layer in st.layers)
+            if not n:
+                continue
+            if t.expert:
+                st.expert += share * n
+                local = t.pieces // ep  # this rank's experts, one parameter each
+                st.expert_numels += [share // local] * (local * n)
+            else:
+                st.dense += share * n
+                st.dense_numels += [share] * n
+    if critic:
+        out[-1].dense += h + 1  # value head: weight [1, H] + bias [1], replicated over TP
+        out[-1].dense_numels += [h, 1]
+    return out
+
+
+def total_params(info: ModelInfo) -> tuple[int, int]:
+    """(all parameters, expert parameters) of the model, unsharded (actor; embedding counted once)."""
+    ts = tensors(info)
+    per = {t.key: t.numel * (info.num_layers if t.layer == -1 else 1) for t in ts}
+    return sum(per.values()), sum(per[t.key] for t in ts if t.expert)

@@ -1,0 +1,128 @@
+"""The trainer's pre-flight check: layout rules and memory fit of an experiment config, before launch.
+
+``preflight(cfg, world_size=None) -> PreflightReport``
+
+* every layout rule that needs no world size (``ParallelLayout.validate`` at a world size that satisfies
+  the divisibility rules, plus ``rules.extra_layout_errors``), for the actor and the critic, always
+  (e.g. ``actor_layout.ep=3`` with 4 experts);
+* the world-size rules when ``world_size`` is given or the config has a ``cluster:`` section;
+* the memory fit (``memory.estimate``) when the config has a ``cluster:`` section: a message per phase
+  that does not fit, naming the phase and the pipeline stage.
+
+``cfg`` is the trainer's ``Config`` (dataclasses) or a plain dict of the YAML. Layout errors are
+``errors`` (the job cannot start); memory misfits are ``warnings`` (``s3ac-train check --strict``
+refuses them). Planner knobs the trainer schema does not carry yet (dtype, recompute, offload) are read
+from ``train.<knob>`` when present, else the planner's defaults (bf16, no recompute, no offload), or
+from ``knobs``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_KNOB_KEYS = ("dtype", "recompute", "optimizer_offload", "precision_aware", "offload_idle", "logprob_chunk")
+
+
+@dataclass
+class PreflightReport:
+    errors: list[str] = field(default_factory=list)  # the job cannot start (illegal layout, unreadable model)
+    warnings: list[str] = field(default_factory=list)  # it would run out of memory (phase + stage named)
+    checked_world: int | None = None
+    estimate: dict | None = None  # s3ac-plan --json object of the config's layout, when a cluster is known
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.estimate is None else bool(self.estimate["fits"])
+
+    def messages(self) -> list[str]:
+        return [f"error: {m}" for m in self.errors] + [f"warning: {m}" for m in self.warnings]
+
+
+def _get(cfg: Any, path: str, default=None):
+    import enum
+
+    cur = cfg
+    for part in path.split("."):
+        if cur is None:
+            return default
+        cur = cur.get(part) if isinstance(cur, dict) else getattr(cur, part, None)
+    if isinstance(cur, enum.Enum):  # the trainer schema's choices are str Enums
+        cur = cur.value
+    return default if cur is None else cur
+
+
+def _layout_of(d: Any):
+    from megatron_s3ac.models.parallel import ParallelLayout
+
+    kw = {}
+    for k in ("tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers"):
+        v = _get(d, k)
+        if v is not None:
+            kw[k] = int(v)
+    return ParallelLayout(**kw)
+
+
+def _info(cfg: Any):
+    from megatron_s3ac.models.registry import model_info
+
+    if not isinstance(cfg, dict):  # the trainer's Config: its own model reader
+        from megatron_s3ac.trainer.config import model_info_for
+
+        return model_info_for(cfg)
+    if _get(cfg, "model.tiny") == "arithmetic_moe":
+        from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+
+        return model_info(tiny_arithmetic_hf_config().to_dict())
+    return model_info(_get(cfg, "model.hf_config"))
+
+
+def preflight(cfg: Any, world_size: int | None = None, knobs=None) -> PreflightReport:
+    from megatron_s3ac.plan.cli import to_dict
+    from megatron_s3ac.plan.memory import Cluster, Knobs, Workload, estimate
+    from megatron_s3ac.plan.search import layout_errors
+
+    rep = PreflightReport()
+    try:
+        info = _info(cfg)
+    except Exception as e:  # noqa: BLE001 - any unreadable model config is reported, not raised
+        rep.errors.append(f"model: cannot read the model config: {e}")
+        return rep
+    actor = _layout_of(_get(cfg, "actor_layout") or {})
+    critic_cfg = _get(cfg, "critic_layout")
+    critic = _layout_of(critic_cfg) if critic_cfg else actor
+    gpus = _get(cfg, "cluster.gpus")
+    world = world_size if world_size is not None else (int(gpus) if gpus else None)
+    rep.checked_world = world
+    for name, lay in (("actor_layout", actor), ("critic_layout", critic)):
+        for err in layout_errors(info, lay, world):
+            rep.errors.append(f"{name}: {err}")
+    if rep.errors or not gpus:
+        return rep
+    cluster = Cluster(gpus=int(gpus), gpus_per_node=int(_get(cfg, "cluster.gpus_per_node", 8)),
+                      gpu_mem_gib=float(_get(cfg, "cluster.gpu_mem_gib", 141.0)),
+                      host_mem_gib=float(_get(cfg, "cluster.host_mem_gib", 2048.0)))
+    w = Workload(prompt_len=int(_get(cfg, "data.max_prompt_tokens", 2048)),
+                 response_len=int(_get(cfg, "rollout.max_new_tokens", 16384)),
+                 prompts_per_step=int(_get(cfg, "rollout.prompts_per_step", 32)), k=int(_get(cfg, "rollout.k", 8)),
+                 actor_minibatches=int(_get(cfg, "algo.actor_minibatches", 8)),
+                 critic_minibatches=int(_get(cfg, "algo.critic_minibatches", 8)),
+                 actor_epochs=int(_get(cfg, "algo.actor_epochs", 1)),
+                 critic_epochs=int(_get(cfg, "algo.critic_epochs", 2)),
+                 micro_batch_size=int(_get(cfg, "algo.micro_batch_size", 1)),
+                 max_tokens_per_micro_batch=int(_get(cfg, "algo.max_tokens_per_micro_batch", 0)))
+    if knobs is None:
+        found = {k: _get(cfg, f"train.{k}") for k in _KNOB_KEYS}
+        knobs = Knobs(placement=str(_get(cfg, "rollout.placement", "colocated")),
+                      **{k: v for k, v in found.items() if v is not None})
+    errs = knobs.validate()
+    if errs:
+        rep.errors += [f"planner knobs: {e}" for e in errs]
+        return rep
+    est = estimate(info, actor, cluster, w, knobs, critic)
+    rep.estimate = to_dict(est)
+    rep.warnings += [f"memory: {p}" for p in est.problems]
+    return rep

@@ -1,0 +1,399 @@
+"""Data-parallel rollout over N engines, each a Ray actor pinned with its own placement group.
+
+``EnginePool(factory, num_engines, gpus_per_engine=..., gpus_per_node=...)``:
+
+* Placement: one placement group per engine. An engine that fits on a node (gpus_per_engine <= gpus_per_node)
+  gets one bundle {GPU: gpus_per_engine, CPU: cpus_per_engine} (STRICT_PACK: all its GPUs on one node); a larger
+  engine spans gpus_per_engine / gpus_per_node nodes, one bundle per node (STRICT_SPREAD), one actor per node:
+  node 0's actor serves the calls, the others run sglang's schedulers for their node (``EngineSlot.node_rank``,
+  ``dist_init_addr`` = node 0's address). Each actor is scheduled into its bundle
+  (PlacementGroupSchedulingStrategy), so Ray gives it exactly those GPUs (CUDA_VISIBLE_DEVICES).
+* ``factory(slot: EngineSlot) -> RolloutEngine`` runs inside the actor (picklable; e.g. factory.make_engine_factory).
+* ``generate`` splits the prompts into contiguous, balanced chunks (one per engine), runs them concurrently and
+  returns the samples in prompt order. With ``params.seed`` set, chunk e gets ``seed + (first prompt) x n_samples``,
+  so request k of the whole batch carries seed + k on whichever engine runs it.
+* Every wait has a per-engine timeout (``timeout_s``): an engine that does not answer in time is killed and
+  ``EngineTimeout`` names it; an engine whose process died raises ``EngineDied`` naming it (index, node, pid) and
+  the cause; the pool is unusable afterwards (restart it). An engine's own exception (e.g. WeightUpdateError)
+  propagates with its type and message.
+* Weight sync through the object store (colocated on CPU, or whenever no broadcast group is used):
+  ``update_weights`` opens one weight-update session per engine, streams buckets (each put once, read by every
+  engine), then ``finish_sync`` (session end + cache flush) on every engine. ``sync_colocated`` wraps it in
+  the colocated order wake(["weights"]) -> sync -> wake(["kv_cache", "cuda_graph"]).
+  Separate GPUs: ``broadcast.WeightBroadcaster(pool)`` + ``begin_weight_update`` / ``finish_sync``.
+* Ray: connects to a running cluster (``ray.init(address="auto")``) when RAY_ADDRESS is set (the launch scripts
+  start one on every node), else starts a local one; the pool never shuts Ray down.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import inspect
+import os
+import socket
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets
+from megatron_s3ac.rollout.remote import _death_cause, pack_bucket, unpack_bucket
+
+
+class EnginePoolError(RuntimeError):
+    """An engine of the pool cannot serve (base class)."""
+
+
+class EngineDied(EnginePoolError):
+    """An engine's process went away (crash, OOM kill, node loss, its factory raised)."""
+
+
+class EngineTimeout(EnginePoolError, TimeoutError):
+    """An engine did not answer within the timeout; it was killed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSlot:
+    """Where one engine actor runs: engine ``index`` of ``num_engines``; ``node_rank`` of ``nnodes`` for an engine
+    spanning nodes (sglang's nnodes/node_rank/dist_init_addr)."""
+
+    index: int
+    num_engines: int
+    node_rank: int = 0
+    nnodes: int = 1
+    dist_init_addr: Optional[str] = None
+
+
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of n items over `parts` chunks, sizes differing by at most one, in order."""
+    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+
+
+class EngineWorker:
+    """Ray actor body: one engine built by factory(slot), serving the pool's calls."""
+
+    def __init__(self, factory: Callable, slot: EngineSlot):
+        self.slot = slot
+        self.engine = factory(slot)
+
+    def ready(self) -> dict:
+        return {"pid": os.getpid(), "node": socket.gethostname(), "engine": type(self.engine).__name__,
+                "tp_size": int(getattr(getattr(self.engine, "config", None), "tp_size", 1) or 1)}
+
+    @staticmethod
+    def address() -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def generate(self, prompts, params, n_samples, return_routed_experts):
+        return self.engine.generate(prompts, params, n_samples, return_routed_experts)
+
+    def call(self, method: str, args, kwargs):
+        """engine.<method>(*args, **kwargs); method may be a dotted path (e.g. "engine.debug_...")."""
+        obj = self.engine
+        for part in method.split("."):
+            obj = getattr(obj, part)
+        return obj(*args, **kwargs)
+
+    # weight sync: sessions where the engine has them (SGLangEngine), plain update_weights otherwise
+    def begin_weight_update(self):
+        if hasattr(self.engine, "begin_weight_update"):
+            self.engine.begin_weight_update()
+
+    def load_bucket(self, records, flattened: bool):
+        bucket, nbytes = unpack_bucket(records)
+        if hasattr(self.engine, "load_weights_bucket"):
+            self.engine.load_weights_bucket(bucket, flattened=flattened)
+        else:
+            self.engine.update_weights(bucket)
+        return nbytes
+
+    def finish_sync(self, names, require_complete: bool):
+        if hasattr(self.engine, "finish_sync"):
+            self.engine.finish_sync(names, require_complete)
+        else:
+            self.engine.flush_cache()
+
+    def abandon_sync(self):
+        if hasattr(self.engine, "end_weight_update"):
+            self.engine.end_weight_update()
+
+    def sleep(self, tags):
+        if "tags" in inspect.signature(self.engine.sleep).parameters:
+            return self.engine.sleep(tags)
+        return self.engine.sleep() if tags is None or "weights" in tags else None
+
+    def wake(self, tags):
+        if "tags" in inspect.signature(self.engine.wake).parameters:
+            return self.engine.wake(tags)
+        return self.engine.wake() if tags is None or "weights" in tags else None
+
+    def shutdown(self):
+        fn = getattr(self.engine, "shutdown", None)
+        return fn() if callable(fn) else None
+
+
+class EnginePool(RolloutEngine):
+    """N data-parallel engines in Ray actors (see the module docstring)."""
+
+    def __init__(self, factory: Callable[[EngineSlot], RolloutEngine], num_engines: int, *,
+                 gpus_per_engine: int = 0, gpus_per_node: Optional[int] = None, cpus_per_engine: float = 1,
+                 timeout_s: float = 1800.0, start_timeout_s: float = 900.0, max_inflight: int = 2,
+                 bucket_bytes: int = 256 << 20, ray_init_kwargs: Optional[dict] = None):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        per_node = gpus_per_node or gpus_per_engine or 1
+        if gpus_per_engine > per_node and gpus_per_engine % per_node:
+            raise ValueError(f"an engine of {gpus_per_engine} GPUs spans whole nodes: it must be a multiple of "
+                             f"gpus_per_node={per_node}")
+        self.nnodes = max(1, gpus_per_engine // per_node) if gpus_per_engine > per_node else 1
+        self.num_engines, self.timeout_s, self.max_inflight = int(num_engines), float(timeout_s), int(max_inflight)
+        self.bucket_bytes = int(bucket_bytes)
+        self._failure: Optional[EnginePoolError] = None
+        if not ray.is_initialized():
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address="auto", **(ray_init_kwargs or {}))
+            else:
+                kwargs = dict(num_cpus=max(1, int(num_engines * cpus_per_engine * self.nnodes)), include_dashboard=False)
+                if not gpus_per_engine:
+                    kwargs["num_gpus"] = 0
+                kwargs.update(ray_init_kwargs or {})
+                ray.init(**kwargs)
+        gpus_per_bundle = gpus_per_engine // self.nnodes if gpus_per_engine else 0
+        bundle = {"CPU": cpus_per_engine, **({"GPU": gpus_per_bundle} if gpus_per_bundle else {})}
+        self.placement_groups, self.actors, self.followers, self.info = [], [], [], []
+        try:
+            for e in range(num_engines):
+                pg = placement_group([dict(bundle) for _ in range(self.nnodes)],
+                                     strategy="STRICT_SPREAD" if self.nnodes > 1 else "STRICT_PACK")
+                self.placement_groups.append(pg)
+            for e, pg in enumerate(self.placement_groups):
+                if not self._ready(pg.ready(), start_timeout_s):
+                    raise EngineTimeout(f"rollout engine {e}: no placement for {self.nnodes} x {bundle} within "
+                                        f"{start_timeout_s:g} s (the Ray cluster lacks the resources; `ray status`)")
+            opts = lambda pg, b: dict(num_cpus=cpus_per_engine, num_gpus=gpus_per_bundle, max_restarts=0,
+                                      max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                          placement_group=pg, placement_group_bundle_index=b))
+            remote = ray.remote(EngineWorker)
+            for e, pg in enumerate(self.placement_groups):
+                addr = None
+                if self.nnodes > 1:  # node 0's address, found by a probe in its bundle
+                    probe = ray.remote(EngineWorker.address).options(**opts(pg, 0))
+                    addr = f"{ray.get(probe.remote(), timeout=start_timeout_s)}:{_free_port()}"
+                for r in range(1, self.nnodes):  # non-zero node ranks: sglang blocks in them; never awaited
+                    self.followers.append(remote.options(**opts(pg, r)).remote(
+                        factory, EngineSlot(e, num_engines, r, self.nnodes, addr)))
+                self.actors.append(remote.options(**opts(pg, 0)).remote(
+                    factory, EngineSlot(e, num_engines, 0, self.nnodes, addr)))
+            self.info = self.wait([(e, a.ready.remote()) for e, a in enumerate(self.actors)], "start (engine factory)",
+                                  start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- plumbing -------------------------------------------------------------------------------
+    @staticmethod
+    def _ready(ref, timeout) -> bool:
+        import ray
+
+        done, _ = ray.wait([ref], timeout=timeout)
+        return bool(done)
+
+    def label(self, e: int) -> str:
+        info = self.info[e] if e < len(self.info) and isinstance(self.info[e], dict) else {}
+        where = f" on {info['node']}, pid {info['pid']}" if info else ""
+        return f"rollout engine {e} of {self.num_engines}{where}"
+
+    @property
+    def tp_sizes(self) -> list[int]:
+        return [int(i["tp_size"]) for i in self.info]
+
+    def _check(self):
+        if self._failure is not None:
+            raise type(self._failure)(str(self._failure))
+        if not self.actors:
+            raise EnginePoolError("the engine pool is closed")
+
+    def submit(self, e: int, method: str, *args, **kwargs):
+        """Run engine e's ``method(*args, **kwargs)`` asynchronously; returns (e, ref) for ``wait``."""
+        self._check()
+        return e, self.actors[e].call.remote(method, args, kwargs)
+
+    def wait(self, refs: Sequence[tuple[int, Any]], what: str, timeout: Optional[float] = None) -> list:
+        """Results of (engine, ref) pairs in order. Per-engine deadline; dead / late engines are named."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        timeout = self.timeout_s if timeout is None else timeout
+        pending = {ref: e for e, ref in refs}
+        _, late = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
+        if late:
+            names = ", ".join(self.label(pending[r]) for r in late)
+            raise self._fail(EngineTimeout(f"{names}: {what} did not finish within {timeout:g} s; killed (raise "
+                                           f"rollout.sglang.timeout_s if it is legitimately that long)"),
+                             [pending[r] for r in late])
+        out = []
+        for e, ref in refs:
+            try:
+                out.append(ray.get(ref))
+            except RayActorError as err:
+                raise self._fail(EngineDied(f"{self.label(e)} died during {what}: {_death_cause(err)}"), [e]) from err
+        return out
+
+    def _fail(self, error: EnginePoolError, engines: Iterable[int]) -> EnginePoolError:
+        """Record the first failure (the pool is unusable after it), kill the named engines, return error."""
+        import ray
+
+        if self._failure is None:
+            self._failure = error
+        for e in engines:
+            try:
+                ray.kill(self.actors[e], no_restart=True)
+            except Exception:
+                pass
+        return error
+
+    def _all(self, method: str, *args, what: Optional[str] = None) -> list:
+        self._check()
+        return self.wait([(e, getattr(a, method).remote(*args)) for e, a in enumerate(self.actors)],
+                         what or f"{method}()")
+
+    # -- RolloutEngine --------------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                 return_routed_experts: bool = False) -> list[list[Sample]]:
+        self._check()
+        prompts = [[int(t) for t in p] for p in prompt_ids]
+        refs, spans = [], []
+        for e, (lo, hi) in enumerate(split_evenly(len(prompts), self.num_engines)):
+            if lo == hi:
+                continue
+            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + lo * n_samples)
+            refs.append((e, self.actors[e].generate.remote(prompts[lo:hi], p, int(n_samples),
+                                                           bool(return_routed_experts))))
+            spans.append((lo, hi))
+        out: list = []
+        for (lo, hi), groups in zip(spans, self.wait(refs, "generate")):
+            if len(groups) != hi - lo:
+                raise EnginePoolError(f"an engine returned {len(groups)} groups for {hi - lo} prompts")
+            out.extend(groups)
+        return out
+
+    def begin_weight_update(self) -> None:
+        self._all("begin_weight_update")
+
+    def end_weight_update(self) -> None:
+        """Close every engine's session without the finishing flush (after a failed sync)."""
+        self._all("abandon_sync")
+
+    def finish_sync(self, names: Iterable[str], require_complete: bool = False) -> None:
+        self._all("finish_sync", list(names), bool(require_complete))
+
+    def load_weights_bucket(self, bucket: Sequence[tuple[str, Any]], flattened: bool = False) -> int:
+        """One bucket into every engine (inside their open sessions); blocks until all loaded. Returns bytes."""
+        import ray
+
+        self._check()
+        ref = ray.put(pack_bucket(bucket))
+        return self.wait([(e, a.load_bucket.remote(ref, flattened)) for e, a in enumerate(self.actors)],
+                         "update_weights")[0]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None,
+                       flattened: bool = False, require_complete: bool = False) -> dict:
+        """One session per engine around the whole sync; each bucket is put in the object store once and loaded
+        by every engine (at most max_inflight buckets in flight). Returns {"tensors", "bytes", "buckets"}."""
+        import ray
+
+        self._check()
+        if hasattr(named_tensors, "items"):
+            named_tensors = named_tensors.items()
+        self.begin_weight_update()
+        stats, names, pending = {"tensors": 0, "bytes": 0, "buckets": 0}, [], collections.deque()
+        try:
+            for bucket in iter_buckets(named_tensors, int(bucket_bytes or self.bucket_bytes)):
+                ref = ray.put(pack_bucket(bucket))
+                names.extend(n for n, _ in bucket)
+                pending.append([(e, a.load_bucket.remote(ref, flattened)) for e, a in enumerate(self.actors)])
+                stats["tensors"] += len(bucket)
+                stats["buckets"] += 1
+                del ref, bucket
+                while len(pending) > self.max_inflight:
+                    stats["bytes"] += self.wait(pending.popleft(), "update_weights")[0]
+            while pending:
+                stats["bytes"] += self.wait(pending.popleft(), "update_weights")[0]
+        except BaseException:
+            if self._failure is None:
+                for refs in pending:  # let submitted loads finish before closing the sessions
+                    ray.wait([r for _, r in refs], num_returns=len(refs), timeout=self.timeout_s)
+                try:
+                    self._all("abandon_sync")
+                except Exception:
+                    pass
+            raise
+        self.finish_sync(names, require_complete)
+        return stats
+
+    def sync_colocated(self, named_tensors, **kwargs) -> dict:
+        """Colocated order: wake(["weights"]) -> update_weights -> wake(["kv_cache", "cuda_graph"])."""
+        self.wake(["weights"])
+        stats = self.update_weights(named_tensors, **kwargs)
+        self.wake(["kv_cache", "cuda_graph"])
+        return stats
+
+    def sleep(self, tags: Optional[Sequence[str]] = None) -> None:
+        self._all("sleep", list(tags) if tags else None)
+
+    def wake(self, tags: Optional[Sequence[str]] = None) -> None:
+        self._all("wake", list(tags) if tags else None)
+
+    def flush_cache(self) -> None:
+        self._check()
+        self.wait([self.submit(e, "flush_cache") for e in range(self.num_engines)], "flush_cache()")
+
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        """engine.method(*args, **kwargs) on every engine, results in engine order."""
+        self._check()
+        return self.wait([self.submit(e, method, *args, **kwargs) for e in range(self.num_engines)], f"{method}()")
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Shut engines down (bounded), kill the actors, remove the placement groups. Idempotent."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not ray.is_initialized():
+            return
+        if self._failure is None and self.actors:
+            try:
+                ray.wait([a.shutdown.remote() for a in self.actors], num_returns=len(self.actors), timeout=timeout_s)
+            except Exception:
+                pass
+        for a in self.actors + self.followers:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        for pg in self.placement_groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self.actors, self.followers, self.placement_groups = [], [], []
+        if self._failure is None:
+            self._failure = EnginePoolError("the engine pool is closed")
+
+    def shutdown(self) -> None:
+        self.close()
+
+    def __enter__(self) -> "EnginePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

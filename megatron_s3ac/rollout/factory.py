@@ -1,0 +1,257 @@
+"""Engine choice: one place that validates ``rollout.engine`` / ``rollout.sglang`` and builds rollout engines.
+
+Used by training, periodic evaluation, ``s3ac-eval`` and coverage-data generation, so they all serve the policy
+the same way:
+
+* ``SGLangSettings`` — the ``rollout.sglang`` config section; ``validate_sglang_settings`` raises ``ConfigError``
+  naming the dotted key (``rollout.sglang.gpus_per_engine`` ...), optionally against the cluster size.
+* ``validate_rollout_engine`` — refuses a model the chosen engine cannot serve (naming ``rollout.engine``): for
+  sglang, the demo's tokenizer-free tiny model (no HF directory), a directory without config / weights /
+  tokenizer, and a Qwen3-MoE with dense layers (sglang makes every layer sparse, models/qwen3_moe.py:878).
+* ``make_engine_factory`` — a picklable ``factory(slot=None) -> RolloutEngine`` (CPU or SGLang), to call in this
+  process or inside Ray actors (``EnginePool``); ``build_rollout_engine`` picks local / RemoteEngine / EnginePool.
+
+sglang 0.5.23 layout facts the validation encodes (``sglang/srt/``): one engine uses tp_size GPUs (x pp_size, not
+used here); attention data parallelism splits the TP group (``tp_size % attn_dp_size == 0``,
+arg_groups/parallel_hook.py:162,326; fields/parallel.py:81-90: "attention groups inside the TP group"); experts are
+sharded inside it too (``ep_size`` divides tp_size), and the all-to-all backends force ep_size = tp_size
+(arg_groups/overrides.py:1578-1620). Weight updates need dp_size == 1 (tokenizer_control_mixin.py:452,574): data
+parallelism is N engines, not one engine's dp_size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+ENGINES = ("cpu", "hf", "sglang")
+MOE_A2A_BACKENDS = ("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe",
+                    "deepep_v2", "ascend_tp", "pplx", "flashinfer_megamoe")  # arg_groups/fields/exec_.py:836-851
+A2A_EP_SPANNING = ("megamoe", "deepep", "deepep_v2", "mooncake", "nixl", "ascend_fuseep", "flashinfer",
+                   "flashinfer_megamoe", "mori", "pplx")  # arg_groups/overrides.py:1578-1592
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+# Test seam: a stand-in class used instead of sglang.Engine by factories made while it is set (the CPU tests set
+# it to tests/rollout/fake_sglang.FakeSGLangEngine; it travels inside the factory, by reference).
+SGLANG_ENGINE_CLS = None
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message starts with the dotted key."""
+
+
+@dataclasses.dataclass
+class SGLangSettings:
+    """The ``rollout.sglang`` section (one engine = one data-parallel rollout replica)."""
+
+    num_engines: int = 1  # data-parallel engines (prompts are split across them)
+    gpus_per_engine: int = 1  # = tp_size (attention DP and EP live inside the TP group)
+    tp_size: int = 1
+    ep_size: int = 1
+    attn_dp_size: int = 1
+    moe_a2a_backend: str = "none"
+    mem_fraction_static: float = 0.7
+    dtype: str = "bfloat16"
+    deterministic_inference: bool = True  # per-request seeds honoured (sglang ignores them otherwise)
+    cuda_graphs: bool = True
+    bucket_mb: int = 512  # weight-sync bucket (MiB)
+    flattened_buckets: bool = True  # one flat tensor (one CUDA IPC handle / one broadcast) per bucket
+    weights_cpu_backup: bool = False
+    context_length: Optional[int] = None
+    gpus_per_node: int = 8
+    timeout_s: float = 1800.0  # per-engine limit of one call (generate, a bucket, ...)
+    extra: dict = dataclasses.field(default_factory=dict)  # other sglang ServerArgs, passed through
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict], prefix: str = "rollout.sglang") -> "SGLangSettings":
+        d = dict(d or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{prefix}.{unknown[0]}: unknown key (known: {sorted(known)})")
+        return cls(**d)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb) << 20
+
+
+def validate_sglang_settings(s: SGLangSettings, prefix: str = "rollout.sglang", *,
+                             cluster_gpus: Optional[int] = None, trainer_gpus: Optional[int] = None,
+                             placement: str = "colocated") -> None:
+    """Raise ConfigError naming the dotted key of the first inconsistent value.
+
+    cluster_gpus: GPUs of the whole job; trainer_gpus: GPUs the trainer uses. Colocated: the engines live on the
+    trainer's GPUs (num_engines x gpus_per_engine <= trainer_gpus, at most one engine shard per GPU); separate:
+    they need their own (trainer_gpus + num_engines x gpus_per_engine <= cluster_gpus).
+    """
+    def bad(key, msg):
+        raise ConfigError(f"{prefix}.{key}: {msg}")
+
+    for key in ("num_engines", "gpus_per_engine", "tp_size", "ep_size", "attn_dp_size", "bucket_mb", "gpus_per_node"):
+        v = getattr(s, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            bad(key, f"must be a positive integer, got {v!r}")
+    if s.gpus_per_engine != s.tp_size:
+        bad("gpus_per_engine", f"{s.gpus_per_engine} GPUs per engine but tp_size={s.tp_size}: an sglang engine uses "
+                               f"exactly tp_size GPUs (attention DP and expert parallelism split the TP group, they "
+                               f"add no GPUs)")
+    if s.tp_size % s.attn_dp_size:
+        bad("attn_dp_size", f"{s.attn_dp_size} does not divide tp_size={s.tp_size} (sglang: tp_size % attn_dp_size "
+                            f"== 0; attention-DP groups are carved out of the TP group)")
+    if s.tp_size % s.ep_size:
+        bad("ep_size", f"{s.ep_size} does not divide tp_size={s.tp_size} (experts are sharded inside the TP group)")
+    if s.moe_a2a_backend not in MOE_A2A_BACKENDS:
+        bad("moe_a2a_backend", f"{s.moe_a2a_backend!r} is not one of {MOE_A2A_BACKENDS}")
+    if s.moe_a2a_backend in A2A_EP_SPANNING and s.ep_size != s.tp_size:
+        bad("ep_size", f"moe_a2a_backend={s.moe_a2a_backend!r} spans the whole TP group: sglang sets ep_size = "
+                       f"tp_size={s.tp_size}; set ep_size: {s.tp_size}")
+    if not 0.0 < float(s.mem_fraction_static) < 1.0:
+        bad("mem_fraction_static", f"must be in (0, 1), got {s.mem_fraction_static}")
+    if s.dtype not in DTYPES:
+        bad("dtype", f"{s.dtype!r} is not one of {DTYPES}")
+    if s.context_length is not None and (not isinstance(s.context_length, int) or s.context_length < 2):
+        bad("context_length", f"must be an integer >= 2 or null, got {s.context_length!r}")
+    if float(s.timeout_s) <= 0:
+        bad("timeout_s", f"must be positive, got {s.timeout_s}")
+    if s.gpus_per_engine > s.gpus_per_node and s.gpus_per_engine % s.gpus_per_node:
+        bad("gpus_per_engine", f"{s.gpus_per_engine} GPUs span nodes of {s.gpus_per_node} GPUs: it must be a "
+                               f"multiple of gpus_per_node (whole nodes)")
+    need = s.num_engines * s.gpus_per_engine
+    if placement == "colocated" and trainer_gpus is not None and need > trainer_gpus:
+        bad("num_engines", f"{s.num_engines} engines x {s.gpus_per_engine} GPUs = {need} GPUs, but colocated engines "
+                           f"live on the trainer's {trainer_gpus} GPUs (one engine shard per GPU): use num_engines "
+                           f"<= {trainer_gpus // s.gpus_per_engine}")
+    if placement == "separate" and cluster_gpus is not None:
+        have = cluster_gpus - (trainer_gpus or 0)
+        if need > have:
+            bad("num_engines", f"{s.num_engines} engines x {s.gpus_per_engine} GPUs = {need} GPUs, but the cluster "
+                               f"has {cluster_gpus} GPUs and the trainer uses {trainer_gpus or 0}: {have} left")
+
+
+def _read_config(model_dir: str) -> Optional[dict]:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tiny: Optional[str] = None,
+                            key: str = "rollout.engine") -> None:
+    """Refuse a model the chosen engine cannot serve; the message names ``key``.
+
+    engine: "cpu", "hf" or "sglang". model_dir: the HF directory the engine starts from (config, safetensors, tokenizer).
+    tiny: the built-in demo model's name (no HF directory, no tokenizer files): CPU engine only.
+    """
+    from megatron_s3ac.rollout.sglang_engine import UnservableModelError, check_servable
+
+    if engine not in ENGINES:
+        raise ConfigError(f"{key}: {engine!r} is not one of {ENGINES}")
+    if engine in ("cpu", "hf"):
+        return
+    if tiny is not None:
+        raise ConfigError(f"{key}: sglang cannot serve the built-in tiny model {tiny!r} (no HF checkpoint directory, "
+                          f"no tokenizer files); use {key}: cpu for it")
+    if not model_dir:
+        raise ConfigError(f"{key}: sglang starts from an HF checkpoint directory (config.json, *.safetensors, "
+                          f"tokenizer); none is configured (model.engine_hf_dir / model.hf_config)")
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"{key}: sglang model directory {model_dir} does not exist")
+    cfg = _read_config(model_dir)
+    if cfg is None:
+        raise ConfigError(f"{key}: {model_dir} has no config.json; sglang serves HF checkpoint directories")
+    if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
+        raise ConfigError(f"{key}: {model_dir} has no *.safetensors weights for sglang to start from")
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
+        raise ConfigError(f"{key}: {model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): sglang and "
+                          f"the reward decoding need the model's tokenizer")
+    try:
+        check_servable(cfg, model_dir)
+    except UnservableModelError as err:
+        raise ConfigError(f"{key}: {err}") from None
+
+
+@dataclasses.dataclass
+class EngineFactory:
+    """Picklable ``factory(slot=None) -> RolloutEngine``; slot: engine_pool.EngineSlot (index, node rank)."""
+
+    kind: str
+    model_dir: Optional[str] = None
+    hf_config: Any = None  # CPU engine without a directory: an HF config object (random init, weights synced)
+    settings: Optional[SGLangSettings] = None
+    seed: int = 0
+    return_routed_experts: bool = True
+    engine_cls: Any = None  # tests: a stand-in class called like sglang.Engine(**server_args)
+    torch_threads: Optional[int] = None
+    dtype: Any = None  # cpu / hf: the transformers model's torch dtype (None: fp32)
+    device: Optional[str] = None  # cpu / hf: where it runs (None: the engine process decides)
+
+    def __call__(self, slot=None):
+        index = getattr(slot, "index", 0)
+        if self.torch_threads:
+            import torch
+
+            torch.set_num_threads(int(self.torch_threads))
+        if self.kind in ("cpu", "hf"):
+            from megatron_s3ac.rollout.cpu_engine import CPUEngine
+
+            dev = {k: v for k, v in (("dtype", self.dtype), ("device", self.device)) if v is not None}
+            if self.model_dir:
+                return CPUEngine.from_pretrained(self.model_dir, **dev)
+            return CPUEngine.from_config(self.hf_config, seed=self.seed, **dev)
+        if self.kind != "sglang":
+            raise ConfigError(f"rollout.engine: {self.kind!r} is not one of {ENGINES}")
+        from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
+
+        s = self.settings or SGLangSettings()
+        cfg = SGLangConfig(
+            model_path=self.model_dir, dtype=s.dtype, tp_size=s.tp_size, ep_size=s.ep_size,
+            attn_dp_size=s.attn_dp_size, moe_a2a_backend=s.moe_a2a_backend, mem_fraction_static=s.mem_fraction_static,
+            context_length=s.context_length, enable_return_routed_experts=self.return_routed_experts,
+            enable_memory_saver=True, enable_weights_cpu_backup=s.weights_cpu_backup,
+            enable_deterministic_inference=s.deterministic_inference, disable_cuda_graph=not s.cuda_graphs,
+            random_seed=self.seed + index, nnodes=getattr(slot, "nnodes", 1), node_rank=getattr(slot, "node_rank", 0),
+            dist_init_addr=getattr(slot, "dist_init_addr", None), extra=dict(s.extra))
+        return SGLangEngine(cfg, engine_cls=self.engine_cls, name=f"sglang engine {index}",
+                            bucket_bytes=s.bucket_bytes, seed=self.seed + index)
+
+
+def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config: Any = None,
+                        settings: Optional[SGLangSettings] = None, seed: int = 0, return_routed_experts: bool = True,
+                        engine_cls: Any = None, torch_threads: Optional[int] = None, dtype: Any = None,
+                        device: Optional[str] = None) -> EngineFactory:
+    """The one engine factory of training, periodic eval, s3ac-eval and coverage data (see EngineFactory)."""
+    if kind not in ENGINES:
+        raise ConfigError(f"rollout.engine: {kind!r} is not one of {ENGINES}")
+    if kind == "sglang" and not model_dir:
+        raise ConfigError("rollout.engine: sglang needs an HF checkpoint directory (model_dir)")
+    if kind in ("cpu", "hf") and not model_dir and hf_config is None:
+        raise ValueError("the CPU engine needs model_dir or hf_config")
+    if kind == "sglang" and engine_cls is None:
+        engine_cls = SGLANG_ENGINE_CLS
+    return EngineFactory(kind, model_dir, hf_config, settings, seed, return_routed_experts, engine_cls, torch_threads,
+                         dtype, device)
+
+
+def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *, num_cpus: float = 1,
+                         ray_init_kwargs: Optional[dict] = None):
+    """CPU: the engine in this process (colocated) or in a RemoteEngine actor (separate). SGLang: an EnginePool of
+    settings.num_engines engines (each pinned to its GPUs by a placement group)."""
+    if factory.kind in ("cpu", "hf"):
+        if placement == "separate":
+            from megatron_s3ac.rollout.remote import RemoteEngine
+
+            return RemoteEngine(factory, num_cpus=num_cpus, torch_threads=factory.torch_threads,
+                                ray_init_kwargs=ray_init_kwargs)
+        return factory()
+    from megatron_s3ac.rollout.engine_pool import EnginePool
+
+    s = factory.settings or SGLangSettings()
+    gpus = 0 if factory.engine_cls is not None else s.gpus_per_engine  # a CPU stand-in takes no GPUs
+    return EnginePool(factory, s.num_engines, gpus_per_engine=gpus, gpus_per_node=s.gpus_per_node,
+                      cpus_per_engine=num_cpus, timeout_s=s.timeout_s, bucket_bytes=s.bucket_bytes,
+                      ray_init_kwargs=ray_init_kwargs)

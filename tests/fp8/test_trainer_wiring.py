@@ -1,0 +1,92 @@
+"""rollout.weights_dtype=fp8 in the trainer: config, the weight sync quantizes, the mismatch metrics and
+the corrections switch (Trainer methods run on a stand-in ``self`` holding only what they read)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_s3ac.algorithms.registry import get_algo
+from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, SCALE_SUFFIX, Fp8WeightUpdates
+from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.trainer.loop import Trainer
+
+
+def _cfg(*overrides):
+    return load_config(None, ["model.tiny=arithmetic_moe", *overrides])
+
+
+def test_config():
+    cfg = _cfg("rollout.weights_dtype=fp8")
+    assert cfg.rollout.weights_dtype == "fp8" and cfg.rollout.fp8_keep is None
+    assert _cfg().rollout.weights_dtype == "bf16" and _cfg().algo.mismatch_corrections
+    with pytest.raises(ConfigError, match="weights_dtype"):
+        _cfg("rollout.weights_dtype=int4")
+    with pytest.raises(ConfigError, match="rollout.fp8_keep: .*fused SGLang linear"):
+        _cfg("rollout.weights_dtype=fp8", "rollout.fp8_keep=[q_proj]")
+    assert _cfg("rollout.fp8_keep=[lm_head,mlp.gate]").rollout.fp8_keep == ["lm_head", "mlp.gate"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_sync_weights_quantizes_for_fp8(monkeypatch, dtype):
+    import megatron_s3ac.rollout.weight_sync as ws
+
+    got = {}
+
+    def fake_sync(chunks, info, engine):
+        got["engine"] = engine
+        engine.update_weights([("model.layers.0.mlp.down_proj.weight", torch.randn(8, 16))])
+
+    class Engine:
+        def __init__(self):
+            self.names = []
+
+        def update_weights(self, named):
+            self.names += [n for n, _ in named]
+
+    monkeypatch.setattr(ws, "sync_weights", fake_sync)
+    eng = Engine()
+    fake = SimpleNamespace(actor=[object()], info=None, engine=eng, _engine_asleep=False,
+                           cfg=_cfg(f"rollout.weights_dtype={dtype}"))
+    Trainer.sync_weights(fake)
+    if dtype == "fp8":
+        assert isinstance(got["engine"], Fp8WeightUpdates) and got["engine"].keep == DEFAULT_KEEP
+        assert eng.names == ["model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight" + SCALE_SUFFIX]
+    else:
+        assert got["engine"] is eng and eng.names == ["model.layers.0.mlp.down_proj.weight"]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_mismatch_metrics_and_switch(enabled):
+    cfg = _cfg("algo.name=grpo_x", f"algo.mismatch_corrections={enabled}")
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float32)
+    old = torch.zeros(4, 4)
+    beh = torch.zeros(4, 4)
+    beh[0, 1] = -2.5  # log(pi_train / pi_rollout) = 2.5 > log 5 (IcePoP) and > 2 nats (MIS: row 0)
+    beh[2, 0] = 1.0  # ratio e^-1 = 0.37 < 0.5: IcePoP masks this token; MIS (one-sided) keeps the row
+    batch = SimpleNamespace(scores=torch.tensor([1.0, -1.0, 1.0, -1.0]), mask=mask, old_logp=old, rollout_logp=beh,
+                            is_w=None, keep=None)
+    fake = SimpleNamespace(cfg=cfg, spec=get_algo("grpo_x"), uses_critic=False)
+    m = Trainer.advantages(fake, batch)
+    n = float(mask.sum())
+    assert m["mismatch/icepop_masked_frac"] == pytest.approx(2 / n)
+    assert m["mismatch/mis_masked_frac"] == pytest.approx(1 / 4)
+    assert m["mismatch/keep_frac"] == pytest.approx((n - 3 - 1) / n)  # row 0 (3 tokens) + token (2, 0)
+    w = torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0, 1.0, float(torch.exp(torch.tensor(-1.0))), 1.0, 1.0, 1.0])
+    assert m["mismatch/is_weight_mean"] == pytest.approx(float(w.mean()), rel=1e-6)  # capped at tis_cap=2
+    if enabled:
+        assert batch.keep is not None and float(batch.keep[0].sum()) == 0 and float(batch.is_w[0, 1]) == 2.0
+    else:
+        assert batch.is_w is None and batch.keep is None
+
+
+def test_gap_metrics_without_r3():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    beh = torch.tensor([[-1.2, -1.9, 5.0], [-0.5, 9.0, 0.0]])
+    batch = SimpleNamespace(mask=mask, rollout_logp=beh, old_logp=None)
+    fake = SimpleNamespace(r3_on=False, _forward_only=lambda which, b, what: {"logp": old, "entropy": torch.zeros(2, 3)})
+    m = Trainer.old_logprobs(fake, batch)
+    assert m["mismatch/logprob_abs_diff"] == pytest.approx((0.2 + 0.1 + 0.0) / 3)
+    d = (beh - old).double()  # log q - log p, q = rollout (approx_kl sums in float64)
+    k3 = (torch.exp(-d) - 1 + d)[mask.bool()].mean()
+    assert m["mismatch/kl_k3"] == pytest.approx(float(k3), rel=1e-6)

@@ -1,0 +1,161 @@
+"""EnginePool: N SGLang engines (the 0.5.23 stand-in on a real model) in real Ray actors on CPU, each in its own
+placement group; prompts split and gathered in order; weight sync through the object store and through the
+broadcast group (trainer side = this process, gloo); dead and late engines named."""
+import sys
+
+import numpy as np
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+import fake_sglang
+import rollout_fixtures
+from megatron_s3ac.rollout.base import SamplingParams, iter_buckets
+from megatron_s3ac.rollout.broadcast import WeightBroadcaster
+from megatron_s3ac.rollout.engine_pool import EngineDied, EnginePool, EngineTimeout, split_evenly
+from megatron_s3ac.rollout.factory import SGLangSettings, make_engine_factory
+from megatron_s3ac.rollout.sglang_engine import SessionSync, WeightUpdateError
+
+from fake_sglang import FakeSGLangEngine, save_tiny_qwen3_moe
+
+pytestmark = pytest.mark.slow  # two actors import torch + transformers: ~30-60 s on 2 cores
+
+PROMPTS = [[4, 5, 13], [8, 9, 14, 6], [7, 7], [5, 6, 7, 8, 9], [10, 11]]
+
+
+def test_split_evenly():
+    assert split_evenly(5, 2) == [(0, 2), (2, 5)]
+    assert split_evenly(1, 3) == [(0, 0), (0, 0), (0, 1)]
+    assert sum(hi - lo for lo, hi in split_evenly(17, 4)) == 17
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_qwen3_moe(tmp_path_factory.mktemp("pool_ckpt"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    """Two other weight sets of the same architecture, under checkpoint names."""
+    return [load_file(save_tiny_qwen3_moe(tmp_path_factory.mktemp(f"w{s}"), seed=s) + "/model.safetensors")
+            for s in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def pool(ckpt):
+    for m in (fake_sglang, rollout_fixtures):  # the stand-in travels by value into the actors
+        ray.cloudpickle.register_pickle_by_value(m)
+    started = not ray.is_initialized()
+    if started:
+        for attempt in range(3):  # Ray gives its raylet 30 s to register: an overloaded CI box can miss that
+            try:
+                ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+                break
+            except Exception:
+                ray.shutdown()
+                if attempt == 2:
+                    raise
+    factory = make_engine_factory("sglang", model_dir=ckpt, settings=SGLangSettings(num_engines=2, bucket_mb=1),
+                                  engine_cls=FakeSGLangEngine, torch_threads=1)
+    p = EnginePool(factory, 2, cpus_per_engine=0.5, timeout_s=120, start_timeout_s=300)
+    yield p, factory
+    p.close()
+    for m in (fake_sglang, rollout_fixtures):
+        ray.cloudpickle.unregister_pickle_by_value(m)
+    if started:
+        ray.shutdown()
+
+
+def served(p, e):
+    return p.wait([p.submit(e, "engine.debug_checkpoint_state_dict")], "read back")[0]
+
+
+def test_generate_splits_and_keeps_prompt_order(pool):
+    p, factory = pool
+    assert len({(i["pid"]) for i in p.info}) == 2 and p.tp_sizes == [1, 1]
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3)
+    out = p.generate(PROMPTS, params, n_samples=2, return_routed_experts=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = factory().generate(PROMPTS, params, n_samples=2, return_routed_experts=True)  # one engine, all prompts
+    finally:
+        torch.set_num_threads(threads)
+    assert [[s.prompt_ids for s in g] for g in out] == [[q, q] for q in PROMPTS]
+    for g, h in zip(out, ref):
+        for s, r in zip(g, h):
+            assert s.response_ids == r.response_ids  # request k carries seed + k on either engine
+            np.testing.assert_allclose(s.logprobs, r.logprobs, atol=1e-5)
+            assert np.array_equal(s.routed_experts, r.routed_experts)
+
+
+def test_update_weights_reaches_every_engine(pool, weights):
+    p, _ = pool
+    stats = p.update_weights(weights[0].items(), bucket_bytes=16 * 1024, require_complete=True)
+    assert stats["buckets"] > 1 and stats["tensors"] == len(weights[0])
+    for e in range(2):
+        got = served(p, e)
+        for name, t in weights[0].items():
+            torch.testing.assert_close(got[name], t, rtol=0, atol=0)
+    # the trainer's bucket-by-bucket feed (weight_sync.sync_weights) through SessionSync: one session per engine
+    sync = SessionSync(p, require_complete=True)
+    for bucket in iter_buckets(weights[1].items(), 16 * 1024):
+        sync.update_weights(bucket)
+    sync.flush_cache()
+    for e, calls in enumerate(p.call_all("engine.calls.copy")):
+        tail = calls[len(calls) - 1 - calls[::-1].index("begin_weight_update"):]
+        n = tail.count("update_weights_from_tensor")
+        assert n > 1 and tail == ["begin_weight_update"] + ["update_weights_from_tensor"] * n + [
+            "end_weight_update", "flush_cache"]
+        got = served(p, e)
+        for name, t in weights[1].items():
+            torch.testing.assert_close(got[name], t, rtol=0, atol=0)
+
+
+def test_broadcast_path_over_gloo(pool, weights):
+    p, _ = pool
+    b = WeightBroadcaster(p, group_name="s3ac-test-pp0", master_address="127.0.0.1", backend="gloo", timeout_s=120)
+    b.connect()
+    try:
+        p.begin_weight_update()
+        stats = b.send(iter_buckets(weights[1].items(), 16 * 1024))
+        p.finish_sync(stats["names"], require_complete=True)
+        assert stats["buckets"] > 1
+        for e in range(2):
+            got = served(p, e)
+            for name, t in weights[1].items():
+                torch.testing.assert_close(got[name], t, rtol=0, atol=0)
+        # a name sglang would skip silently is refused before anything is broadcast (no receiver left waiting)
+        p.begin_weight_update()
+        with pytest.raises(WeightUpdateError, match="not in the served checkpoint"):
+            b.send([[("model.language_model.embed_tokens.weight", torch.zeros(3))]])
+        p.finish_sync([])
+    finally:
+        b.close()
+
+
+def test_colocated_sleep_wake_order(pool, weights):
+    p, _ = pool
+    p.sleep()
+    p.sync_colocated(weights[0].items(), require_complete=True)
+    calls = p.call_all("engine.calls.copy")
+    for c in calls:
+        mem = [x for x in c if x.endswith("memory_occupation") or x in ("begin_weight_update", "end_weight_update")]
+        assert mem[-5:] == ["release_memory_occupation", "resume_memory_occupation", "begin_weight_update",
+                            "end_weight_update", "resume_memory_occupation"]
+    out = p.generate(PROMPTS[:2], SamplingParams(temperature=0, max_new_tokens=2))
+    assert all(np.isfinite(g[0].logprobs).all() for g in out)
+
+
+def test_dead_and_late_engines_are_named(pool):
+    p, _ = pool
+    ray.kill(p.actors[1], no_restart=True)
+    ref = p.actors[1].generate.remote(PROMPTS, SamplingParams(max_new_tokens=2), 1, False)
+    with pytest.raises(EngineDied, match="rollout engine 1 of 2 .*died during generate"):
+        p.wait([(1, ref)], "generate")
+    with pytest.raises(EngineDied, match="rollout engine 1 of 2"):  # the pool stays failed
+        p.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    ref = p.actors[0].generate.remote(PROMPTS * 4, SamplingParams(max_new_tokens=64, ignore_eos=True), 4, False)
+    with pytest.raises(EngineTimeout, match="rollout engine 0 of 2 .*generate did not finish within 0.01 s"):
+        p.wait([(0, ref)], "generate", timeout=0.01)

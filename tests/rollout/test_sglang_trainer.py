@@ -1,0 +1,130 @@
+"""The trainer with rollout.engine=sglang against the sglang 0.5.23 stand-in (a real transformers model behind it):
+3 steps on 2 gloo ranks (EP=2); after every sync the engine's tensors equal the trainer's export exactly, the
+step's train/rollout KL is ~0 (the engine samples from the synced weights), and aborted samples are counted
+(their groups dropped) without crashing the step. Plus `s3ac-train check` on sglang configs."""
+import os
+import sys
+
+import pytest
+
+from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.trainer.config import ConfigError, load_config, validate
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BASE = ["rollout.prompts_per_step=4", "rollout.k=4", "rollout.max_new_tokens=4", "data.num_prompts=200",
+        "data.eval_prompts=8", "algo.actor_minibatches=4", "algo.critic_minibatches=4", "daps.warmup_steps=0",
+        "daps.rampup_steps=1", "train.progress=false", "train.tensorboard=false", "train.eval_every=0",
+        "algo.dynamic_sampling=false", "actor_layout.ep=2"]
+
+
+@pytest.fixture(scope="module")
+def arith_dir(tmp_path_factory):
+    """The demo's arithmetic Qwen3-MoE as an HF directory (config, random safetensors, character tokenizer):
+    what sglang needs to start from."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_s3ac.testing.tiny_models import char_tokenizer
+    from megatron_s3ac.trainer.data import ARITH_CHARS, tiny_arithmetic_hf_config
+
+    path = str(tmp_path_factory.mktemp("arith_hf"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_arithmetic_hf_config()).save_pretrained(path)
+    char_tokenizer(ARITH_CHARS).save_pretrained(path)
+    return path
+
+
+def sglang_overrides(path):
+    return [f"model.hf_config={path}", f"model.engine_hf_dir={path}", "rollout.engine=sglang",
+            "rollout.sglang.bucket_mb=1"]
+
+
+def _three_steps(path, out_dir):
+    import torch
+    from megatron.core import parallel_state as ps
+
+    sys.path.insert(0, HERE)
+    import megatron_s3ac.rollout.factory as F
+    from fake_sglang import FakeSGLangEngine
+    from megatron_s3ac.convert.export import export_hf_weights
+    from megatron_s3ac.trainer.loop import Trainer
+
+    F.SGLANG_ENGINE_CLS = FakeSGLangEngine
+    tr = Trainer(load_config(None, BASE + sglang_overrides(path) + [f"train.out_dir={out_dir}"]))
+    rank0 = tr.engine is not None
+
+    def verify():
+        """Every tensor the trainer exports equals the engine's (rank 0) after the sync."""
+        chunks = list(tr.actor) if isinstance(tr.actor, (list, tuple)) else [tr.actor]
+        exported = {}
+        for bucket in export_hf_weights(chunks, tr.info, 1 << 20,
+                                        group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True)):
+            exported.update({n: t.clone() for n, t in bucket})
+        if not rank0:
+            return None
+        served = tr.engine.engine.debug_checkpoint_state_dict()
+        diff = max(float((served[n].float() - t.float()).abs().max()) for n, t in exported.items())
+        return len(exported), diff, sorted(set(served) - set(exported))
+
+    out = {"init": verify(), "steps": [], "checks": []}
+    for step in range(3):
+        if rank0 and step == 1:
+            tr.engine.engine.abort_requests = {0, 5}  # sample 0 of prompt 0, sample 1 of prompt 1
+        before = [p.detach().clone() for p in tr.actor.parameters()]
+        out["steps"].append(tr.step())
+        out["trained"] = any(not torch.equal(a, b) for a, b in zip(before, tr.actor.parameters()))
+        out["checks"].append(verify())
+    out["calls"] = list(tr.engine.engine.calls) if rank0 else None
+    tr.close()
+    return out
+
+
+def test_three_steps_with_the_sglang_stand_in(arith_dir, tmp_path):
+    r0, r1 = run_distributed(_three_steps, 2, arith_dir, str(tmp_path))
+    for n, diff, unsent in [r0["init"]] + r0["checks"]:
+        assert n > 20 and diff == 0.0 and unsent == []  # engine-side tensors == the trainer's export
+    assert r1["init"] is None
+    aborted = [m["rollout/aborted"] for m in r0["steps"]]
+    assert aborted == [0, 2, 0] and r0["steps"][1]["rollout/aborted_groups"] == 2
+    assert [m["rollout/aborted"] for m in r1["steps"]] == aborted  # every rank sees the same count
+    for m in r0["steps"]:
+        assert abs(m["mismatch/train_rollout_kl"]) < 1e-5  # rollouts came from the synced weights
+        assert m["actor/opt_steps"] >= 1
+    assert r0["trained"]
+    calls = r0["calls"]
+    # colocated: release all, then per sync: wake weights, one session, flush, wake kv_cache + cuda_graph
+    syncs = [i for i, c in enumerate(calls) if c == "begin_weight_update"]
+    assert len(syncs) == 4  # the initial sync + one per step
+    for i in syncs[1:]:
+        assert calls[i - 1] == "resume_memory_occupation"
+        j = calls.index("end_weight_update", i)
+        assert set(calls[i + 1:j]) == {"update_weights_from_tensor"}
+        assert calls[j + 1:j + 3] == ["flush_cache", "resume_memory_occupation"]
+
+
+def test_check_accepts_sglang_and_refuses_inconsistent(arith_dir):
+    cfg = load_config(None, BASE + sglang_overrides(arith_dir))
+    validate(cfg, world_size=2)
+    with pytest.raises(ConfigError, match="rollout.sglang.num_engines: 3 engines x 1 GPUs = 3 GPUs, but colocated"):
+        validate(load_config(None, BASE + sglang_overrides(arith_dir) + ["rollout.sglang.num_engines=3"]),
+                 world_size=2)
+    with pytest.raises(ConfigError, match="rollout.sglang.gpus_per_engine: 4 GPUs per engine but tp_size=2"):
+        load_config(None, BASE + sglang_overrides(arith_dir) + ["rollout.sglang.gpus_per_engine=4",
+                                                                 "rollout.sglang.tp_size=2",
+                                                                 "rollout.sglang.attn_dp_size=2"])
+    sep = load_config(None, BASE + sglang_overrides(arith_dir) + ["rollout.placement=separate", "cluster.gpus=8",
+                                                                  "rollout.sglang.num_engines=4"])
+    validate(sep, world_size=4)
+    with pytest.raises(ConfigError, match="rollout.sglang.num_engines: 4 engines x 1 GPUs = 4 GPUs, but the cluster"):
+        validate(sep, world_size=6)
+    with pytest.raises(ConfigError, match="rollout.engine: sglang cannot serve the built-in tiny model"):
+        load_config(None, BASE + ["model.tiny=arithmetic_moe", "rollout.engine=sglang"])
+    load_config(None, BASE + ["model.tiny=arithmetic_moe", "rollout.engine=cpu"])  # the demo keeps working
+
+
+def test_check_cli_names_the_key(arith_dir, capsys):
+    from megatron_s3ac.trainer.cli import main
+
+    assert main(["check"] + BASE + sglang_overrides(arith_dir) + ["rollout.sglang.attn_dp_size=3"]) != 0
+    assert "rollout.sglang.attn_dp_size" in capsys.readouterr().err
+    assert main(["check"] + BASE + sglang_overrides(arith_dir)) == 0
