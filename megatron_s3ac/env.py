@@ -302,8 +302,9 @@ def _runtime_findings(versions, runtime, require_gpu) -> list[Finding]:
     if not runtime.get("cuda_available"):
         why = "torch is a CPU build" if not runtime.get("torch_cuda") else \
             f"torch (CUDA {runtime.get('torch_cuda')}) sees no GPU (driver, CUDA_VISIBLE_DEVICES, container --gpus)"
-        out.append(Finding("error", f"a GPU job but CUDA is not available: {why}",
-                           "run in the container with --gpus all, or install the CUDA torch wheel (torch==2.14.1)"))
+        fix = ("install the CUDA torch wheel (torch==2.14.1 from PyPI is CUDA 13.0)" if not runtime.get("torch_cuda")
+               else "check nvidia-smi and CUDA_VISIBLE_DEVICES; in a container run with --gpus all")
+        out.append(Finding("error", f"a GPU job but CUDA is not available: {why}", fix))
     if not runtime.get("nccl_available"):
         out.append(Finding("error", "a GPU job but torch.distributed has no NCCL backend",
                            "install the CUDA build of torch (it brings nvidia-nccl-cu13)"))
