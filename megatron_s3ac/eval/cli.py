@@ -10,6 +10,11 @@ megatron_s3ac.convert.mcore_to_hf first (into --convert-dir, else a temporary di
 afterwards). Training checkpoints do not store their HF config: pass --hf-config DIR (config.json
 + tokenizer files of the model that was trained).
 
+--engine cpu | hf | sglang: the engine comes from the rollout factory training uses
+(megatron_s3ac.rollout.factory.make_engine_factory): cpu = transformers on the CPU, hf = the same on
+the GPU when CUDA is present (--dtype fp32|bf16), sglang = sglang.Engine on --tp-size GPUs; a model
+the engine cannot serve exits 2 naming --engine.
+
 Exit status 2, with the cause on stderr and no report, when the numbers could not be trusted: the
 model directory has no tokenizer files (and no --tokenizer), a pre-tokenized benchmark declares no
 reward and --reward names none, --reward contradicts the file's, or the responses cannot be decoded.
@@ -97,7 +102,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--reward", default=None,
                    help="reward for non-choice items (default: the file's 'reward' field or <file>.meta.json; "
                         "else math for text sets; a pre-tokenized set without one is refused)")
-    p.add_argument("--engine", choices=("cpu", "sglang"), default="cpu")
+    p.add_argument("--engine", choices=("cpu", "hf", "sglang"), default="cpu",
+                   help="cpu: transformers on the CPU (exact); hf: the same on the GPU when CUDA is present; "
+                        "sglang: sglang.Engine (rollout.factory, as training uses)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="cpu / hf engine weights dtype")
     p.add_argument("--tp-size", type=int, default=1, help="SGLang tensor parallel size")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
     p.add_argument("--reward-workers", type=int, default=2)
@@ -115,16 +123,34 @@ def has_tokenizer_files(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
 
 
-def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded: bool = True):
-    if kind == "cpu":
-        from megatron_s3ac.rollout.cpu_engine import CPUEngine
+def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded: bool = True, seed: int = 0,
+                 dtype: str = "fp32"):
+    """The evaluated model's engine, through the rollout factory training uses (one engine, in this process).
 
-        return CPUEngine.from_pretrained(model_dir, tokenizer=tokenizer)
-    from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
+    kind: cpu | hf | sglang (``--engine``; a model sglang cannot serve is refused naming ``--engine``).
+    cpu / hf: transformers in ``dtype`` (fp32 | bf16); hf on the GPU when CUDA is present; the engine decodes
+    stop strings with ``tokenizer`` (``--tokenizer`` may differ from the model's own).
+    sglang: tp_size GPUs; ``seeded``: deterministic inference (SGLang honours per-request seeds only with it)."""
+    import torch
 
-    # Deterministic inference: SGLang honours per-request seeds only with it.
-    return SGLangEngine(SGLangConfig(model_path=model_dir, tp_size=tp_size, enable_memory_saver=False,
-                                     enable_deterministic_inference=seeded))
+    from megatron_s3ac.rollout.factory import (ConfigError, SGLangSettings, build_rollout_engine,
+                                               make_engine_factory, validate_rollout_engine)
+
+    try:
+        validate_rollout_engine(kind, model_dir=model_dir, key="--engine")
+    except ConfigError as e:
+        raise EvalInputError(str(e)) from None
+    if kind == "sglang":
+        settings = SGLangSettings(tp_size=tp_size, gpus_per_engine=tp_size, deterministic_inference=seeded)
+        # one engine in this process (sglang starts its own scheduler processes); no R3 routes needed here
+        return make_engine_factory("sglang", model_dir=model_dir, settings=settings, seed=seed,
+                                   return_routed_experts=False)()
+    device = "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"
+    factory = make_engine_factory(kind, model_dir=model_dir, seed=seed, return_routed_experts=False,
+                                  dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], device=device)
+    engine = build_rollout_engine(factory, "colocated")
+    engine.tokenizer = tokenizer
+    return engine
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -163,7 +189,7 @@ def _run(args: argparse.Namespace) -> int:
             # response would decode to "" (scored 0): refuse instead
             raise EvalInputError(f"{tok_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass --tokenizer DIR")
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        engine = build_engine(args.engine, model_dir, tokenizer, args.tp_size)
+        engine = build_engine(args.engine, model_dir, tokenizer, args.tp_size, seed=args.seed, dtype=args.dtype)
         try:
             report = evaluate(engine, tokenizer, benches, k=args.k, params=params, seed=args.seed,
                               template=args.template, batch_size=args.batch_size,

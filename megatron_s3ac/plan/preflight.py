@@ -11,16 +11,18 @@
 
 ``cfg`` is the trainer's ``Config`` (dataclasses) or a plain dict of the YAML. Layout errors are
 ``errors`` (the job cannot start); memory misfits are ``warnings`` (``s3ac-train check --strict``
-refuses them). Planner knobs the trainer schema does not carry yet (dtype, recompute, offload) are read
-from ``train.<knob>`` when present, else the planner's defaults (bf16, no recompute, no offload), or
-from ``knobs``.
+refuses them). The planner knobs come from the trainer's own keys (``trainer_knobs``), with the
+trainer's defaults when a key is absent (fp32, no recompute, no offload), unless ``knobs`` is given.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-_KNOB_KEYS = ("dtype", "recompute", "optimizer_offload", "precision_aware", "offload_idle", "logprob_chunk")
+# planner knob <- the trainer config key that sets it, and the trainer's default when the key is absent
+_KNOB_KEYS = {"dtype": ("model.dtype", "fp32"), "recompute": ("train.recompute", "none"),
+              "offload_idle": ("train.offload_idle", False), "logprob_chunk": ("algo.logprob_chunk_tokens", 0),
+              "precision_aware": ("optim.actor.precision_aware", False)}
 
 
 @dataclass
@@ -80,9 +82,25 @@ def _info(cfg: Any):
     return model_info(_get(cfg, "model.hf_config"))
 
 
+def trainer_knobs(cfg: Any):
+    """The planner ``Knobs`` a trainer config runs with (``model.dtype``, ``train.recompute``,
+    ``train.offload_idle``, ``algo.logprob_chunk_tokens``, ``optim.actor.{cpu_offload,offload_fraction,
+    precision_aware}``, ``rollout.placement``); absent keys take the trainer's defaults."""
+    from megatron_s3ac.plan.memory import Knobs
+
+    kw = {k: _get(cfg, key, default) for k, (key, default) in _KNOB_KEYS.items()}
+    kw["dtype"], kw["recompute"] = str(kw["dtype"]), str(kw["recompute"])
+    kw["offload_idle"], kw["precision_aware"] = bool(kw["offload_idle"]), bool(kw["precision_aware"])
+    kw["logprob_chunk"] = int(kw["logprob_chunk"])
+    # the optimizer offload fraction only applies when the host optimizer is on (trainer default 1.0)
+    kw["optimizer_offload"] = (float(_get(cfg, "optim.actor.offload_fraction", 1.0))
+                               if bool(_get(cfg, "optim.actor.cpu_offload", False)) else 0.0)
+    return Knobs(placement=str(_get(cfg, "rollout.placement", "colocated")), **kw)
+
+
 def preflight(cfg: Any, world_size: int | None = None, knobs=None) -> PreflightReport:
     from megatron_s3ac.plan.cli import to_dict
-    from megatron_s3ac.plan.memory import Cluster, Knobs, Workload, estimate
+    from megatron_s3ac.plan.memory import Cluster, Workload, estimate
     from megatron_s3ac.plan.search import layout_errors
 
     rep = PreflightReport()
@@ -115,9 +133,7 @@ def preflight(cfg: Any, world_size: int | None = None, knobs=None) -> PreflightR
                  micro_batch_size=int(_get(cfg, "algo.micro_batch_size", 1)),
                  max_tokens_per_micro_batch=int(_get(cfg, "algo.max_tokens_per_micro_batch", 0)))
     if knobs is None:
-        found = {k: _get(cfg, f"train.{k}") for k in _KNOB_KEYS}
-        knobs = Knobs(placement=str(_get(cfg, "rollout.placement", "colocated")),
-                      **{k: v for k, v in found.items() if v is not None})
+        knobs = trainer_knobs(cfg)
     errs = knobs.validate()
     if errs:
         rep.errors += [f"planner knobs: {e}" for e in errs]

@@ -9,6 +9,11 @@
 layout rule (world-size rules when WORLD_SIZE or a ``cluster:`` section gives the world size) and, with a
 ``cluster:`` section, the memory fit per phase and pipeline stage. Layout errors exit 2; memory misfits are
 warnings (stderr), or exit 2 with ``--strict``.
+
+``train`` / ``value-pretrain`` / ``demo`` on a machine with CUDA first check the installed GPU stack
+(``megatron_s3ac.env.check_environment(require_gpu=True)``): a known-bad combination (e.g. an sglang
+that pins another torch) exits 2 naming both versions, before any process group or model is built;
+rank 0 prints the report.
 """
 from __future__ import annotations
 
@@ -55,6 +60,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"s3ac-train: {e}", file=sys.stderr)
         return 2
+    err = _check_gpu_environment()
+    if err is not None:
+        print(f"s3ac-train: {err}", file=sys.stderr)
+        return 2
     if cmd == "train" and not cfg.train.resume:
         from megatron_s3ac.trainer.checkpoint import latest_checkpoint
 
@@ -88,6 +97,24 @@ def main(argv=None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _check_gpu_environment():
+    """On a CUDA machine: the environment check's error message, or None (rank 0 prints the report).
+    Not on CPU: the CPU stack (gloo, no TE / SGLang) is what the tests run and needs no GPU pins."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from megatron_s3ac import env as s3ac_env  # module attribute: tests inject a failing check
+
+    try:
+        report = s3ac_env.check_environment(require_gpu=True)
+    except s3ac_env.IncompatibleEnvironment as e:
+        return str(e)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(report.format(), flush=True)
+    return None
 
 
 def _value_pretrain_cmd(cfg) -> None:

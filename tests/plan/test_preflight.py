@@ -45,3 +45,38 @@ def test_memory_warnings_name_phase_and_stage():
 def test_unreadable_model_is_an_error():
     rep = preflight({"model": {"hf_config": "/nonexistent"}, "actor_layout": {"tp": 1}})
     assert not rep.ok and "cannot read the model config" in rep.errors[0]
+
+
+def test_knobs_come_from_the_trainer_config_keys():
+    from megatron_s3ac.plan.preflight import trainer_knobs
+
+    assert trainer_knobs(TINY) == Knobs(dtype="fp32")  # the trainer's defaults: fp32, nothing offloaded
+    cfg = {**TINY, "model": {"tiny": "arithmetic_moe", "dtype": "bf16"},
+           "train": {"recompute": "selective", "offload_idle": True}, "algo": {"logprob_chunk_tokens": 512},
+           "optim": {"actor": {"cpu_offload": True, "offload_fraction": 0.25, "precision_aware": True}},
+           "rollout": {"placement": "separate"}}
+    assert trainer_knobs(cfg) == Knobs(dtype="bf16", recompute="selective", offload_idle=True, logprob_chunk=512,
+                                       optimizer_offload=0.25, precision_aware=True, placement="separate")
+    cfg["optim"]["actor"]["cpu_offload"] = False  # the fraction only counts with the host optimizer on
+    assert trainer_knobs(cfg).optimizer_offload == 0.0
+
+
+def test_trainer_dataclass_config_gives_the_same_knobs():
+    from megatron_s3ac.plan.preflight import trainer_knobs
+    from megatron_s3ac.trainer.config import load_config
+
+    d = {"model": {"tiny": "arithmetic_moe", "dtype": "bf16"}, "train": {"recompute": "full", "offload_idle": True}}
+    cfg = load_config(overrides=["model.tiny=arithmetic_moe", "model.dtype=bf16", "train.recompute=full",
+                                 "train.offload_idle=true"], check=False)
+    assert trainer_knobs(cfg) == trainer_knobs(d) == Knobs(recompute="full", offload_idle=True)
+
+
+def test_memory_fit_follows_the_config_keys():
+    cfg = {"model": {"hf_config": os.path.join(CFG, "qwen3_5_397b_a17b"), "dtype": "bf16"},
+           "actor_layout": {"tp": 2, "pp": 4, "ep": 32, "etp": 1},
+           "rollout": {"prompts_per_step": 32, "k": 8, "max_new_tokens": 16384}, "data": {"max_prompt_tokens": 2048},
+           "cluster": {"gpus": 128, "gpus_per_node": 8, "gpu_mem_gib": 141, "host_mem_gib": 2048}}
+    assert preflight(cfg).fits is False
+    cfg["train"] = {"recompute": "full", "offload_idle": True}
+    cfg["optim"] = {"actor": {"cpu_offload": True, "offload_fraction": 1.0}}
+    assert preflight(cfg).fits is True

@@ -12,7 +12,7 @@ PKG = "megatron_s3ac"
 # floor of each subpackage (or top-level module); an import may go to the same or a lower floor.
 # testing/ holds tiny models and launch helpers next to models/ (used by convert.verify and tests).
 FLOORS = {"algorithms": 0, "models": 1, "testing": 1, "convert": 2, "rollout": 3, "r3": 4,
-          "eval": 5, "trainer": 5, "plan": 5, "": 6, "env": 6}
+          "eval": 5, "trainer": 5, "plan": 5, "": 6, "env": 5}
 
 
 def _modules() -> dict[str, str]:
