@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_s3ac.algorithms.registry import get_algo
-from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, SCALE_SUFFIX, Fp8WeightUpdates
+from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, SCALE_SUFFIX
 from megatron_s3ac.trainer.config import ConfigError, load_config
 from megatron_s3ac.trainer.loop import Trainer
 
@@ -28,13 +28,16 @@ def test_config():
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_sync_weights_quantizes_for_fp8(monkeypatch, dtype):
+    """fp8: the trainer hands the weight sync the plain engine and a quantizer (applied by the stage
+    leaders before the transfer, rollout.weight_sync); bf16: no quantizer."""
     import megatron_s3ac.rollout.weight_sync as ws
 
     got = {}
 
-    def fake_sync(chunks, info, engine):
-        got["engine"] = engine
-        engine.update_weights([("model.layers.0.mlp.down_proj.weight", torch.randn(8, 16))])
+    def fake_sync(chunks, info, engine, quantize=None):
+        got["engine"], got["quantize"] = engine, quantize
+        bucket = [("model.layers.0.mlp.down_proj.weight", torch.randn(8, 16))]
+        engine.update_weights(list(quantize(bucket)) if quantize else bucket)
 
     class Engine:
         def __init__(self):
@@ -48,11 +51,12 @@ def test_sync_weights_quantizes_for_fp8(monkeypatch, dtype):
     fake = SimpleNamespace(actor=[object()], info=None, engine=eng, _engine_asleep=False,
                            cfg=_cfg(f"rollout.weights_dtype={dtype}"))
     Trainer.sync_weights(fake)
+    assert got["engine"] is eng
     if dtype == "fp8":
-        assert isinstance(got["engine"], Fp8WeightUpdates) and got["engine"].keep == DEFAULT_KEEP
+        assert got["quantize"].keywords == {"keep": DEFAULT_KEEP}
         assert eng.names == ["model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight" + SCALE_SUFFIX]
     else:
-        assert got["engine"] is eng and eng.names == ["model.layers.0.mlp.down_proj.weight"]
+        assert got["quantize"] is None and eng.names == ["model.layers.0.mlp.down_proj.weight"]
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -65,7 +69,7 @@ def test_mismatch_metrics_and_switch(enabled):
     beh[2, 0] = 1.0  # ratio e^-1 = 0.37 < 0.5: IcePoP masks this token; MIS (one-sided) keeps the row
     batch = SimpleNamespace(scores=torch.tensor([1.0, -1.0, 1.0, -1.0]), mask=mask, old_logp=old, rollout_logp=beh,
                             is_w=None, keep=None)
-    fake = SimpleNamespace(cfg=cfg, spec=get_algo("grpo_x"), uses_critic=False)
+    fake = SimpleNamespace(cfg=cfg, spec=get_algo("grpo_x"), uses_critic=False, entropy_control=None)
     m = Trainer.advantages(fake, batch)
     n = float(mask.sum())
     assert m["mismatch/icepop_masked_frac"] == pytest.approx(2 / n)

@@ -87,7 +87,9 @@ def weights_of(model_dir: str) -> dict:
 def prepare_fp8(out_dir: str, seed: int = 0, **overrides) -> tuple[str, str]:
     """bf16 MODEL_FP8 model in out_dir and its FP8 checkpoint (the converter's mcore-to-hf --dtype fp8,
     via a torch_dist copy in out_dir + "_mcore") in out_dir + "_fp8"; returns (bf16 dir, fp8 dir)."""
-    from megatron_s3ac.convert import hf_to_mcore, mcore_to_hf
+    # from the submodules: the package attribute of the same name becomes the module once it is imported
+    from megatron_s3ac.convert.hf_to_mcore import hf_to_mcore
+    from megatron_s3ac.convert.mcore_to_hf import mcore_to_hf
 
     prepare(out_dir, seed=seed, **{**MODEL_FP8, **overrides})
     hf_to_mcore(out_dir, out_dir + "_mcore", workers=1, progress=False)
