@@ -94,3 +94,30 @@ def test_gap_metrics_without_r3():
     d = (beh - old).double()  # log q - log p, q = rollout (approx_kl sums in float64)
     k3 = (torch.exp(-d) - 1 + d)[mask.bool()].mean()
     assert m["mismatch/kl_k3"] == pytest.approx(float(k3), rel=1e-6)
+
+
+def _fp8_step(out_dir):
+    from tests.trainer.test_trainer import SMALL
+
+    from megatron_s3ac.trainer.loop import Trainer as T
+
+    cfg = load_config(None, SMALL + ["algo.dynamic_sampling=false", "actor_layout.ep=2", "rollout.weights_dtype=fp8",
+                                     f"train.out_dir={out_dir}"])
+    tr = T(cfg)
+    m = tr.step()
+    stats = tr.sync_weights()  # the real sync: stage leaders quantize, the engine rank dequantizes
+    return {"m": m, "bytes": stats.bytes, "engine": tr.engine is not None,
+            "fp32_bytes": sum(p.numel() * 4 for p in tr.engine.model.parameters()) if tr.engine is not None else 0}
+
+
+def test_fp8_rollout_weights_end_to_end_world2(tmp_path):
+    """Trainer with rollout.weights_dtype=fp8 on 2 gloo ranks (EP=2): the engine serves the quantized weights
+    (train/rollout KL nonzero, where bf16 gives ~0: tests/trainer/test_trainer.py) and the sync sends fp8-sized
+    bytes (well under the fp32 weights' bytes; the LM head, embeddings, router and norms stay fp32)."""
+    from megatron_s3ac.testing.dist import run_distributed
+
+    res = run_distributed(_fp8_step, 2, str(tmp_path))
+    m = res[0]["m"]
+    assert m["mismatch/train_rollout_kl"] != 0 and m["mismatch/kl_k3"] > 0
+    eng = next(r for r in res if r["engine"])
+    assert 0 < eng["bytes"] < 0.75 * eng["fp32_bytes"]
