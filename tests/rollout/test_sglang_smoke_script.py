@@ -83,6 +83,13 @@ def test_prepare_fp8_writes_servable_block_fp8(tmp_path):
     assert sglang_block_problems([(n, tuple(t.shape), t.dtype) for n, t in src.items()]) == []
     stream = list(quantize_stream(src.items()))
     assert smoke.stream_matches(stream, out)
+    # the update sends flattened buckets (sglang_engine._flat_bucket): every tensor must start aligned
+    from megatron_s3ac.rollout.base import iter_buckets
+    from megatron_s3ac.rollout.sglang_engine import _flat_bucket
+
+    for bucket in iter_buckets(iter(stream), 1 << 20):
+        flat = _flat_bucket(bucket)
+        assert flat["flattened_tensor"].numel() == sum(t.nbytes for _, t in bucket)
     bumped = [(n, t + 1 if t.dtype == torch.float32 else t) for n, t in stream]
     assert not smoke.stream_matches(bumped, out) and not smoke.stream_matches(stream[:-1], out)
     teacher = smoke.fp8_teacher_model(fp8_dir, device="cpu")
