@@ -291,9 +291,9 @@ class Fp8WeightUpdates:
     """An engine whose ``update_weights`` receives the block-FP8 form of what it is sent.
 
     ``Fp8WeightUpdates(engine, keep)`` wraps any rollout engine (duck-typed: ``update_weights``); every
-    other attribute is the engine's. The weight sync passes it in place of the engine when
-    ``rollout.weights_dtype`` is fp8, so the converter's export stream (one name mapping) is quantized
-    bucket by bucket on the engine rank, right before the engine loads it."""
+    other attribute is the engine's: the export stream is quantized bucket by bucket on the engine rank,
+    right before the engine loads it (after any transfer). The trainer's weight sync instead quantizes on
+    the stage leaders, before the transfer (``rollout.weight_sync.sync_weights(quantize=quantize_stream)``)."""
 
     # the export must reach the engine through update_weights to be quantized: hide a colocated engine's
     # in-place assembly (CPUEngine.weight_buffer, used by rollout.weight_sync when present)

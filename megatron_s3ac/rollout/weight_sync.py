@@ -18,6 +18,11 @@ The engine rank consumes its own stage first (interleaved with that stage's expo
 leader), then the other stages in order; leaders of other stages block in ``send`` until then.
 Afterwards the engine's ``flush_cache()`` is called. Memory on the engine rank: one bucket at a time.
 
+Quantized rollout weights (``quantize``, e.g. ``functools.partial(convert.fp8.quantize_stream, keep=...)``):
+each exported bucket is quantized on its stage leader, before it is sent or fed, so the bytes that
+cross ranks (and ``SyncStats.bytes``) are the fp8 + scale pairs, not the trainer's dtype. The in-place
+assembly into ``weight_buffer`` is then off: the engine must receive the pairs through ``update_weights``.
+
 Names: the HF checkpoint names of the model the trainer was converted from (the converter's plan, e.g.
 ``model.language_model.*`` + ``lm_head.weight`` for a vision-language Qwen3.5-MoE checkpoint, text model
 only). The engine maps them onto the module it holds (``CPUEngine``: ``cpu_engine.LM_PREFIXES``; SGLang:
@@ -30,6 +35,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,12 +139,15 @@ def _roles(has_engine: bool, group) -> tuple[int, dict[int, int], int, int]:
 
 
 @torch.no_grad()
-def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20, group=None) -> SyncStats:
+def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20, group=None,
+                 quantize: Optional[Callable[[list], Iterable]] = None) -> SyncStats:
     """Copy the live sharded actor's weights into ``engine`` (held by exactly one rank; ``None`` elsewhere).
 
     Collective over the whole default process group. ``model_chunks``: this rank's model chunks (one per
     virtual pipeline stage). ``group``: the export group of this rank's pipeline stage (default: megatron's
-    tensor x data (x context) parallel group). Returns this rank's ``SyncStats``.
+    tensor x data (x context) parallel group). ``quantize``: bucket [(name, tensor)] -> (name, tensor)
+    stream, applied on the stage leader before the transfer (e.g. ``convert.fp8.quantize_stream``); the same
+    on every rank. Returns this rank's ``SyncStats``.
     """
     from megatron.core import parallel_state as ps
 
@@ -159,8 +168,12 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
     # A colocated engine that exposes its weight memory gets the stage assembled in place: one copy
     # from the trainer's shards (local pieces copied, remote ones received straight into it).
     into = getattr(engine, "weight_buffer", None) if (engine is not None and me == leader) else None
+    if quantize is not None:
+        into = None  # the quantized pairs must reach the engine through update_weights
     for bucket in export_hf_weights(model_chunks, info, bucket_bytes, group=group, into=into):
         if me == leader:
+            if quantize is not None:  # before the transfer: fp8 + scales cross ranks, not the trainer's dtype
+                bucket = list(quantize(bucket))
             if me == engine_rank:
                 feed(bucket)
             else:

@@ -148,11 +148,11 @@ class Trainer:
             # weights re-allocated but stale: the sync below must refill every one
             self.engine.wake(["weights"]) if sessions else self.engine.wake()
             self._engine_asleep = False
-        if target is not None and self.cfg.rollout.weights_dtype == "fp8":  # quantized bucket by bucket
-            from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, Fp8WeightUpdates
+        if self.cfg.rollout.weights_dtype == "fp8":  # every rank: stage leaders quantize before the transfer
+            from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, quantize_stream
 
             keep = self.cfg.rollout.fp8_keep
-            target = Fp8WeightUpdates(target, DEFAULT_KEEP if keep is None else tuple(keep))
+            kw["quantize"] = partial(quantize_stream, keep=DEFAULT_KEEP if keep is None else tuple(keep))
         stats = sync_weights(chunks, self.info, target, **kw)
         if woke and sessions:
             self.engine.wake(["kv_cache", "cuda_graph"])

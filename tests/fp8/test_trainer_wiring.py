@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_s3ac.algorithms.registry import get_algo
-from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, SCALE_SUFFIX, Fp8WeightUpdates
+from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, SCALE_SUFFIX
 from megatron_s3ac.trainer.config import ConfigError, load_config
 from megatron_s3ac.trainer.loop import Trainer
 
@@ -28,13 +28,16 @@ def test_config():
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_sync_weights_quantizes_for_fp8(monkeypatch, dtype):
+    """fp8: the trainer hands the weight sync the plain engine and a quantizer (applied by the stage
+    leaders before the transfer, rollout.weight_sync); bf16: no quantizer."""
     import megatron_s3ac.rollout.weight_sync as ws
 
     got = {}
 
-    def fake_sync(chunks, info, engine):
-        got["engine"] = engine
-        engine.update_weights([("model.layers.0.mlp.down_proj.weight", torch.randn(8, 16))])
+    def fake_sync(chunks, info, engine, quantize=None):
+        got["engine"], got["quantize"] = engine, quantize
+        bucket = [("model.layers.0.mlp.down_proj.weight", torch.randn(8, 16))]
+        engine.update_weights(list(quantize(bucket)) if quantize else bucket)
 
     class Engine:
         def __init__(self):
@@ -48,11 +51,12 @@ def test_sync_weights_quantizes_for_fp8(monkeypatch, dtype):
     fake = SimpleNamespace(actor=[object()], info=None, engine=eng, _engine_asleep=False,
                            cfg=_cfg(f"rollout.weights_dtype={dtype}"))
     Trainer.sync_weights(fake)
+    assert got["engine"] is eng
     if dtype == "fp8":
-        assert isinstance(got["engine"], Fp8WeightUpdates) and got["engine"].keep == DEFAULT_KEEP
+        assert got["quantize"].keywords == {"keep": DEFAULT_KEEP}
         assert eng.names == ["model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight" + SCALE_SUFFIX]
     else:
-        assert got["engine"] is eng and eng.names == ["model.layers.0.mlp.down_proj.weight"]
+        assert got["quantize"] is None and eng.names == ["model.layers.0.mlp.down_proj.weight"]
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -65,7 +69,7 @@ def test_mismatch_metrics_and_switch(enabled):
     beh[2, 0] = 1.0  # ratio e^-1 = 0.37 < 0.5: IcePoP masks this token; MIS (one-sided) keeps the row
     batch = SimpleNamespace(scores=torch.tensor([1.0, -1.0, 1.0, -1.0]), mask=mask, old_logp=old, rollout_logp=beh,
                             is_w=None, keep=None)
-    fake = SimpleNamespace(cfg=cfg, spec=get_algo("grpo_x"), uses_critic=False)
+    fake = SimpleNamespace(cfg=cfg, spec=get_algo("grpo_x"), uses_critic=False, entropy_control=None)
     m = Trainer.advantages(fake, batch)
     n = float(mask.sum())
     assert m["mismatch/icepop_masked_frac"] == pytest.approx(2 / n)
@@ -90,3 +94,30 @@ def test_gap_metrics_without_r3():
     d = (beh - old).double()  # log q - log p, q = rollout (approx_kl sums in float64)
     k3 = (torch.exp(-d) - 1 + d)[mask.bool()].mean()
     assert m["mismatch/kl_k3"] == pytest.approx(float(k3), rel=1e-6)
+
+
+def _fp8_step(out_dir):
+    from tests.trainer.test_trainer import SMALL
+
+    from megatron_s3ac.trainer.loop import Trainer as T
+
+    cfg = load_config(None, SMALL + ["algo.dynamic_sampling=false", "actor_layout.ep=2", "rollout.weights_dtype=fp8",
+                                     f"train.out_dir={out_dir}"])
+    tr = T(cfg)
+    m = tr.step()
+    stats = tr.sync_weights()  # the real sync: stage leaders quantize, the engine rank dequantizes
+    return {"m": m, "bytes": stats.bytes, "engine": tr.engine is not None,
+            "fp32_bytes": sum(p.numel() * 4 for p in tr.engine.model.parameters()) if tr.engine is not None else 0}
+
+
+def test_fp8_rollout_weights_end_to_end_world2(tmp_path):
+    """Trainer with rollout.weights_dtype=fp8 on 2 gloo ranks (EP=2): the engine serves the quantized weights
+    (train/rollout KL nonzero, where bf16 gives ~0: tests/trainer/test_trainer.py) and the sync sends fp8-sized
+    bytes (well under the fp32 weights' bytes; the LM head, embeddings, router and norms stay fp32)."""
+    from megatron_s3ac.testing.dist import run_distributed
+
+    res = run_distributed(_fp8_step, 2, str(tmp_path))
+    m = res[0]["m"]
+    assert m["mismatch/train_rollout_kl"] != 0 and m["mismatch/kl_k3"] > 0
+    eng = next(r for r in res if r["engine"])
+    assert 0 < eng["bytes"] < 0.75 * eng["fp32_bytes"]

@@ -50,3 +50,49 @@ def test_prepare_teacher_and_compare(tmp_path):
 
 def test_usage_without_arguments():
     assert load().main([]) == 2
+
+
+def test_prepare_fp8_writes_servable_block_fp8(tmp_path):
+    """The FP8 case's preparation (check 5): the converter's checkpoint of the MODEL_FP8 model has
+    quantization_config, e4m3 weights with float32 *_scale_inv [N/128, K/128] for every q/k/v/o and
+    expert matrix, nothing SGLang's block rules refuse; quantize_stream of the bf16 weights (what the
+    update sends) equals it bit for bit; transformers' dequantized teacher holds dequant(q, s)."""
+    from megatron_s3ac.convert.fp8 import SCALE_SUFFIX, dequantize_blockwise, quantize_stream, sglang_block_problems
+
+    smoke = load()
+    bf16_dir, fp8_dir = smoke.prepare_fp8(str(tmp_path / "m"), num_hidden_layers=2)
+    cfg = json.loads((tmp_path / "m_fp8" / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128],
+                                          "modules_to_not_convert": ["embed_tokens", "lm_head", "mlp.gate"]}
+    assert (tmp_path / "m_fp8" / "tokenizer.json").exists()
+    src, out = smoke.weights_of(bf16_dir), smoke.weights_of(fp8_dir)
+    H, D, E, F = 256, 128, 8, 128
+    expect = {"self_attn.q_proj.weight": (4 * D, H), "self_attn.k_proj.weight": (2 * D, H),
+              "self_attn.v_proj.weight": (2 * D, H), "self_attn.o_proj.weight": (H, 4 * D)}
+    expect.update({f"mlp.experts.{e}.{p}_proj.weight": (F, H) for e in range(E) for p in ("gate", "up")})
+    expect.update({f"mlp.experts.{e}.down_proj.weight": (H, F) for e in range(E)})
+    scales = {n for n in out if n.endswith(SCALE_SUFFIX)}
+    assert scales == {f"model.layers.{i}.{k}{SCALE_SUFFIX}" for i in range(2) for k in expect}
+    for i in range(2):
+        for k, (n, kk) in expect.items():
+            name = f"model.layers.{i}.{k}"
+            assert out[name].dtype == torch.float8_e4m3fn and tuple(out[name].shape) == (n, kk)
+            s = out[name + SCALE_SUFFIX]
+            assert s.dtype == torch.float32 and tuple(s.shape) == (n // 128, kk // 128)
+    assert sglang_block_problems([(n, tuple(t.shape), t.dtype) for n, t in src.items()]) == []
+    stream = list(quantize_stream(src.items()))
+    assert smoke.stream_matches(stream, out)
+    # the update sends flattened buckets (sglang_engine._flat_bucket): every tensor must start aligned
+    from megatron_s3ac.rollout.base import iter_buckets
+    from megatron_s3ac.rollout.sglang_engine import _flat_bucket
+
+    for bucket in iter_buckets(iter(stream), 1 << 20):
+        flat = _flat_bucket(bucket)
+        assert flat["flattened_tensor"].numel() == sum(t.nbytes for _, t in bucket)
+    bumped = [(n, t + 1 if t.dtype == torch.float32 else t) for n, t in stream]
+    assert not smoke.stream_matches(bumped, out) and not smoke.stream_matches(stream[:-1], out)
+    teacher = smoke.fp8_teacher_model(fp8_dir, device="cpu")
+    w = teacher.model.layers[1].self_attn.k_proj.weight
+    name = "model.layers.1.self_attn.k_proj.weight"
+    assert torch.equal(w, dequantize_blockwise(out[name], out[name + SCALE_SUFFIX]).to(torch.bfloat16))

@@ -67,3 +67,34 @@ def test_sync_matches_trainer_log_probs(ckpts, case):
         with safe_open(f, "pt") as sf:
             total += sum(sf.get_tensor(k).nbytes for k in sf.keys() if k != "lm_head.weight" or name != "qwen2_tied")
     assert st.bytes == total
+
+
+def test_fp8_quantized_before_the_transfer(ckpts):
+    """quantize=quantize_stream on the stage leaders (engine on rank 1: buckets are sent from rank 0) gives
+    the engine exactly the weights of quantizing on the engine rank after the transfer, while the bytes
+    sent are the fp8 + float32-scale pairs: per quantized matrix fp8_nbytes, other tensors unchanged."""
+    from megatron_s3ac.convert.fp8 import fp8_nbytes, will_quantize
+    from weight_sync_ranks import sync_fp8_rank
+
+    hf, mc = ckpts["qwen3_moe"]
+    results = run_distributed(sync_fp8_rank, 2, hf, mc, 1, 1, 2, 1, 20_000)
+    eng = results[1]
+    pre, post = eng["before"], eng["after"]
+    assert set(pre) == set(post) and all(torch.equal(pre[n], post[n]) for n in pre)
+    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+
+    orig = CPUEngine.from_pretrained(hf, tokenizer=None).model.state_dict()
+    assert any(not torch.equal(pre[n], orig[n]) for n in pre)  # the sync changed the engine
+    sent, plain = eng["stats_before"], eng["stats_after"]
+    from safetensors import safe_open
+    import glob
+
+    want = total = 0
+    for f in glob.glob(f"{hf}/*.safetensors"):
+        with safe_open(f, "pt") as sf:
+            for k in sf.keys():
+                t = sf.get_tensor(k).float()  # the actor is fp32: its export is fp32
+                total += t.nbytes
+                want += fp8_nbytes(t.shape) if will_quantize(k, t.shape, t.dtype) else t.nbytes
+    assert plain.bytes == total and sent.bytes == want < total
+    assert sent.engine_rank == 1 and sent.tensors > plain.tensors

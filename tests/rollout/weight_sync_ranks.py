@@ -54,3 +54,31 @@ def sync_rank(hf_dir, ckpt_dir, tp, pp, ep, engine_rank, bucket_bytes, tokens):
     if engine is not None:
         out["after"] = engine_log_probs(engine, tokens)
     return out
+
+
+def sync_fp8_rank(hf_dir, ckpt_dir, tp, pp, ep, engine_rank, bucket_bytes):
+    """Sync the perturbed actor twice into FP8-serving CPU engines: quantized on the stage leaders before the
+    transfer (``quantize=``), and quantized on the engine rank after it (``Fp8WeightUpdates``). Returns
+    {'before'/'after': {name: tensor} engine weights or None, 'stats_before'/'stats_after': SyncStats}."""
+    import functools
+
+    import torch.distributed as dist
+
+    from megatron_s3ac.convert.fp8 import Fp8WeightUpdates, quantize_stream
+    from megatron_s3ac.convert.verify import load_actor, make_layout
+    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.weight_sync import sync_weights
+
+    info, model = load_actor(hf_dir, ckpt_dir, make_layout(tp, pp, ep))
+    perturb_(model)
+    mine = dist.get_rank() == engine_rank
+    pre = CPUEngine.from_pretrained(hf_dir, tokenizer=None) if mine else None
+    post = CPUEngine.from_pretrained(hf_dir, tokenizer=None) if mine else None
+    out = {"stats_before": sync_weights([model], info, pre, bucket_bytes=bucket_bytes, quantize=quantize_stream),
+           "stats_after": sync_weights([model], info, Fp8WeightUpdates(post) if mine else None,
+                                       bucket_bytes=bucket_bytes),
+           "before": None, "after": None}
+    if mine:
+        out["before"] = {n: p.detach().clone() for n, p in pre.model.state_dict().items()}
+        out["after"] = {n: p.detach().clone() for n, p in post.model.state_dict().items()}
+    return out
