@@ -8,7 +8,8 @@ import torch
 from megatron_s3ac.testing.dist import run_distributed
 from tests.r3 import _r3_common as C
 
-RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+# through build_transformer_config's own switch: megatron's recompute_granularity="full", recompute_method="uniform", 1 layer
+RECOMPUTE = dict(recompute="full", recompute_num_layers=1)
 
 
 def _grads(model):
