@@ -123,6 +123,17 @@ def prefetch(ck: DistcpCheckpoint, regions: list[tuple[str, tuple, tuple]], dept
         th.join()
 
 
+def _plan_tensors(ck: DistcpCheckpoint, mcore_dir: str, hf_config: str | None):
+    """The conversion plan of ``ck``: (HF config dict, checkpoint key per chunk id, ``plan.sources()``,
+    [(hf name, shape, stored DType)] in plan order)."""
+    cfg, info = resolve_config(mcore_dir, hf_config)
+    plan = build_plan(info)
+    keys = resolve_keys(plan, ck)
+    sources = plan.sources()
+    tensors = [(n, s, ck.dtype_name(keys[id(sources[n][0][0])])) for n, s in plan.hf_shapes.items()]
+    return cfg, keys, sources, tensors
+
+
 def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, max_shard_bytes: int = 5 << 30,
                 progress: bool = True, dtype: str = "auto", fp8_keep=None) -> ConvertStats:
     """Write HF safetensors shards + index + config/tokenizer files of ``mcore_dir`` into new ``out_dir``.
@@ -140,11 +151,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, max_
     # Our own checkpoints store every chunk contiguous, so HF rows are byte ranges of .distcp files.
     ck = DistcpCheckpoint(mcore_dir, contiguous_chunks=stored_config(mcore_dir) is not None)
     try:
-        cfg, info = resolve_config(mcore_dir, hf_config)
-        plan = build_plan(info)
-        keys = resolve_keys(plan, ck)
-        sources = plan.sources()
-        tensors = [(n, s, ck.dtype_name(keys[id(sources[n][0][0])])) for n, s in plan.hf_shapes.items()]
+        cfg, keys, sources, tensors = _plan_tensors(ck, mcore_dir, hf_config)
         total = sum(math.prod(s) * d.itemsize for _, s, d in tensors)
         shards = plan_shards(tensors, max_shard_bytes)
         t0 = time.time()
@@ -207,11 +214,7 @@ def _mcore_to_hf_fp8(mcore_dir: str, out_dir: str, hf_config: str | None, max_sh
         raise ConversionError(f"--fp8-keep: {e}") from None
     ck = DistcpCheckpoint(mcore_dir, contiguous_chunks=stored_config(mcore_dir) is not None)
     try:
-        cfg, info = resolve_config(mcore_dir, hf_config)
-        plan = build_plan(info)
-        keys = resolve_keys(plan, ck)
-        sources = plan.sources()
-        src = [(n, s, ck.dtype_name(keys[id(sources[n][0][0])])) for n, s in plan.hf_shapes.items()]
+        cfg, keys, sources, src = _plan_tensors(ck, mcore_dir, hf_config)
         quant = {n for n, s, d in src if fp8.will_quantize(n, s, d, keep)}
         tensors = []  # output entries: a quantized weight is followed by its scales
         for n, s, d in src:

@@ -8,6 +8,8 @@ fp32 main-param shards and moments.
 """
 from __future__ import annotations
 
+import contextlib
+
 
 def _tensor_bytes(t) -> int:
     return t.numel() * t.element_size()
@@ -74,6 +76,27 @@ def measure_many(cases: list) -> list[dict]:
     return [measure_states(*c) for c in cases]
 
 
+@contextlib.contextmanager
+def saved_storages(model):
+    """Inside the block, record every tensor autograd saves for backward: yields a dict
+    {storage data_ptr: storage bytes}, each storage counted once, ``model``'s parameters excluded
+    (sum of the values = the activation bytes held between forward and backward)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen[ptr] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
 def measure_activations(hf: dict, layout_kw: dict, dtype: str = "float32", seq_len: int = 256,
                         batch: int = 1, recompute: str = "none") -> dict:
     """Bytes of the tensors autograd keeps between one forward and its backward (one micro-batch,
@@ -96,20 +119,10 @@ def measure_activations(hf: dict, layout_kw: dict, dtype: str = "float32", seq_l
         over = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = build_transformer_config(info, layout, tdtype, **over)
     model = build_actor(info, config)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen[ptr] = st.nbytes()
-        return t
-
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, info.vocab_size, (batch, seq_len), generator=g)
     pos = torch.arange(seq_len).unsqueeze(0).expand(batch, -1)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as seen:
         logits = model(ids, pos, None)
         lp = vocab_parallel_log_probs(logits, ids, info.vocab_size)
     saved = sum(seen.values())

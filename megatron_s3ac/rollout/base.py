@@ -148,3 +148,10 @@ class RolloutEngine(abc.ABC):
 
     def shutdown(self) -> None:
         """Release the engine's processes and memory; default: nothing to do."""
+
+    def __enter__(self):
+        """``with engine:`` calls shutdown() on the way out, error or not."""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

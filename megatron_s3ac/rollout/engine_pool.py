@@ -386,12 +386,6 @@ class EnginePool(RolloutEngine):
     def shutdown(self) -> None:
         self.close()
 
-    def __enter__(self) -> "EnginePool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def _free_port() -> int:
     with socket.socket() as s:

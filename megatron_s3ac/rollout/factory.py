@@ -21,7 +21,6 @@ parallelism is N engines, not one engine's dp_size.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Optional
 
@@ -132,14 +131,6 @@ def validate_sglang_settings(s: SGLangSettings, prefix: str = "rollout.sglang", 
                                f"has {cluster_gpus} GPUs and the trainer uses {trainer_gpus or 0}: {have} left")
 
 
-def _read_config(model_dir: str) -> Optional[dict]:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tiny: Optional[str] = None,
                             key: str = "rollout.engine") -> None:
     """Refuse a model the chosen engine cannot serve; the message names ``key``.
@@ -147,7 +138,7 @@ def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tin
     engine: "cpu", "hf" or "sglang". model_dir: the HF directory the engine starts from (config, safetensors, tokenizer).
     tiny: the built-in demo model's name (no HF directory, no tokenizer files): CPU engine only.
     """
-    from megatron_s3ac.rollout.sglang_engine import UnservableModelError, check_servable
+    from megatron_s3ac.rollout.sglang_engine import UnservableModelError, check_servable, read_hf_config
 
     if engine not in ENGINES:
         raise ConfigError(f"{key}: {engine!r} is not one of {ENGINES}")
@@ -161,7 +152,7 @@ def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tin
                           f"tokenizer); none is configured (model.engine_hf_dir / model.hf_config)")
     if not os.path.isdir(model_dir):
         raise ConfigError(f"{key}: sglang model directory {model_dir} does not exist")
-    cfg = _read_config(model_dir)
+    cfg = read_hf_config(model_dir)
     if cfg is None:
         raise ConfigError(f"{key}: {model_dir} has no config.json; sglang serves HF checkpoint directories")
     if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):

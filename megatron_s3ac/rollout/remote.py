@@ -387,12 +387,6 @@ class RemoteEngine(RolloutEngine):
     def shutdown(self) -> None:
         self.close()
 
-    def __enter__(self) -> "RemoteEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "alive" if self.alive else f"down: {self._failure}"
         return f"RemoteEngine({getattr(self, 'engine_class', '?')}, pid={self.pid}, {state})"

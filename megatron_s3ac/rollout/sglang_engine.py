@@ -228,7 +228,8 @@ def result_status(result: Any) -> tuple[bool, str]:
 # ----------------------------------------------------------------------------------------------
 # What the engine serves: weight names/shapes and servability, from the checkpoint directory
 # ----------------------------------------------------------------------------------------------
-def _read_hf_config(model_path: str) -> Optional[dict]:
+def read_hf_config(model_path: str) -> Optional[dict]:
+    """config.json of an HF model directory as a dict; None when it has none."""
     path = os.path.join(model_path, "config.json")
     if not os.path.isfile(path):
         return None
@@ -352,7 +353,7 @@ class SGLangEngine(RolloutEngine):
         self.config, self.name = config, name
         self.bucket_bytes = int(bucket_bytes)
         self.flush_retries, self.flush_retry_delay_s = int(flush_retries), float(flush_retry_delay_s)
-        hf = _read_hf_config(config.model_path) if os.path.isdir(config.model_path) else None
+        hf = read_hf_config(config.model_path) if os.path.isdir(config.model_path) else None
         if hf is not None:
             check_servable(hf, f"{config.model_path}")
         text = (hf or {}).get("text_config") or (hf or {})

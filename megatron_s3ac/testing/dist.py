@@ -29,6 +29,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_single_process(backend: str, port: int) -> None:
+    """A one-rank process group (gloo on CPU, nccl on GPU) with the CPU shim enabled, for the
+    single-process device checks; MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE already set are kept."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    from megatron_s3ac.models import cpu_compat
+
+    cpu_compat.enable()
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=0, world_size=1)
+
+
 def _context():
     global _CTX
     if _CTX is None:

@@ -4,14 +4,8 @@ import math
 import pytest
 import torch
 
-from megatron_s3ac.algorithms import (
-    approx_kl,
-    entropy_from_logits,
-    explained_variance,
-    grad_norm_split,
-    masked_fraction,
-    value_error,
-)
+from megatron_s3ac.algorithms.metrics import approx_kl, entropy_from_logits, explained_variance, grad_norm_split
+from megatron_s3ac.algorithms.metrics import masked_fraction, value_error
 
 
 def test_explained_variance_hand_cases():

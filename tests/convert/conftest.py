@@ -1,7 +1,7 @@
 """Tiny random HF checkpoints (hub layout) and their converted torch_dist checkpoints, per session."""
 import pytest
 
-from megatron_s3ac.testing.tiny_models import save_tiny_hf
+from megatron_s3ac.testing.tiny_models import convert_all, save_tiny_hf
 
 # name -> (model_type, config overrides)
 MODELS = {
@@ -21,11 +21,4 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def mcore_dirs(hf_dirs, tmp_path_factory):
-    from megatron_s3ac.convert import hf_to_mcore
-
-    root = tmp_path_factory.mktemp("mcore")
-    out = {}
-    for name, d in hf_dirs.items():
-        out[name] = str(root / name)
-        hf_to_mcore(d, out[name], workers=2, progress=False)
-    return out
+    return convert_all(hf_dirs, tmp_path_factory.mktemp("mcore"))

@@ -85,6 +85,28 @@ def read_ckpt(cfg_dict, role, layout, ckpt_dir):
     return {k: v.detach().clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
 
 
+def check_layout(cfg, role, layout, world, ref_dir, tmp_path, ref_out, ref_grads, label=""):
+    """Run ``role`` at ``layout`` on ``world`` ranks from the reference weights in ``ref_dir / "w"``:
+    every rank's output equals the single-rank ``ref_out``, and every gradient (saved by the layout run,
+    read back at one rank) equals ``ref_grads``, most of them nonzero."""
+    from megatron_s3ac.models.parallel import ParallelLayout
+
+    outs = run_distributed(run_layout, world, cfg, role, layout, str(ref_dir / "w"), str(tmp_path / "g"), False)
+    outs = [o for o in outs if o is not None]
+    assert outs, "no rank returned outputs"
+    for o in outs:
+        print(f"{label}: max |out diff| = {(o - ref_out).abs().max().item():.3e}")
+        assert o.shape == ref_out.shape
+        torch.testing.assert_close(o, ref_out, atol=1e-5, rtol=0)
+    grads = run_distributed(read_ckpt, 1, cfg, role, ParallelLayout(), str(tmp_path / "g"))[0]
+    assert grads.keys() == ref_grads.keys()
+    nonzero = 0
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], atol=2e-5, rtol=1e-4, msg=lambda m: f"{k}: {m}")
+        nonzero += int(ref_grads[k].abs().sum() > 0)
+    assert nonzero > len(ref_grads) // 2  # the comparison is not vacuous
+
+
 LAYOUTS = {
     "tp2": (2, dict(tp=2)),
     "ep2": (2, dict(ep=2)),
@@ -123,16 +145,4 @@ def test_layout_matches_single_rank(refs, model_type, role, layout_name, tmp_pat
 
     cfg, d, ref_out, ref_grads = refs(model_type, role)
     world, kw = LAYOUTS[layout_name]
-    outs = run_distributed(run_layout, world, cfg, role, ParallelLayout(**kw), str(d / "w"), str(tmp_path / "g"), False)
-    outs = [o for o in outs if o is not None]
-    assert outs, "no rank returned outputs"
-    for o in outs:
-        assert o.shape == ref_out.shape
-        torch.testing.assert_close(o, ref_out, atol=1e-5, rtol=0)
-    grads = run_distributed(read_ckpt, 1, cfg, role, ParallelLayout(), str(tmp_path / "g"))[0]
-    assert grads.keys() == ref_grads.keys()
-    nonzero = 0
-    for k in ref_grads:
-        torch.testing.assert_close(grads[k], ref_grads[k], atol=2e-5, rtol=1e-4, msg=lambda m: f"{k}: {m}")
-        nonzero += int(ref_grads[k].abs().sum() > 0)
-    assert nonzero > len(ref_grads) // 2  # the comparison is not vacuous
+    check_layout(cfg, role, ParallelLayout(**kw), world, d, tmp_path, ref_out, ref_grads, f"{model_type} {role} {layout_name}")

@@ -20,15 +20,6 @@ MODES = {"none": dict(recompute="none"), "full": dict(recompute="full"),
          "selective": dict(recompute="selective", recompute_modules=SELECTIVE)}
 
 
-def _grads(model):
-    return {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _one_hot(mb_routes, layer, num_experts):
-    idx = mb_routes.layer(layer)
-    return torch.zeros(idx.shape[0], num_experts, dtype=torch.bool).scatter_(1, idx, True)
-
-
 def _build(layout, mode):
     """C.build with the recompute settings passed through build_transformer_config's own switch."""
     import torch.distributed as dist
@@ -49,8 +40,6 @@ def _build(layout, mode):
 
 
 def run_modes(layout):
-    from megatron_s3ac.r3.replay import routing_replay
-
     smp = C.samples()
     out, calls = {}, {}
     for mode in MODES:
@@ -58,21 +47,11 @@ def run_modes(layout):
             info, config, model, ddp = _build(layout, mode)
             if mode == "full":
                 assert config.recompute_granularity == "full" and config.recompute_num_layers == 1
-            mbs, pls, sids = C.microbatches("padded", smp)
-            routes = C.aligned(ddp, config, info, mbs, pls, sids, smp)
-            used = C.UsedExperts(model)
-            ddp.zero_grad_buffer()
-            if replay:
-                with routing_replay([ddp], routes):
-                    C.run(ddp, info, mbs, forward_only=False)
-            else:
-                C.run(ddp, info, mbs, forward_only=False)
-            used.remove()
-            out[(mode, replay)] = _grads(model)
+            out[(mode, replay)], used, routes, _ = C.train_step_recording(ddp, config, info, model, smp, replay)
             if replay:
                 calls[mode] = {}
                 for layer, maps in used.maps.items():
-                    want = [_one_hot(r, layer, info.num_experts) for r in routes]
+                    want = [C.one_hot(r, layer, info.num_experts) for r in routes]
                     # router calls per micro-batch whose routing map equals that micro-batch's routes
                     calls[mode][layer] = ([sum(bool(torch.equal(m, w)) for m in maps) for w in want], len(maps))
     return out, calls

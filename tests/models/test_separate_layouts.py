@@ -30,18 +30,18 @@ def _two_layouts(cfg_dict, actor_layout, critic_layout, actor_ckpt, critic_ckpt,
     actor_ctx = ParallelContext(actor_layout, seed=3)
     critic_ctx = ParallelContext(critic_layout, seed=3)
 
-    with actor_ctx.active():
-        assert parallel_state.get_tensor_model_parallel_world_size() == actor_layout.tp
-        a_cfg = build_transformer_config(info, actor_layout)
-        actor = build_actor(info, a_cfg)
-        actor.load_state_dict(dist_checkpointing.load(actor.sharded_state_dict(), actor_ckpt))
-        a_ddp = wrap_ddp(actor, a_cfg, distributed_optimizer=False)
-    with critic_ctx.active():
-        assert parallel_state.get_expert_model_parallel_world_size() == critic_layout.ep
-        c_cfg = build_transformer_config(info, critic_layout)
-        critic = build_critic(info, c_cfg)
-        critic.load_state_dict(dist_checkpointing.load(critic.sharded_state_dict(), critic_ckpt))
-        c_ddp = wrap_ddp(critic, c_cfg, distributed_optimizer=False)
+    def load_in(ctx, layout, build, ckpt):
+        """build(info, config) at ``layout`` inside ``ctx``, loaded from ``ckpt``: (model, DDP)."""
+        with ctx.active():
+            assert parallel_state.get_tensor_model_parallel_world_size() == layout.tp
+            assert parallel_state.get_expert_model_parallel_world_size() == layout.ep
+            cfg = build_transformer_config(info, layout)
+            model = build(info, cfg)
+            model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt))
+            return model, wrap_ddp(model, cfg, distributed_optimizer=False)
+
+    _, a_ddp = load_in(actor_ctx, actor_layout, build_actor, actor_ckpt)
+    critic, c_ddp = load_in(critic_ctx, critic_layout, build_critic, critic_ckpt)
 
     ids, target_v = _batch(info.vocab_size)
     mb = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}

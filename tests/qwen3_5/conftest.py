@@ -1,6 +1,7 @@
 """Tiny Qwen3.5-MoE checkpoints (both HF variants / expert layouts) and their torch_dist conversions."""
 import pytest
 
+from megatron_s3ac.testing.tiny_models import convert_all
 from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5
 
 # name -> (variant, expert layout, seed)
@@ -15,11 +16,4 @@ def q35_hf(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def q35_mcore(q35_hf, tmp_path_factory):
-    from megatron_s3ac.convert import hf_to_mcore
-
-    root = tmp_path_factory.mktemp("q35_mcore")
-    out = {}
-    for n, d in q35_hf.items():
-        out[n] = str(root / n)
-        hf_to_mcore(d, out[n], workers=2, progress=False)
-    return out
+    return convert_all(q35_hf, tmp_path_factory.mktemp("q35_mcore"))

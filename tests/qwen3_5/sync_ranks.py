@@ -1,39 +1,11 @@
 """Rank body for tests/qwen3_5/test_weight_sync.py (module-level: the forkserver imports it by name)."""
 import torch
 
+# the text-model rank helpers serve the vision-language sync unchanged
+from tests.rollout.weight_sync_ranks import engine_log_probs, perturb_, trainer_log_probs
+
 # engine kinds: how the rollout engine is built from the vision-language checkpoint / its config
 KINDS = ("multimodal", "text", "config", "config_multimodal")
-
-
-def perturb_(model) -> None:
-    """p += 0.05 * sin(1000 p): elementwise in the value, so every sharding perturbs alike."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.sin(1000.0 * p))
-
-
-def trainer_log_probs(model, info, tokens):
-    """log p(tokens[:, 1:]) [b, s-1] of the megatron actor (last stage, TP rank 0, DP 0; else None)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
-    from megatron_s3ac.models.pipeline import forward_backward
-
-    def loss_fn(batch, output):
-        lp = vocab_parallel_log_probs(output[:, :-1], batch["input_ids"][:, 1:], info.vocab_size)
-        return output.sum() * 0, torch.tensor(1), {"lp": lp.detach()}
-
-    with torch.no_grad():
-        out = forward_backward([model], [{"input_ids": tokens}], loss_fn, forward_only=True)
-    last = ps.get_pipeline_model_parallel_world_size() == 1 or ps.is_pipeline_last_stage()
-    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    return out[0]["lp"].clone() if last and first else None
-
-
-def engine_log_probs(engine, tokens):
-    with torch.no_grad():
-        logits = engine.model(input_ids=tokens).logits.float()
-    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
 
 
 def build_engine(kind, hf_dir, hf_config):

@@ -145,6 +145,35 @@ def aligned(ddp, config, info, mbs, pls, ids_per_mb, smp):
             for mb, pl, sids in zip(mbs, pls, ids_per_mb)]
 
 
+def main_grads(model):
+    """fp32 main_grad copy of every parameter, by name."""
+    return {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def one_hot(mb_routes, layer, num_experts):
+    """A micro-batch's replayed routes at ``layer`` as a [tokens, E] bool routing map."""
+    idx = mb_routes.layer(layer)
+    return torch.zeros(idx.shape[0], num_experts, dtype=torch.bool).scatter_(1, idx, True)
+
+
+def train_step_recording(ddp, config, info, model, smp, replay):
+    """forward+backward over the padded micro-batches of smp (under routing replay of the rollout's
+    routes when ``replay``), hooking every router. Returns (main_grads, UsedExperts, routes, mbs)."""
+    from megatron_s3ac.r3.replay import routing_replay
+
+    mbs, pls, sids = microbatches("padded", smp)
+    routes = aligned(ddp, config, info, mbs, pls, sids, smp)
+    used = UsedExperts(model)
+    ddp.zero_grad_buffer()
+    if replay:
+        with routing_replay([ddp], routes):
+            run(ddp, info, mbs, forward_only=False)
+    else:
+        run(ddp, info, mbs, forward_only=False)
+    used.remove()
+    return main_grads(model), used, routes, mbs
+
+
 class UsedExperts:
     """Forward hooks on every TopKRouter of a model: the routing_map each forward actually produced
     (what the token dispatcher sends tokens by), per global layer, one [tokens, E] bool per call."""

@@ -12,38 +12,17 @@ from tests.r3 import _r3_common as C
 RECOMPUTE = dict(recompute="full", recompute_num_layers=1)
 
 
-def _grads(model):
-    return {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _one_hot(mb_routes, layer, num_experts):
-    idx = mb_routes.layer(layer)
-    return torch.zeros(idx.shape[0], num_experts, dtype=torch.bool).scatter_(1, idx, True)
-
-
 def run_recompute(layout):
-    from megatron_s3ac.r3.replay import routing_replay
-
     smp = C.samples()
     out = {}
     for name, overrides, replay in (("plain", {}, True), ("recompute", RECOMPUTE, True), ("native", {}, False)):
         info, config, model, ddp = C.build(layout, **overrides)
-        mbs, pls, sids = C.microbatches("padded", smp)
-        routes = C.aligned(ddp, config, info, mbs, pls, sids, smp)
-        used = C.UsedExperts(model)
-        ddp.zero_grad_buffer()
-        if replay:
-            with routing_replay([ddp], routes):
-                C.run(ddp, info, mbs, forward_only=False)
-        else:
-            C.run(ddp, info, mbs, forward_only=False)
-        used.remove()
-        out[name] = _grads(model)
+        out[name], used, routes, mbs = C.train_step_recording(ddp, config, info, model, smp, replay)
         if name == "recompute":
             # each micro-batch's routers ran twice (no-grad forward + recompute), both with its routes
             for layer, maps in used.maps.items():
                 assert len(maps) == 2 * len(mbs)
-                want = [_one_hot(r, layer, info.num_experts) for r in routes]
+                want = [C.one_hot(r, layer, info.num_experts) for r in routes]
                 hits = [sum(bool(torch.equal(m, w)) for m in maps) for w in want]
                 assert hits == [2] * len(mbs), f"layer {layer}: per-micro-batch matches {hits}"
     return out

@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     from megatron_s3ac.models.parallel import ParallelLayout, initialize_model_parallel
     from megatron_s3ac.models.registry import model_info
     from megatron_s3ac.plan import constants as C
+    from megatron_s3ac.plan.measure import saved_storages
     from megatron_s3ac.plan.memory import Knobs, activation_bytes, layer_kinds, logits_bytes
 
     cpu_compat.enable()
@@ -87,26 +88,16 @@ def main(argv=None) -> int:
     except ImportError:
         kernel = "torch (no fla)"
     static = torch.cuda.memory_allocated()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     print(f"slice: {info.num_layers} layers {layer_kinds(info)}, {args.experts} experts, GDN kernel {kernel}; "
           f"params {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B, static {static / C.GIB:.2f} GiB, "
           f"CUDA context ~{context:.2f} GiB", flush=True)
     ratios = {"gpu": [], "cpu": []}
     frag = []
     for s in args.tokens:
-        seen: dict[int, int] = {}
-
-        def pack(t):
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr not in params and ptr not in seen:
-                seen[ptr] = st.nbytes()
-            return t
-
         torch.cuda.reset_peak_memory_stats()
         ids = torch.randint(0, info.vocab_size, (1, s), device="cuda")
         pos = torch.arange(s, device="cuda").unsqueeze(0)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages(model) as seen:
             logits = model(ids, pos, None)
             lp = vocab_parallel_log_probs(logits, ids, info.vocab_size)
         saved = sum(seen.values())

@@ -26,17 +26,9 @@ B, S = 2, 96
 
 
 def _setup(backend):
-    import torch.distributed as dist
+    from megatron_s3ac.testing.dist import init_single_process
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29556")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    from megatron_s3ac.models import cpu_compat
-
-    cpu_compat.enable()
-    if not dist.is_initialized():
-        dist.init_process_group(backend, rank=0, world_size=1)
+    init_single_process(backend, port=29556)
 
 
 def _model(cfg, dtype=torch.float32, device="cpu"):
