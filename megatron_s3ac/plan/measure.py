@@ -114,10 +114,8 @@ def measure_activations(hf: dict, layout_kw: dict, dtype: str = "float32", seq_l
     layout = ParallelLayout(**layout_kw)
     initialize_model_parallel(layout)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    over = {}
-    if recompute == "full":
-        over = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    config = build_transformer_config(info, layout, tdtype, **over)
+    # full: megatron's recompute_granularity="full", recompute_method="uniform", 1 layer per chunk
+    config = build_transformer_config(info, layout, tdtype, recompute=recompute)
     model = build_actor(info, config)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, info.vocab_size, (batch, seq_len), generator=g)
