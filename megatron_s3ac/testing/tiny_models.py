@@ -87,3 +87,12 @@ def convert_all(hf_dirs: dict, root) -> dict:
         out[name] = os.path.join(str(root), name)
         hf_to_mcore(d, out[name], workers=2, progress=False)
     return out
+
+
+def next_token_nll(info, logits, ids):
+    """Mean next-token negative log-likelihood (fp32) of ``ids`` [B, T] under ``logits`` [B, T, V_padded];
+    the padded vocabulary columns are cut to ``info.vocab_size`` (the device checks' reference loss)."""
+    import torch
+
+    lp = torch.log_softmax(logits[..., :info.vocab_size].float(), -1)
+    return -lp[:, :-1].gather(-1, ids[:, 1:, None]).mean()

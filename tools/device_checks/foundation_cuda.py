@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from megatron_s3ac.testing.tiny_models import next_token_nll
+
 
 def _setup(backend):
     from megatron_s3ac.testing.dist import init_single_process
@@ -34,11 +36,6 @@ def _model(dtype=torch.float32, device="cpu"):
     return info, build_actor(info, cfg, use_te=False).to(device)
 
 
-def _loss(info, logits, ids):
-    lp = torch.log_softmax(logits[..., :info.vocab_size].float(), -1)
-    return -lp[:, :-1].gather(-1, ids[:, 1:, None]).mean()
-
-
 def prepare(d):
     from megatron.core import dist_checkpointing
 
@@ -49,7 +46,7 @@ def prepare(d):
     ids = torch.randint(0, info.vocab_size, (4, 64), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(64).expand(4, -1)
     logits = m(ids, pos, None)
-    _loss(info, logits, ids).backward()
+    next_token_nll(info, logits, ids).backward()
     grads = {n: p.grad.clone() for n, p in m.named_parameters()}
     torch.save({"ids": ids, "logits": logits.detach(), "grads": grads}, d + "/ref.pt")
     print("prepared", d, tuple(logits.shape))
@@ -72,7 +69,7 @@ def run(d):
         pos = torch.arange(ids.shape[1], device="cuda").expand(ids.shape[0], -1)
         torch.cuda.synchronize(); t = time.time()
         logits = m(ids, pos, None)
-        loss = _loss(info, logits, ids)
+        loss = next_token_nll(info, logits, ids)
         loss.backward()
         torch.cuda.synchronize()
         diff = (logits.float().cpu() - ref["logits"]).abs().max().item()

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from megatron_s3ac.testing.tiny_models import next_token_nll
+
 TEXT = dict(vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=64,
             shared_expert_intermediate_size=64)
@@ -42,11 +44,6 @@ def _model(cfg, dtype=torch.float32, device="cpu"):
     return info, build_actor(info, config, use_te=False).to(device)
 
 
-def _loss(info, logits, ids):
-    lp = torch.log_softmax(logits[..., :info.vocab_size].float(), -1)
-    return -lp[:, :-1].gather(-1, ids[:, 1:, None]).mean()
-
-
 def prepare(d):
     from megatron.core import dist_checkpointing
 
@@ -65,7 +62,7 @@ def prepare(d):
     info, m = _model(cfg)
     m.load_state_dict(dist_checkpointing.load(m.sharded_state_dict(), os.path.join(d, "ckpt")))
     logits = m(ids, torch.arange(S).expand(B, -1), None)
-    _loss(info, logits, ids).backward()
+    next_token_nll(info, logits, ids).backward()
     grads = {n: p.grad.clone() for n, p in m.named_parameters()}
     diff_hf = (logits[..., :info.vocab_size] - ref_hf).abs().max().item()
     # the bf16 yardstick: how far transformers' own bf16 forward of this checkpoint lands from its fp32
@@ -103,7 +100,7 @@ def run(d):
         torch.cuda.synchronize()
         t = time.time()
         logits = m(ids, pos, None)
-        loss = _loss(info, logits, ids)
+        loss = next_token_nll(info, logits, ids)
         loss.backward()
         torch.cuda.synchronize()
         lf = logits.float().cpu()
