@@ -77,18 +77,6 @@ def char_tokenizer(chars: str = "0123456789+="):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
 
 
-def convert_all(hf_dirs: dict, root) -> dict:
-    """hf_to_mcore (2 workers, quiet) of every {name: HF dir} into ``root``/name; {name: torch_dist dir}."""
-    # the submodule's function, not the package attribute (which an earlier import of the submodule shadows)
-    from megatron_s3ac.convert.hf_to_mcore import hf_to_mcore
-
-    out = {}
-    for name, d in hf_dirs.items():
-        out[name] = os.path.join(str(root), name)
-        hf_to_mcore(d, out[name], workers=2, progress=False)
-    return out
-
-
 def next_token_nll(info, logits, ids):
     """Mean next-token negative log-likelihood (fp32) of ``ids`` [B, T] under ``logits`` [B, T, V_padded];
     the padded vocabulary columns are cut to ``info.vocab_size`` (the device checks' reference loss)."""

@@ -1,7 +1,7 @@
 """Tiny Qwen3.5-MoE checkpoints (both HF variants / expert layouts) and their torch_dist conversions."""
 import pytest
 
-from megatron_s3ac.testing.tiny_models import convert_all
+from tests.convert._common import convert_all
 from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5
 
 # name -> (variant, expert layout, seed)
