@@ -12,6 +12,8 @@
   update_critic    clipped value loss, ``critic_epochs`` epochs (S3AC only)
   sync_weights     actor -> engine (the one weight path)
 
+The rollout phases (select_prompts .. rollout_refilled) live in trainer.rollout_phases, the engine side
+(sync_weights, sleep, idle-model offload, scoring) in trainer.engine_side, both mixins of Trainer.
 Construction lives in trainer.build, the mini-batch runner and forward pass in trainer.minibatch,
 per-micro-batch losses in trainer.losses, R3 in r3.glue, evaluation in eval.periodic. Parallelism:
 rows are sharded over each model's DP ranks in every pass; the critic may use its own layout
@@ -28,13 +30,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
-from megatron_s3ac.algorithms.registry import AdvInputs, clamp_values, get_adv_est, get_algo
+from megatron_s3ac.algorithms.registry import AdvInputs, get_adv_est, get_algo
 from megatron_s3ac.trainer import build as B
 from megatron_s3ac.trainer.batch import RolloutBatch, collate
 from megatron_s3ac.trainer.config import Config, model_info_for, validate
+from megatron_s3ac.trainer.engine_side import EngineSide
 from megatron_s3ac.trainer.losses import actor_loss, critic_loss, forward_outputs
 from megatron_s3ac.trainer.metrics import token_means, world_mean
 from megatron_s3ac.trainer.minibatch import MicroBatcher, forward_only, run_minibatches, shuffled_minibatches
+from megatron_s3ac.trainer.rollout_phases import RolloutPhases
 
 
 def _r3_setting(cfg: Config, info):
@@ -42,7 +46,7 @@ def _r3_setting(cfg: Config, info):
     return B.r3_setting(cfg, info)
 
 
-class Trainer:
+class Trainer(EngineSide, RolloutPhases):
     """Actor (+ critic for S3AC), optimizers, rollout engine (rank 0), prompt stream, DAPS, evaluation."""
 
     def __init__(self, cfg: Config):
@@ -128,81 +132,6 @@ class Trainer:
             return contextlib.nullcontext()
         return (self.critic_ctx if which == "critic" else self.actor_ctx).active()
 
-    # ---- the engine: weight sync, sleep ----------------------------------------------------------
-    def sync_weights(self):
-        """The one weight path, actor -> engine. Collective: every rank joins the export; rank 0's
-        engine receives every pipeline stage's tensors (rollout.weight_sync gathers them).
-        SGLang engines (sessions): the whole sync is one weight-update session (``SessionSync``), checked
-        complete, and a colocated engine wakes in sglang's order: weights -> sync -> kv_cache + cuda_graph."""
-        from megatron_s3ac.rollout.sglang_engine import SessionSync
-        from megatron_s3ac.rollout.weight_sync import sync_weights
-
-        chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
-        target, sessions, kw = self.engine, hasattr(self.engine, "begin_weight_update"), {}
-        if sessions:
-            sg = self.cfg.rollout.sglang
-            target = SessionSync(self.engine, require_complete=True, flattened=sg.flattened_buckets)
-            kw["bucket_bytes"] = sg.bucket_bytes
-        woke = self.engine is not None and self._engine_asleep
-        if woke:
-            # weights re-allocated but stale: the sync below must refill every one
-            self.engine.wake(["weights"]) if sessions else self.engine.wake()
-            self._engine_asleep = False
-        if self.cfg.rollout.weights_dtype == "fp8":  # every rank: stage leaders quantize before the transfer
-            from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, quantize_stream
-
-            keep = self.cfg.rollout.fp8_keep
-            kw["quantize"] = partial(quantize_stream, keep=DEFAULT_KEEP if keep is None else tuple(keep))
-        stats = sync_weights(chunks, self.info, target, **kw)
-        if woke and sessions:
-            self.engine.wake(["kv_cache", "cuda_graph"])
-        return stats
-
-    # ---- idle-model offload (train.offload_idle) -------------------------------------------------
-    def _place(self, m: dict, on=(), off=()) -> None:
-        """Models in ``off`` to host memory, those in ``on`` back (no-op without train.offload_idle);
-        seconds and bytes go to ``m`` (time/offload, mem/offload_gb, mem/<model>_<kind>_gb)."""
-        if not self.cfg.train.offload_idle:
-            return
-        from megatron_s3ac.models.offload import HostOffload
-
-        if not hasattr(self, "_offloaders"):
-            self._offloaders = {"actor": HostOffload([self.actor_ddp], self.actor_opt)}
-            if self.critic_ddp is not None:
-                self._offloaders["critic"] = HostOffload([self.critic_ddp], self.critic_opt)
-        for name in off:
-            h = self._offloaders.get(name)
-            if h is not None and not h.on_host:
-                st = h.offload()
-                m["time/offload"] = m.get("time/offload", 0.0) + st.seconds
-                m["mem/offload_gb"] = m.get("mem/offload_gb", 0.0) + st.total_bytes / 2**30
-                m.update({k: v for k, v in st.metrics(name).items() if k.startswith("mem/")})
-        for name in on:
-            h = self._offloaders.get(name)
-            if h is not None and h.on_host:
-                m["time/offload"] = m.get("time/offload", 0.0) + h.onload().seconds
-
-    def _engine_sleep(self) -> None:
-        """Colocated placement: release the engine's weights while the models train (rank 0)."""
-        if self.engine is not None and self.cfg.rollout.placement == "colocated":
-            self.engine.sleep()
-            self._engine_asleep = True
-
-    def _reward_pool(self):
-        """One verifier pool per run (rank 0), shared by rollouts and evaluation."""
-        if self.reward_pool is None:
-            from megatron_s3ac.rollout.rewards import RewardPool
-
-            self.reward_pool = RewardPool(num_workers=self.cfg.rollout.reward_workers,
-                                          timeout_s=self.cfg.rollout.reward_timeout_s)
-        return self.reward_pool
-
-    def _score(self, responses: list[str], references: list[str]) -> list[float]:
-        from megatron_s3ac.rollout.rewards import get_reward, score_answers
-
-        name = self.cfg.rollout.reward
-        return score_answers(name, responses, references, self._reward_pool() if get_reward(name).isolate else None)
-
     # ---- forward passes ----------------------------------------------------------------------
     def _forward_only(self, which: str, batch: RolloutBatch, what: str) -> dict:
         """Per-response-token outputs [N, T] of every row, on every rank. what: "values" (critic),
@@ -254,135 +183,6 @@ class Trainer:
         return res
 
     # ---- the phases of one step ----------------------------------------------------------------
-    def select_prompts(self, n: int | None = None) -> tuple[torch.Tensor, dict]:
-        """Prompt indices [n] (default prompts_per_step) and DAPS statistics."""
-        n = n or self.cfg.rollout.prompts_per_step
-        self._last_v0 = None
-        if self.daps is None:
-            return self.stream.take(n), {}
-        # small chunks: daps/acceptance_rate = accepted / drawn counts the whole last chunk as considered,
-        # so with fill's default chunk (2x batch) it read 0.5 at every step, even when all were accepted
-        sel = self.daps.fill(draw=self.stream.take, score=self._v0_for_daps, batch_size=n, step=self.step_idx,
-                             chunk_size=max(1, n // 4))
-        stats = dict(sel.stats)
-        if self._last_v0 is not None:
-            stats["daps/v0_mean"] = float(self._last_v0.mean())
-        return sel.ids, stats
-
-    def _v0_for_daps(self, pids: torch.Tensor) -> torch.Tensor:
-        v0 = clamp_values(self.critic_v0(pids), self.cfg.algo)
-        self._last_v0 = v0
-        return v0
-
-    def rollout(self, pids: torch.Tensor, round_idx: int = 0) -> list[dict]:
-        """Rank 0 generates and scores; every rank receives the same list of sample dicts.
-        round_idx: the refill round within the step (0 = the step's first rollout), for its own seed."""
-        from megatron_s3ac.rollout.base import SamplingParams
-
-        r = self.cfg.rollout
-        payload = [None]
-        if self.rank == 0:
-            params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                    seed=self.cfg.train.seed * 1_000_003 + self.step_idx + 7919 * round_idx)
-            groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
-                                          return_routed_experts=self.r3_on)
-            # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
-            # need all K samples; counted in rollout/aborted*
-            aborted = sum(s.finish_reason == "abort" for g in groups for s in g)
-            kept = [(pid, g) for pid, g in zip(pids.tolist(), groups) if all(s.finish_reason != "abort" for s in g)]
-            self._aborted = (aborted, len(groups) - len(kept))
-            flat = [(pid, s) for pid, group in kept for s in group]
-            rewards = self._score([self.decode(s.response_ids) for _, s in flat],
-                                  [self.prompts[pid].reference for pid, _ in flat]) if flat else []
-            payload = [[{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
-                         "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
-                         "finish": s.finish_reason, "routes": s.routed_experts}
-                        for (pid, s), rew in zip(flat, rewards)]]
-            payload = [(payload[0], self._aborted)]
-        dist.broadcast_object_list(payload, src=0)
-        samples, self._aborted = payload[0]
-        return samples
-
-    def rollout_metrics(self, samples: list[dict], batch: RolloutBatch) -> dict:
-        aborted = getattr(self, "_aborted", (0, 0))
-        m = {"rollout/aborted": aborted[0], "rollout/aborted_groups": aborted[1],
-             "rollout/reward_mean": float(batch.scores.mean()),
-             "rollout/pass_rate": float((batch.scores > 0).float().mean()),
-             "rollout/response_len": float(batch.resp_len.float().mean()),
-             "rollout/truncated_frac": sum(s["finish"] == "length" for s in samples) / len(samples)}
-        if self.reward_pool is not None:  # verifier health (rank 0 only; cumulative counts)
-            st = self.reward_pool.stats
-            m.update({"reward/timeouts": st.timeouts, "reward/crashes": st.crashes, "reward/errors": st.errors})
-        return m
-
-    def filter_groups(self, batch: RolloutBatch) -> tuple[RolloutBatch | None, dict]:
-        """DAPO dynamic sampling: drop groups whose K rewards are all equal; None if nothing is left."""
-        if not (self.cfg.rollout.k > 1 and self.cfg.algo.dynamic_sampling):
-            return batch, {}
-        keep, fstats = A.dynamic_sampling_filter(batch.scores, group_size=self.cfg.rollout.k)
-        m = {f"filter/{k}": v for k, v in fstats.items()}
-        if int(keep.sum()) == 0:
-            return None, {**m, "filter/empty_batch": 1}
-        return batch.select(keep.nonzero()[:, 0]), m
-
-    def rollout_once(self, m: dict) -> tuple[list[dict], RolloutBatch | None, RolloutBatch | None, dict]:
-        """Select, roll out and filter once (no refill). Returns (samples, their batch, the kept batch,
-        metrics); the batches are None when every group aborted, the kept one when the filter left nothing."""
-        pids, stats = self.select_prompts()
-        self._place(m, off=["actor", "critic"])  # the engine generates
-        samples = self.rollout(pids)
-        if not samples:
-            return samples, None, None, stats
-        drawn = collate(samples, self.pad_to)
-        if self.daps is not None:
-            self.daps.update(drawn.pid, drawn.scores, step=self.step_idx)
-        batch, fm = self.filter_groups(drawn)
-        return samples, drawn, batch, {**stats, **fm}
-
-    def rollout_refilled(self) -> tuple[list[dict], RolloutBatch, RolloutBatch | None, dict]:
-        """DAPO dynamic sampling with refill (``algo.dynamic_sampling_refill``): select and roll out
-        prompt groups until ``prompts_per_step`` informative ones are kept, drawing at most
-        ``refill_max_factor`` x prompts_per_step groups (algorithms.filters.dynamic_sampling_refill).
-        Returns (every drawn sample, their batch, the kept batch or None, metrics); DAPS sees every
-        drawn group's outcomes."""
-        import math
-
-        k, target = self.cfg.rollout.k, self.cfg.rollout.prompts_per_step
-        drawn, stats, rounds, aborted = [], {}, [0], [0, 0]
-
-        def draw(n):
-            pids, st = self.select_prompts(n)
-            for key, v in st.items():
-                stats.setdefault(key, v)  # the first round's selection statistics
-            samples = self.rollout(pids, round_idx=rounds[0])
-            rounds[0] += 1
-            aborted[0] += self._aborted[0]
-            aborted[1] += self._aborted[1]
-            # rollout drops a group with an aborted sample: it counts as drawn and uninformative
-            got = len(samples) // k
-            scores = torch.zeros(n, k)
-            if samples:
-                b = collate(samples, self.pad_to)
-                if self.daps is not None:
-                    self.daps.update(b.pid, b.scores, step=self.step_idx)
-                scores[:got] = b.scores.reshape(got, k)
-                drawn.extend(samples)
-            return [samples[i * k:(i + 1) * k] for i in range(got)] + [None] * (n - got), scores
-
-        kept, st = A.dynamic_sampling_refill(draw, target, max_groups=max(target, math.floor(
-            self.cfg.algo.refill_max_factor * target)))
-        m = {**stats, "filter/kept_groups": st["kept_groups"], "filter/discarded_groups": st["discarded_groups"],
-             "filter/kept_trajectories": st["kept_groups"] * k, "filter/discarded_trajectories": st["discarded_groups"] * k,
-             "refill/rounds": st["rounds"], "refill/drawn_groups": st["drawn_groups"],
-             "refill/surplus_groups": st["surplus_groups"], "refill/reached_target": float(st["reached_target"])}
-        self._aborted = tuple(aborted)
-        if not drawn:
-            return drawn, None, None, m
-        all_batch = collate(drawn, self.pad_to)
-        if not kept:
-            return drawn, all_batch, None, {**m, "filter/empty_batch": 1}
-        return drawn, all_batch, collate([s for g in kept for s in g], self.pad_to), m
-
     def old_logprobs(self, batch: RolloutBatch) -> dict:
         """batch.old_logp := the actor's log-probs before this step's updates (+ entropy, R3 metrics)."""
         old = self._forward_only("actor", batch, "logp")

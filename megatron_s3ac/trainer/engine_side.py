@@ -1,0 +1,82 @@
+"""The trainer's engine side: the one weight path actor -> engine (SGLang sessions, FP8 quantizer,
+colocated wake order), colocated sleep, idle-model host offload, and reward scoring (rank 0).
+A mixin of ``trainer.loop.Trainer``: it uses the Trainer's engine, models, config and reward pool."""
+from __future__ import annotations
+
+from functools import partial
+
+
+class EngineSide:
+    def sync_weights(self):
+        """The one weight path, actor -> engine. Collective: every rank joins the export; rank 0's
+        engine receives every pipeline stage's tensors (rollout.weight_sync gathers them).
+        SGLang engines (sessions): the whole sync is one weight-update session (``SessionSync``), checked
+        complete, and a colocated engine wakes in sglang's order: weights -> sync -> kv_cache + cuda_graph."""
+        from megatron_s3ac.rollout.sglang_engine import SessionSync
+        from megatron_s3ac.rollout.weight_sync import sync_weights
+
+        chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
+        target, sessions, kw = self.engine, hasattr(self.engine, "begin_weight_update"), {}
+        if sessions:
+            sg = self.cfg.rollout.sglang
+            target = SessionSync(self.engine, require_complete=True, flattened=sg.flattened_buckets)
+            kw["bucket_bytes"] = sg.bucket_bytes
+        woke = self.engine is not None and self._engine_asleep
+        if woke:
+            # weights re-allocated but stale: the sync below must refill every one
+            self.engine.wake(["weights"]) if sessions else self.engine.wake()
+            self._engine_asleep = False
+        if self.cfg.rollout.weights_dtype == "fp8":  # every rank: stage leaders quantize before the transfer
+            from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, quantize_stream
+
+            keep = self.cfg.rollout.fp8_keep
+            kw["quantize"] = partial(quantize_stream, keep=DEFAULT_KEEP if keep is None else tuple(keep))
+        stats = sync_weights(chunks, self.info, target, **kw)
+        if woke and sessions:
+            self.engine.wake(["kv_cache", "cuda_graph"])
+        return stats
+
+    # ---- idle-model offload (train.offload_idle) -------------------------------------------------
+    def _place(self, m: dict, on=(), off=()) -> None:
+        """Models in ``off`` to host memory, those in ``on`` back (no-op without train.offload_idle);
+        seconds and bytes go to ``m`` (time/offload, mem/offload_gb, mem/<model>_<kind>_gb)."""
+        if not self.cfg.train.offload_idle:
+            return
+        from megatron_s3ac.models.offload import HostOffload
+
+        if not hasattr(self, "_offloaders"):
+            self._offloaders = {"actor": HostOffload([self.actor_ddp], self.actor_opt)}
+            if self.critic_ddp is not None:
+                self._offloaders["critic"] = HostOffload([self.critic_ddp], self.critic_opt)
+        for name in off:
+            h = self._offloaders.get(name)
+            if h is not None and not h.on_host:
+                st = h.offload()
+                m["time/offload"] = m.get("time/offload", 0.0) + st.seconds
+                m["mem/offload_gb"] = m.get("mem/offload_gb", 0.0) + st.total_bytes / 2**30
+                m.update({k: v for k, v in st.metrics(name).items() if k.startswith("mem/")})
+        for name in on:
+            h = self._offloaders.get(name)
+            if h is not None and h.on_host:
+                m["time/offload"] = m.get("time/offload", 0.0) + h.onload().seconds
+
+    def _engine_sleep(self) -> None:
+        """Colocated placement: release the engine's weights while the models train (rank 0)."""
+        if self.engine is not None and self.cfg.rollout.placement == "colocated":
+            self.engine.sleep()
+            self._engine_asleep = True
+
+    def _reward_pool(self):
+        """One verifier pool per run (rank 0), shared by rollouts and evaluation."""
+        if self.reward_pool is None:
+            from megatron_s3ac.rollout.rewards import RewardPool
+
+            self.reward_pool = RewardPool(num_workers=self.cfg.rollout.reward_workers,
+                                          timeout_s=self.cfg.rollout.reward_timeout_s)
+        return self.reward_pool
+
+    def _score(self, responses: list[str], references: list[str]) -> list[float]:
+        from megatron_s3ac.rollout.rewards import get_reward, score_answers
+
+        name = self.cfg.rollout.reward
+        return score_answers(name, responses, references, self._reward_pool() if get_reward(name).isolate else None)

@@ -1,0 +1,142 @@
+"""The rollout phases of one step: prompt selection (DAPS or the seeded stream), generation and scoring
+on rank 0 (broadcast to every rank), the DAPO group filter, and DAPO refill rounds.
+A mixin of ``trainer.loop.Trainer``: it uses the Trainer's engine, prompts, DAPS sampler and critic."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_s3ac import algorithms as A
+from megatron_s3ac.algorithms.registry import clamp_values
+from megatron_s3ac.trainer.batch import RolloutBatch, collate
+
+
+class RolloutPhases:
+    def select_prompts(self, n: int | None = None) -> tuple[torch.Tensor, dict]:
+        """Prompt indices [n] (default prompts_per_step) and DAPS statistics."""
+        n = n or self.cfg.rollout.prompts_per_step
+        self._last_v0 = None
+        if self.daps is None:
+            return self.stream.take(n), {}
+        # small chunks: daps/acceptance_rate = accepted / drawn counts the whole last chunk as considered,
+        # so with fill's default chunk (2x batch) it read 0.5 at every step, even when all were accepted
+        sel = self.daps.fill(draw=self.stream.take, score=self._v0_for_daps, batch_size=n, step=self.step_idx,
+                             chunk_size=max(1, n // 4))
+        stats = dict(sel.stats)
+        if self._last_v0 is not None:
+            stats["daps/v0_mean"] = float(self._last_v0.mean())
+        return sel.ids, stats
+
+    def _v0_for_daps(self, pids: torch.Tensor) -> torch.Tensor:
+        v0 = clamp_values(self.critic_v0(pids), self.cfg.algo)
+        self._last_v0 = v0
+        return v0
+
+    def rollout(self, pids: torch.Tensor, round_idx: int = 0) -> list[dict]:
+        """Rank 0 generates and scores; every rank receives the same list of sample dicts.
+        round_idx: the refill round within the step (0 = the step's first rollout), for its own seed."""
+        from megatron_s3ac.rollout.base import SamplingParams
+
+        r = self.cfg.rollout
+        payload = [None]
+        if self.rank == 0:
+            params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                    seed=self.cfg.train.seed * 1_000_003 + self.step_idx + 7919 * round_idx)
+            groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
+                                          return_routed_experts=self.r3_on)
+            # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
+            # need all K samples; counted in rollout/aborted*
+            aborted = sum(s.finish_reason == "abort" for g in groups for s in g)
+            kept = [(pid, g) for pid, g in zip(pids.tolist(), groups) if all(s.finish_reason != "abort" for s in g)]
+            self._aborted = (aborted, len(groups) - len(kept))
+            flat = [(pid, s) for pid, group in kept for s in group]
+            rewards = self._score([self.decode(s.response_ids) for _, s in flat],
+                                  [self.prompts[pid].reference for pid, _ in flat]) if flat else []
+            payload = [[{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
+                         "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
+                         "finish": s.finish_reason, "routes": s.routed_experts}
+                        for (pid, s), rew in zip(flat, rewards)]]
+            payload = [(payload[0], self._aborted)]
+        dist.broadcast_object_list(payload, src=0)
+        samples, self._aborted = payload[0]
+        return samples
+
+    def rollout_metrics(self, samples: list[dict], batch: RolloutBatch) -> dict:
+        aborted = getattr(self, "_aborted", (0, 0))
+        m = {"rollout/aborted": aborted[0], "rollout/aborted_groups": aborted[1],
+             "rollout/reward_mean": float(batch.scores.mean()),
+             "rollout/pass_rate": float((batch.scores > 0).float().mean()),
+             "rollout/response_len": float(batch.resp_len.float().mean()),
+             "rollout/truncated_frac": sum(s["finish"] == "length" for s in samples) / len(samples)}
+        if self.reward_pool is not None:  # verifier health (rank 0 only; cumulative counts)
+            st = self.reward_pool.stats
+            m.update({"reward/timeouts": st.timeouts, "reward/crashes": st.crashes, "reward/errors": st.errors})
+        return m
+
+    def filter_groups(self, batch: RolloutBatch) -> tuple[RolloutBatch | None, dict]:
+        """DAPO dynamic sampling: drop groups whose K rewards are all equal; None if nothing is left."""
+        if not (self.cfg.rollout.k > 1 and self.cfg.algo.dynamic_sampling):
+            return batch, {}
+        keep, fstats = A.dynamic_sampling_filter(batch.scores, group_size=self.cfg.rollout.k)
+        m = {f"filter/{k}": v for k, v in fstats.items()}
+        if int(keep.sum()) == 0:
+            return None, {**m, "filter/empty_batch": 1}
+        return batch.select(keep.nonzero()[:, 0]), m
+
+    def rollout_once(self, m: dict) -> tuple[list[dict], RolloutBatch | None, RolloutBatch | None, dict]:
+        """Select, roll out and filter once (no refill). Returns (samples, their batch, the kept batch,
+        metrics); the batches are None when every group aborted, the kept one when the filter left nothing."""
+        pids, stats = self.select_prompts()
+        self._place(m, off=["actor", "critic"])  # the engine generates
+        samples = self.rollout(pids)
+        if not samples:
+            return samples, None, None, stats
+        drawn = collate(samples, self.pad_to)
+        if self.daps is not None:
+            self.daps.update(drawn.pid, drawn.scores, step=self.step_idx)
+        batch, fm = self.filter_groups(drawn)
+        return samples, drawn, batch, {**stats, **fm}
+
+    def rollout_refilled(self) -> tuple[list[dict], RolloutBatch, RolloutBatch | None, dict]:
+        """DAPO dynamic sampling with refill (``algo.dynamic_sampling_refill``): select and roll out
+        prompt groups until ``prompts_per_step`` informative ones are kept, drawing at most
+        ``refill_max_factor`` x prompts_per_step groups (algorithms.filters.dynamic_sampling_refill).
+        Returns (every drawn sample, their batch, the kept batch or None, metrics); DAPS sees every
+        drawn group's outcomes."""
+        import math
+
+        k, target = self.cfg.rollout.k, self.cfg.rollout.prompts_per_step
+        drawn, stats, rounds, aborted = [], {}, [0], [0, 0]
+
+        def draw(n):
+            pids, st = self.select_prompts(n)
+            for key, v in st.items():
+                stats.setdefault(key, v)  # the first round's selection statistics
+            samples = self.rollout(pids, round_idx=rounds[0])
+            rounds[0] += 1
+            aborted[0] += self._aborted[0]
+            aborted[1] += self._aborted[1]
+            # rollout drops a group with an aborted sample: it counts as drawn and uninformative
+            got = len(samples) // k
+            scores = torch.zeros(n, k)
+            if samples:
+                b = collate(samples, self.pad_to)
+                if self.daps is not None:
+                    self.daps.update(b.pid, b.scores, step=self.step_idx)
+                scores[:got] = b.scores.reshape(got, k)
+                drawn.extend(samples)
+            return [samples[i * k:(i + 1) * k] for i in range(got)] + [None] * (n - got), scores
+
+        kept, st = A.dynamic_sampling_refill(draw, target, max_groups=max(target, math.floor(
+            self.cfg.algo.refill_max_factor * target)))
+        m = {**stats, "filter/kept_groups": st["kept_groups"], "filter/discarded_groups": st["discarded_groups"],
+             "filter/kept_trajectories": st["kept_groups"] * k, "filter/discarded_trajectories": st["discarded_groups"] * k,
+             "refill/rounds": st["rounds"], "refill/drawn_groups": st["drawn_groups"],
+             "refill/surplus_groups": st["surplus_groups"], "refill/reached_target": float(st["reached_target"])}
+        self._aborted = tuple(aborted)
+        if not drawn:
+            return drawn, None, None, m
+        all_batch = collate(drawn, self.pad_to)
+        if not kept:
+            return drawn, all_batch, None, {**m, "filter/empty_batch": 1}
+        return drawn, all_batch, collate([s for g in kept for s in g], self.pad_to), m
