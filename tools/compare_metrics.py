@@ -1,11 +1,14 @@
 """Compare two runs' metrics.jsonl for exact equality, every key at every step (timings excluded).
 
     python tools/compare_metrics.py RUN_A RUN_B [--ignore time/ --ignore eval/...] [--also warmup.jsonl ...]
+                                    [--rel 1e-5 --abs 1e-7]
 
 RUN_A / RUN_B: run directories (their metrics.jsonl, plus any ``--also`` files) or jsonl files.
 Keys starting with an ``--ignore`` prefix (default: ``time/``, ``warmup/time``) are left out. Exit status
 0 when every row has the same keys and values (NaN equals NaN), 1 otherwise; the first differences
-are printed, and a summary line says how many rows and values were compared.
+are printed, and a summary line says how many rows and values were compared. ``--rel`` / ``--abs``:
+floats count as equal within that tolerance (|a - b| <= max(rel * |b|, abs), as pytest.approx); the
+largest relative difference is reported.
 """
 from __future__ import annotations
 
@@ -21,13 +24,31 @@ def _rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _same(a, b) -> bool:
+def _same(a, b, rel: float = 0.0, abs_: float = 0.0) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
+    if (rel or abs_) and isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(b):
+        return abs(a - b) <= max(rel * abs(b), abs_)
     return a == b and type(a) is type(b)
 
 
-def compare(a: list[dict], b: list[dict], ignore: tuple[str, ...]) -> tuple[int, list[str]]:
+def max_rel_diff(a: list[dict], b: list[dict], ignore: tuple[str, ...]) -> tuple[float, str]:
+    """(largest |a - b| / |b| over finite numeric values, where), 0 when all are equal."""
+    worst, where = 0.0, ""
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        for k in ra.keys() & rb.keys():
+            x, y = ra[k], rb[k]
+            if k.startswith(ignore) or not all(isinstance(v, (int, float)) for v in (x, y)):
+                continue
+            if math.isfinite(x) and math.isfinite(y) and x != y:
+                d = abs(x - y) / max(abs(y), 1e-300)
+                if d > worst:
+                    worst, where = d, f"row {i} {k}"
+    return worst, where
+
+
+def compare(a: list[dict], b: list[dict], ignore: tuple[str, ...], rel: float = 0.0,
+            abs_: float = 0.0) -> tuple[int, list[str]]:
     """(values compared, differences) of two lists of metric rows."""
     diffs, n = [], 0
     if len(a) != len(b):
@@ -39,7 +60,7 @@ def compare(a: list[dict], b: list[dict], ignore: tuple[str, ...]) -> tuple[int,
             diffs.append(f"row {i}: keys only in A {sorted(ka - kb)}, only in B {sorted(kb - ka)}")
         for k in sorted(ka & kb):
             n += 1
-            if not _same(ra[k], rb[k]):
+            if not _same(ra[k], rb[k], rel, abs_):
                 diffs.append(f"row {i} (step {ra.get('step')}): {k}: {ra[k]!r} != {rb[k]!r}")
     return n, diffs
 
@@ -50,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("b")
     ap.add_argument("--ignore", action="append", default=None, help="key prefix to skip (repeatable)")
     ap.add_argument("--also", action="append", default=[], help="another jsonl file name in both run dirs")
+    ap.add_argument("--rel", type=float, default=0.0, help="relative tolerance for numbers (default exact)")
+    ap.add_argument("--abs", type=float, default=0.0, dest="abs_", help="absolute tolerance for numbers")
     args = ap.parse_args(argv)
     ignore = tuple(args.ignore or ["time/", "warmup/time"])
     files = ["metrics.jsonl"] + args.also
@@ -62,10 +85,12 @@ def main(argv=None) -> int:
                 print(f"compare_metrics: {p} does not exist", file=sys.stderr)
                 return 2
         ra, rb = _rows(pa), _rows(pb)
-        n, diffs = compare(ra, rb, ignore)
+        n, diffs = compare(ra, rb, ignore, args.rel, args.abs_)
         keys = sorted({k for r in ra for k in r if not k.startswith(ignore)})
+        worst, where = max_rel_diff(ra, rb, ignore)
+        tol = f", tolerance rel {args.rel:g} abs {args.abs_:g}" if args.rel or args.abs_ else ""
         print(f"{name}: {len(ra)} rows, {len(keys)} keys, {n} values compared, {len(diffs)} differences "
-              f"(ignored prefixes {list(ignore)})")
+              f"(ignored prefixes {list(ignore)}{tol}); largest relative difference {worst:.3g} {where}".rstrip())
         for d in diffs[:20]:
             print("  " + d)
         ok &= not diffs

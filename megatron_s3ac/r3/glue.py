@@ -59,8 +59,11 @@ class RouteReplay:
                 r = pad_last_row(r, self.num_experts)
             routes.append(r[: n - 1])
         sp_rank, sp_size = sp_split(self.actor_config)
+        # routes cut to this rank's MoE layers by the sender (sharded data flow): index them by position
+        have = getattr(mb, "route_layers", None)
+        layers = self.moe_layers if have is None else [list(have).index(x) for x in self.moe_layers]
         out = align_microbatch(routes, [mb.placements[i] for i in pick], tuple(mb.input_ids.shape),
-                               self.moe_layers, self.num_experts, sp_rank=sp_rank, sp_size=sp_size)
+                               layers, self.num_experts, sp_rank=sp_rank, sp_size=sp_size)
         if not any(real):
             out.routed.zero_()
         return out
@@ -85,22 +88,25 @@ class RouteReplay:
         return routing_agreement(recorded, [self.align(mb) for mb in mbs])
 
     def step_metrics(self, step: int, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                     native_forward: Callable[[], dict]) -> dict:
+                     native_forward: Callable[[], dict], reduce: Callable[[dict], dict] | None = None) -> dict:
         """r3/logprob_abs_diff, r3/kl_k3: train (replayed) vs rollout log-prob gap; every
         ``agreement_every`` steps also r3/agreement (share of (token, MoE layer) pairs where the
         trainer's native top-k equals the rollout's) and r3/native_* (the gap with native routing, what
-        replay removes), from ``native_forward() -> {"logp", "agree", "total"}`` (collective)."""
+        replay removes), from ``native_forward() -> {"logp", "agree", "total"}`` (collective).
+        ``reduce``: sums over this rank's rows -> sums over the batch (a DP-sharded batch; ``mask``
+        then covers this rank's own rows only)."""
         from megatron_s3ac.r3.metrics import gap_means, logprob_gap
 
-        out = {f"r3/{k}": v for k, v in gap_means([logprob_gap(old_logp, rollout_logp, mask)]).items()}
+        red = reduce or (lambda s: s)
+        out = {f"r3/{k}": v for k, v in gap_means([red(logprob_gap(old_logp, rollout_logp, mask))]).items()}
         every = self.r3.agreement_every
         if not every or step % every:
             return out
         res = native_forward()
-        t = torch.tensor([res["agree"], res["total"]], dtype=torch.float64)
+        t = torch.tensor([res["agree"], res["total"]], dtype=torch.float64, device=old_logp.device)
         dist.all_reduce(t)  # ratio of sums: right whether ranks saw the same tokens (TP) or other ones (DP, SP)
         out["r3/agreement"] = float(t[0] / t[1].clamp(min=1))
-        out.update({f"r3/native_{k}": v for k, v in gap_means([logprob_gap(res["logp"], rollout_logp, mask)]).items()})
+        out.update({f"r3/native_{k}": v for k, v in gap_means([red(logprob_gap(res["logp"], rollout_logp, mask))]).items()})
         return out
 
 

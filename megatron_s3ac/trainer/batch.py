@@ -28,9 +28,13 @@ from torch import Tensor
 
 
 def _pick(v, rows: Tensor, idx: list[int]):
-    if v is None:
-        return None
-    return v[rows] if torch.is_tensor(v) else [v[i] for i in idx]
+    if torch.is_tensor(v):
+        return v[rows.to(v.device)]
+    return [v[i] for i in idx] if isinstance(v, list) else v  # None and non-row fields (shard) pass through
+
+
+def _moved(v, device):
+    return v.to(device, non_blocking=True) if torch.is_tensor(v) else v
 
 
 @dataclasses.dataclass
@@ -53,9 +57,24 @@ class RolloutBatch:
     keep: Optional[Tensor] = None
     old_values: Optional[Tensor] = None
     returns: Optional[Tensor] = None
+    # sharded data flow (trainer.sharding): which global rows this rank holds and which of them each
+    # model owns (None: every rank holds the whole batch); the MoE layers the routes were cut to
+    # (global indices, in order; None: all layers)
+    shard: Optional[Any] = None
+    route_layers: Optional[tuple] = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def global_len(self) -> int:
+        """Rows of the whole step's batch (= len(self) unless sharded)."""
+        return len(self) if self.shard is None else self.shard.n_global
+
+    def to(self, device) -> "RolloutBatch":
+        """Every tensor field on ``device`` (routes stay compact host arrays; the shard's row
+        bookkeeping stays on the host)."""
+        return dataclasses.replace(self, **{f.name: _moved(getattr(self, f.name), device)
+                                            for f in dataclasses.fields(self) if f.name != "shard"})
 
     def select(self, rows: Tensor) -> "RolloutBatch":
         """Rows of every field: tensors indexed, lists (per-sample ragged data) picked, None kept."""
@@ -86,12 +105,37 @@ class MicroBatch(RolloutBatch):
         return default if v is None else v
 
 
-def collate(samples: list[dict], pad_to: int = 8) -> RolloutBatch:
-    """samples: dicts with prompt_ids, response_ids, logprobs, reward, pid (+ routes) -> batch."""
+@dataclasses.dataclass
+class RolloutMeta:
+    """Per-sample metadata of a step's samples, [N] each, held by every rank (the samples themselves
+    stay with rank 0 until ``RolloutPhases.distribute``): what the group filter, DAPS, the rollout
+    metrics and the critic-free advantage estimators need."""
+    pid: Tensor  # [N] long
+    scores: Tensor  # [N] float32 rewards
+    prompt_len: Tensor  # [N] long
+    resp_len: Tensor  # [N] long (an empty response counts 1: it is collated as one pad token)
+
+    @classmethod
+    def of(cls, samples: list[dict]) -> "RolloutMeta":
+        return cls(pid=torch.tensor([int(s["pid"]) for s in samples]),
+                   scores=torch.tensor([float(s["reward"]) for s in samples]),
+                   prompt_len=torch.tensor([int(s["plen"]) for s in samples]),
+                   resp_len=torch.tensor([int(s["rlen"]) for s in samples]))
+
+    def mask(self) -> Tensor:
+        """[N, T] 0/1 valid response tokens, T = the longest response (exactly ``collate``'s mask)."""
+        T = max(1, int(self.resp_len.max()))
+        return (torch.arange(T)[None] < self.resp_len[:, None]).float()
+
+
+def collate(samples: list[dict], pad_to: int = 8, width: int | None = None) -> RolloutBatch:
+    """samples: dicts with prompt_ids, response_ids, logprobs, reward, pid (+ routes) -> batch (host).
+    width: T of the per-token fields (default: the longest response here; a shard of a batch passes
+    the whole batch's so its rows look exactly like the whole batch's)."""
     n = len(samples)
     P = torch.tensor([len(s["prompt_ids"]) for s in samples])
     R = torch.tensor([len(s["response_ids"]) for s in samples])
-    T = max(1, int(R.max()))
+    T = max(1, int(R.max()), width or 0)
     L = int(math.ceil(int((P + R).max()) / pad_to) * pad_to)
     tokens = torch.zeros(n, L, dtype=torch.long)
     beh = torch.zeros(n, T)
@@ -103,10 +147,11 @@ def collate(samples: list[dict], pad_to: int = 8) -> RolloutBatch:
     mask = (t[None] < R[:, None]).float()
     idx = (P[:, None] - 1 + t[None]).clamp(max=L - 1)
     routes = None
-    if n and samples[0].get("routes") is not None:
+    if any(s.get("routes") is not None for s in samples):
         # R3: per-sample rollout routes [P + R - 1, num_layers, top_k], compact dtype; kept as a list
-        # (ragged) and aligned to each micro-batch's layout (r3.glue)
-        routes = [s["routes"] for s in samples]
+        # (ragged) and aligned to each micro-batch's layout (r3.glue); None for a row only the critic
+        # uses (sharded data flow)
+        routes = [s.get("routes") for s in samples]
     return RolloutBatch(tokens=tokens, idx=idx, mask=mask, rollout_logp=beh,
                         scores=torch.tensor([float(s["reward"]) for s in samples]),
                         pid=torch.tensor([int(s["pid"]) for s in samples]), prompt_len=P, resp_len=R, routes=routes)
@@ -133,41 +178,45 @@ def per_token(out: Tensor, mb: MicroBatch) -> Tensor:
 def _micro(batch: RolloutBatch, r: Tensor, real: Tensor, **layout) -> MicroBatch:
     sel = batch.select(r)
     fields = {f.name: getattr(sel, f.name) for f in dataclasses.fields(sel)}
-    fields["mask"] = sel.mask * real[:, None].float()
+    fields["mask"] = sel.mask * real.to(sel.mask.device)[:, None].float()
     return MicroBatch(**fields, row_ids=r, real_rows=real.clone(), **layout)
 
 
 def _padded(batch: RolloutBatch, r: Tensor, real: Tensor, pad_to: int) -> MicroBatch:
-    lengths = batch.prompt_len[r] + batch.resp_len[r]
+    dev = batch.tokens.device  # index tensors where the batch lives (the model's device)
+    rd = r.to(dev)
+    lengths = (batch.prompt_len[rd] + batch.resp_len[rd]).tolist()
     # this micro-batch's own length (not the whole batch's): right padding costs compute
-    s = min(batch.tokens.shape[1], int(math.ceil(int(lengths.max()) / pad_to) * pad_to))
-    return _micro(batch, r, real, input_ids=batch.tokens[r][:, :s],
-                  flat_idx=torch.arange(len(r))[:, None] * s + batch.idx[r].clamp(max=s - 1),
-                  placements=[(i, 0, int(n)) for i, n in enumerate(lengths.tolist())])
+    s = min(batch.tokens.shape[1], int(math.ceil(max(lengths) / pad_to) * pad_to))
+    return _micro(batch, r, real, input_ids=batch.tokens[rd][:, :s],
+                  flat_idx=torch.arange(len(r), device=dev)[:, None] * s + batch.idx[rd].clamp(max=s - 1),
+                  placements=[(i, 0, int(n)) for i, n in enumerate(lengths)])
 
 
 def _packed(batch: RolloutBatch, r: Tensor, real: Tensor, pad_to: int) -> MicroBatch:
     """Rows ``r`` back to back in one row [1, S] (S = total rounded up to ``pad_to``), a block-diagonal
     causal mask (megatron convention: True = masked) and positions restarting per sample; the
     padding tail is its own causal block so no query row is fully masked."""
-    lengths = (batch.prompt_len[r] + batch.resp_len[r]).tolist()
+    dev = batch.tokens.device
+    rd = r.to(dev)
+    lengths = (batch.prompt_len[rd] + batch.resp_len[rd]).tolist()
     total = sum(lengths)
     s = int(math.ceil(total / pad_to) * pad_to)
     starts = [0]
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)
-    seg_len = torch.tensor(lengths + ([s - total] if s > total else []))
-    seg = torch.repeat_interleave(torch.arange(len(seg_len)), seg_len)  # [S] segment id per position
+    seg_len = torch.tensor(lengths + ([s - total] if s > total else []), device=dev)
+    seg = torch.repeat_interleave(torch.arange(len(seg_len), device=dev), seg_len)  # [S] segment id per position
     seg_start = torch.cumsum(seg_len, 0) - seg_len
-    pos = torch.arange(s) - seg_start[seg]
-    ids = torch.zeros(1, s, dtype=torch.long)
-    tokens = batch.tokens[r]
-    keep = torch.arange(tokens.shape[1])[None] < torch.tensor(lengths)[:, None]
+    pos = torch.arange(s, device=dev) - seg_start[seg]
+    ids = torch.zeros(1, s, dtype=torch.long, device=dev)
+    tokens = batch.tokens[rd]
+    keep = torch.arange(tokens.shape[1], device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
     ids[0, :total] = tokens[keep]  # row-major: sample by sample, each left-aligned
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
     return _micro(batch, r, real, input_ids=ids, position_ids=pos[None],
                   attention_mask=~((seg[:, None] == seg[None, :]) & causal)[None, None],
-                  flat_idx=(torch.tensor(starts)[:, None] + batch.idx[r]).clamp(max=s - 1),  # tail stays in range
+                  flat_idx=(torch.tensor(starts, device=dev)[:, None] + batch.idx[rd]).clamp(max=s - 1),  # tail in range
                   placements=[(0, a, n) for a, n in zip(starts, lengths)])
 
 
@@ -196,7 +245,8 @@ def micro_batches(batch: RolloutBatch, rows: Tensor, real: Tensor, mbs: int = 0,
     packed row of at most ``token_budget`` tokens (plus rounding to ``pad_to``); else ``mbs`` rows per
     padded micro-batch (0 = all rows in one)."""
     if token_budget > 0:
-        lengths = (batch.prompt_len[rows] + batch.resp_len[rows]).tolist()
+        rd = rows.to(batch.prompt_len.device)
+        lengths = (batch.prompt_len[rd] + batch.resp_len[rd]).tolist()
         groups = [torch.tensor(g) for g in pack_rows(lengths, token_budget)]
         return [_packed(batch, rows[g], real[g], pad_to) for g in groups]
     mbs = len(rows) if mbs <= 0 else mbs

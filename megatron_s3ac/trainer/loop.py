@@ -30,13 +30,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
-from megatron_s3ac.algorithms.registry import AdvInputs, get_adv_est, get_algo
+from megatron_s3ac.algorithms.registry import get_algo
 from megatron_s3ac.trainer import build as B
 from megatron_s3ac.trainer.batch import RolloutBatch, collate
 from megatron_s3ac.trainer.config import Config, model_info_for, validate
 from megatron_s3ac.trainer.engine_side import EngineSide
 from megatron_s3ac.trainer.losses import actor_loss, critic_loss, forward_outputs
-from megatron_s3ac.trainer.metrics import token_means, world_mean
+from megatron_s3ac.trainer import shard_metrics as S
+from megatron_s3ac.trainer.metrics import masked_sums, ratio, token_means, world_mean
 from megatron_s3ac.trainer.minibatch import MicroBatcher, forward_only, run_minibatches, shuffled_minibatches
 from megatron_s3ac.trainer.rollout_phases import RolloutPhases
 
@@ -146,7 +147,7 @@ class Trainer(EngineSide, RolloutPhases):
         else:
             ctx_fn = lambda mbs: self._replay(which, mbs)  # noqa: E731
         with self.model_scope(which):
-            full, mbs, recorded = forward_only(ddp, batch, keys, loss_fn, self.micro_batches, ctx_fn)
+            full, mbs, recorded = forward_only(ddp, batch, keys, loss_fn, self.micro_batches, ctx_fn, model=which)
             res = dict(zip(keys, full))
             if what == "native_logp":
                 res["agree"], res["total"] = self.r3.agreement_counts(recorded, mbs)
@@ -168,9 +169,9 @@ class Trainer(EngineSide, RolloutPhases):
         with self.model_scope(which):
             g = torch.Generator().manual_seed(seed)
             metrics, grad_norms, skipped = [], [], 0
-            for r in run_minibatches(ddp, opt, batch, shuffled_minibatches(len(batch), epochs, g, count=minibatches),
+            for r in run_minibatches(ddp, opt, batch, shuffled_minibatches(batch.global_len(), epochs, g, count=minibatches),
                                      loss_fn, self.micro_batches, replay=partial(self._replay, which),
-                                     skip_nonfinite=True):
+                                     skip_nonfinite=True, model=which):
                 if r.grad_norm is None:
                     skipped += 1
                     continue
@@ -184,45 +185,54 @@ class Trainer(EngineSide, RolloutPhases):
 
     # ---- the phases of one step ----------------------------------------------------------------
     def old_logprobs(self, batch: RolloutBatch) -> dict:
-        """batch.old_logp := the actor's log-probs before this step's updates (+ entropy, R3 metrics)."""
+        """batch.old_logp := the actor's log-probs before this step's updates (+ entropy, R3 metrics);
+        metrics over the actor's rows, reduced over its DP ranks (trainer.shard_metrics)."""
         old = self._forward_only("actor", batch, "logp")
         batch.old_logp = old["logp"]
         self._old_entropy = old["entropy"]  # [N, T] for the entropy-control hook
-        m = {"rollout/entropy": float(A.masked_mean(old["entropy"], batch.mask)),
-             "mismatch/train_rollout_kl": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask)),
+        mask = S.own_mask(batch, "actor")
+        d = (batch.rollout_logp - batch.old_logp).double()  # approx_kl's log q - log p (q = rollout)
+        s = S.global_sums(self, "actor", batch, {
+            **masked_sums("ent", old["entropy"], mask), **masked_sums("k1", d, mask),
+            **masked_sums("abs", d.abs(), mask), **masked_sums("k3", torch.expm1(-d.clamp(min=-20.0)) + d, mask)})
+        m = {"rollout/entropy": ratio(s, "ent"), "mismatch/train_rollout_kl": ratio(s, "k1"),
              # the same gap whatever the routing (R3 on or off): |log pi_train - log pi_rollout| and k3 KL
-             "mismatch/logprob_abs_diff": float(A.masked_mean((batch.old_logp - batch.rollout_logp).abs(), batch.mask)),
-             "mismatch/kl_k3": float(A.approx_kl(batch.old_logp, batch.rollout_logp, batch.mask, kind="k3"))}
+             "mismatch/logprob_abs_diff": ratio(s, "abs"), "mismatch/kl_k3": ratio(s, "k3")}
         if self.r3_on:
-            m.update(self.r3.step_metrics(self.step_idx, batch.old_logp, batch.rollout_logp, batch.mask,
-                                          lambda: self._forward_only("actor", batch, "native_logp")))
+            m.update(self.r3.step_metrics(self.step_idx, batch.old_logp, batch.rollout_logp, mask,
+                                          lambda: self._forward_only("actor", batch, "native_logp"),
+                                          reduce=lambda sums: S.global_sums(self, "actor", batch, sums)))
         return m
 
     def advantages(self, batch: RolloutBatch) -> dict:
-        """batch.adv (+ old_values, returns with a critic; is_w, keep with IS corrections)."""
+        """batch.adv (+ old_values, returns with a critic; is_w, keep with IS corrections). A sharded
+        batch: each rank computes its own rows' (trainer.shard_metrics.shard_advantages)."""
         a, mask = self.cfg.algo, batch.mask
         values = self._forward_only("critic", batch, "values")["values"] if self.uses_critic else None
-        out = get_adv_est(self.spec.adv_estimator)(AdvInputs(batch.scores, batch.mask, values, self.cfg.rollout.k), a)
+        out, m = S.shard_advantages(self, batch, values)
         batch.adv, batch.old_values, batch.returns = out.adv, values, out.returns
-        m = dict(out.metrics)
         if self.spec.uses_is_corrections:
             old, beh = batch.old_logp, batch.rollout_logp
             is_w = A.token_is_weights(old, beh, mask, cap=a.tis_cap)
             ice = A.icepop_mask(old, beh, mask, a.icepop_low, a.icepop_high)
             mis = A.mis_sequence_mask(old, beh, mask, a.mis_threshold)
             keep = ice * mis
-            rows = mask.bool().any(1)
-            m.update({"mismatch/keep_frac": float(A.masked_mean(keep, mask)),
-                      "mismatch/is_weight_mean": float(A.masked_mean(is_w, mask)),
-                      "mismatch/icepop_masked_frac": float(1 - A.masked_mean(ice, mask)),  # of tokens
-                      "mismatch/mis_masked_frac": float(((mis.amax(1) == 0) & rows).sum() / rows.sum().clamp(min=1))})
+            own = S.own_mask(batch, "actor")
+            rows = own.bool().any(1)
+            s = S.global_sums(self, "actor", batch, {
+                **masked_sums("keep", keep, own), **masked_sums("is_w", is_w, own), **masked_sums("ice", ice, own),
+                "mis": ((mis.amax(1) == 0) & rows).sum(), "rows": rows.sum()})
+            m.update({"mismatch/keep_frac": ratio(s, "keep"), "mismatch/is_weight_mean": ratio(s, "is_w"),
+                      "mismatch/icepop_masked_frac": 1 - ratio(s, "ice"),  # of tokens
+                      "mismatch/mis_masked_frac": s["mis"] / max(s["rows"], 1.0)})
             if a.mismatch_corrections:
                 batch.is_w, batch.keep = is_w, keep
         if self.entropy_control is not None:  # e.g. GRPO-X's GEPO slot (algorithms.entropy_control)
-            batch.adv, em = self.entropy_control(batch.adv, self._old_entropy, mask, self.cfg.rollout.k)
-            m.update({f"entropy_control/{key}": v for key, v in em.items()})
+            m.update(S.entropy_control(self, batch))
         adv = batch.adv
-        m["adv/mean"] = float(A.masked_mean(adv if adv.dim() == 2 else adv[:, None].expand_as(mask), mask))
+        s = S.global_sums(self, "actor", batch, masked_sums(
+            "adv", adv if adv.dim() == 2 else adv[:, None].expand_as(mask), S.own_mask(batch, "actor")))
+        m["adv/mean"] = ratio(s, "adv")
         return m
 
     def update_actor(self, batch: RolloutBatch) -> dict:

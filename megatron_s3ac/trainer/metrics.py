@@ -51,3 +51,58 @@ def token_means(ms: list[dict]) -> dict:
             for k, (s, n) in one.items():
                 _merge(acc, k, s, n)
     return {k: (s / n if n > 0 else float("nan")) for k, (s, n) in sorted(acc.items())}
+
+
+# ---- sums over this rank's rows, reduced over a model's DP group (sharded data flow) ---------------
+def reduce_sums(sums: dict, group=None, device=None) -> dict:
+    """{name: local sum} -> {name: float}, summed over ``group`` (None: no reduction: the rows here
+    are the whole batch). One float64 all-reduce on ``device`` (the trainer's: NCCL takes only CUDA
+    tensors)."""
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).to(device) for v in sums.values()])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return dict(zip(sums, t.tolist()))
+
+
+def masked_sums(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict:
+    """{name: sum(x * mask), name + "/n": sum(mask)} in float64 (``ratio`` makes the masked mean)."""
+    m = mask.to(torch.float64)
+    return {name: (x.detach().to(torch.float64) * m).sum(), f"{name}/n": m.sum()}
+
+
+def ratio(s: dict, name: str) -> float:
+    """Masked mean from reduced ``masked_sums`` (0 when the mask is empty, as ``masked_mean``)."""
+    return s[name] / max(s[f"{name}/n"], 1.0)
+
+
+def s3ac_gae_metric_sums(values, returns, adv, scores, mask, reward_min: float, reward_max: float) -> dict:
+    """The sums behind ``algorithms.registry.s3ac_gae``'s metrics over some rows of the batch, so
+    that a DP-sharded batch gives the same numbers after ``reduce_sums`` (``s3ac_gae_metrics``)."""
+    from megatron_s3ac.algorithms.advantages import terminal_rewards
+
+    m = mask.to(torch.float64)
+    v, r = values.detach().to(torch.float64), returns.detach().to(torch.float64)
+    last = terminal_rewards(torch.ones_like(scores), mask).to(torch.float64)
+    adv_last = (adv.detach().to(torch.float64) * last).sum(1)  # [n] the advantage at each row's last token
+    pos = (scores > 0).to(torch.float64)
+    oor = ((values < reward_min) | (values > reward_max)).to(torch.float64)
+    return {"n": m.sum(), "r": (r * m).sum(), "r2": (r * r * m).sum(), "d": ((r - v) * m).sum(),
+            "d2": ((r - v) ** 2 * m).sum(), "v0": v[:, 0].sum(), "rows": torch.tensor(float(len(v))),
+            "oor": (oor * m).sum(), "pos": pos.sum(), "pos_adv": (adv_last * pos).sum(),
+            "neg": (1 - pos).sum(), "neg_adv": (adv_last * (1 - pos)).sum()}
+
+
+def s3ac_gae_metrics(s: dict) -> dict:
+    """Reduced ``s3ac_gae_metric_sums`` -> the estimator's metrics (EV = 1 - Var[R - V] / Var[R] over
+    valid tokens, nan when Var[R] = 0 or fewer than 2 tokens)."""
+    n = s["n"]
+    var = lambda a, a2: a2 / n - (a / n) ** 2 if n > 0 else float("nan")  # noqa: E731
+    var_r = var(s["r"], s["r2"])
+    ev = float("nan") if n < 2 or not var_r > 0 else 1.0 - var(s["d"], s["d2"]) / var_r
+    out = {"critic/explained_variance": ev, "critic/v0_mean": s["v0"] / max(s["rows"], 1.0),
+           "critic/values_out_of_range_frac": s["oor"] / max(n, 1.0)}
+    if s["pos"] > 0:
+        out["adv/last_token_correct"] = s["pos_adv"] / s["pos"]
+    if s["neg"] > 0:
+        out["adv/last_token_wrong"] = s["neg_adv"] / s["neg"]
+    return out

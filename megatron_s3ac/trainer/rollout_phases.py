@@ -1,6 +1,12 @@
 """The rollout phases of one step: prompt selection (DAPS or the seeded stream), generation and scoring
-on rank 0 (broadcast to every rank), the DAPO group filter, and DAPO refill rounds.
-A mixin of ``trainer.loop.Trainer``: it uses the Trainer's engine, prompts, DAPS sampler and critic."""
+on rank 0, the DAPO group filter, DAPO refill rounds, and the sharded hand-out of the kept rows.
+A mixin of ``trainer.loop.Trainer``: it uses the Trainer's engine, prompts, DAPS sampler and critic.
+
+Data flow: rank 0 keeps the samples (token ids, log-probs, R3 routes); every rank receives only their
+metadata (prompt id, reward, lengths, finish reason: a few numbers per sample, what the filter, DAPS
+and the rollout metrics need). After the filter, ``distribute`` sends each rank its own rows
+(trainer.sharding, trainer.scatter) and the step runs on that shard.
+"""
 from __future__ import annotations
 
 import torch
@@ -8,10 +14,17 @@ import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.algorithms.registry import clamp_values
-from megatron_s3ac.trainer.batch import RolloutBatch, collate
+from megatron_s3ac.trainer.batch import RolloutBatch, RolloutMeta, collate
 
 
 class RolloutPhases:
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's models and the step's tensors live (trainer.device.trainer_device)."""
+        from megatron_s3ac.trainer.device import trainer_device
+
+        return trainer_device()
+
     def select_prompts(self, n: int | None = None) -> tuple[torch.Tensor, dict]:
         """Prompt indices [n] (default prompts_per_step) and DAPS statistics."""
         n = n or self.cfg.rollout.prompts_per_step
@@ -33,12 +46,15 @@ class RolloutPhases:
         return v0
 
     def rollout(self, pids: torch.Tensor, round_idx: int = 0) -> list[dict]:
-        """Rank 0 generates and scores; every rank receives the same list of sample dicts.
+        """Rank 0 generates and scores. Returns one dict per kept sample on every rank: its metadata
+        ("pid", "reward", "finish", "plen", "rlen"); on rank 0 also the sample itself ("prompt_ids",
+        "response_ids", "logprobs", "routes"), which only ``distribute`` sends on.
         round_idx: the refill round within the step (0 = the step's first rollout), for its own seed."""
         from megatron_s3ac.rollout.base import SamplingParams
 
         r = self.cfg.rollout
         payload = [None]
+        full = None
         if self.rank == 0:
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                     seed=self.cfg.train.seed * 1_000_003 + self.step_idx + 7919 * round_idx)
@@ -52,16 +68,54 @@ class RolloutPhases:
             flat = [(pid, s) for pid, group in kept for s in group]
             rewards = self._score([self.decode(s.response_ids) for _, s in flat],
                                   [self.prompts[pid].reference for pid, _ in flat]) if flat else []
-            payload = [[{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
-                         "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
-                         "finish": s.finish_reason, "routes": s.routed_experts}
-                        for (pid, s), rew in zip(flat, rewards)]]
-            payload = [(payload[0], self._aborted)]
-        dist.broadcast_object_list(payload, src=0)
-        samples, self._aborted = payload[0]
-        return samples
+            full = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
+                     "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
+                     "finish": s.finish_reason, "routes": s.routed_experts}
+                    for (pid, s), rew in zip(flat, rewards)]
+            meta = {"pid": [d["pid"] for d in full], "reward": [d["reward"] for d in full],
+                    "finish": [d["finish"] for d in full], "plen": [len(d["prompt_ids"]) for d in full],
+                    "rlen": [len(d["response_ids"]) for d in full]}
+            payload = [(meta, self._aborted)]
+        dist.broadcast_object_list(payload, src=0)  # metadata only: a few numbers per sample
+        meta, self._aborted = payload[0]
+        light = [dict(zip(meta, vals)) for vals in zip(*meta.values())]
+        return light if full is None else [dict(f, plen=m["plen"], rlen=m["rlen"]) for f, m in zip(full, light)]
 
-    def rollout_metrics(self, samples: list[dict], batch: RolloutBatch) -> dict:
+    def distribute(self, samples: list[dict]) -> RolloutBatch:
+        """The kept samples (rank 0: whole; elsewhere metadata) -> this rank's shard of the step's
+        batch, on the model's device: the rows its actor and critic own (whole groups when the
+        algorithm needs them) and R3 routes of its actor rows cut to its pipeline stage's MoE layers
+        (collective; trainer.sharding / trainer.scatter)."""
+        from megatron_s3ac.trainer.scatter import distribute
+        from megatron_s3ac.trainer.sharding import RowShard
+
+        group = self.cfg.rollout.k if self.spec.needs_groups else 1
+        local, shares = distribute(samples if self.rank == 0 else None, len(samples), group, self.rank_roles(),
+                                   routes=self.r3_on)
+        meta = RolloutMeta.of(samples)
+        batch = collate(local, self.pad_to, width=int(meta.resp_len.max()))
+        batch.shard = RowShard.of(len(samples), shares, self.rank, meta)
+        batch.route_layers = shares[self.rank].layers if self.r3_on else None
+        return batch.to(self.device)
+
+    def rank_roles(self) -> list:
+        """Every rank's DP place in the actor's and the critic's layout and its MoE layers (gathered once)."""
+        if getattr(self, "_roles", None) is None:
+            from megatron.core import parallel_state as ps
+
+            from megatron_s3ac.trainer.scatter import gather_roles
+            from megatron_s3ac.trainer.sharding import RankRole
+
+            with self.model_scope("actor"):
+                a = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+            c = a
+            if self.uses_critic:
+                with self.model_scope("critic"):
+                    c = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+            self._roles = gather_roles(RankRole(*a, *c, tuple(self._moe_layers) if self.r3_on else ()))
+        return self._roles
+
+    def rollout_metrics(self, samples: list[dict], batch: RolloutMeta) -> dict:
         aborted = getattr(self, "_aborted", (0, 0))
         m = {"rollout/aborted": aborted[0], "rollout/aborted_groups": aborted[1],
              "rollout/reward_mean": float(batch.scores.mean()),
@@ -73,36 +127,39 @@ class RolloutPhases:
             m.update({"reward/timeouts": st.timeouts, "reward/crashes": st.crashes, "reward/errors": st.errors})
         return m
 
-    def filter_groups(self, batch: RolloutBatch) -> tuple[RolloutBatch | None, dict]:
-        """DAPO dynamic sampling: drop groups whose K rewards are all equal; None if nothing is left."""
+    def filter_groups(self, meta: RolloutMeta) -> tuple[torch.Tensor | None, dict]:
+        """DAPO dynamic sampling: the rows [n] of groups whose K rewards are not all equal (all rows when
+        the filter is off); None if nothing is left."""
         if not (self.cfg.rollout.k > 1 and self.cfg.algo.dynamic_sampling):
-            return batch, {}
-        keep, fstats = A.dynamic_sampling_filter(batch.scores, group_size=self.cfg.rollout.k)
+            return torch.arange(len(meta.scores)), {}
+        keep, fstats = A.dynamic_sampling_filter(meta.scores, group_size=self.cfg.rollout.k)
         m = {f"filter/{k}": v for k, v in fstats.items()}
         if int(keep.sum()) == 0:
             return None, {**m, "filter/empty_batch": 1}
-        return batch.select(keep.nonzero()[:, 0]), m
+        return keep.nonzero()[:, 0], m
 
-    def rollout_once(self, m: dict) -> tuple[list[dict], RolloutBatch | None, RolloutBatch | None, dict]:
-        """Select, roll out and filter once (no refill). Returns (samples, their batch, the kept batch,
-        metrics); the batches are None when every group aborted, the kept one when the filter left nothing."""
+    def rollout_once(self, m: dict) -> tuple[list[dict], RolloutMeta | None, RolloutBatch | None, dict]:
+        """Select, roll out and filter once (no refill). Returns (samples, their metadata, this rank's
+        shard of the kept batch, metrics); the metadata is None when every group aborted, the batch
+        when the filter left nothing."""
         pids, stats = self.select_prompts()
         self._place(m, off=["actor", "critic"])  # the engine generates
         samples = self.rollout(pids)
         if not samples:
             return samples, None, None, stats
-        drawn = collate(samples, self.pad_to)
+        drawn = RolloutMeta.of(samples)
         if self.daps is not None:
             self.daps.update(drawn.pid, drawn.scores, step=self.step_idx)
-        batch, fm = self.filter_groups(drawn)
+        keep, fm = self.filter_groups(drawn)
+        batch = None if keep is None else self.distribute([samples[i] for i in keep.tolist()])
         return samples, drawn, batch, {**stats, **fm}
 
-    def rollout_refilled(self) -> tuple[list[dict], RolloutBatch, RolloutBatch | None, dict]:
+    def rollout_refilled(self) -> tuple[list[dict], RolloutMeta | None, RolloutBatch | None, dict]:
         """DAPO dynamic sampling with refill (``algo.dynamic_sampling_refill``): select and roll out
         prompt groups until ``prompts_per_step`` informative ones are kept, drawing at most
         ``refill_max_factor`` x prompts_per_step groups (algorithms.filters.dynamic_sampling_refill).
-        Returns (every drawn sample, their batch, the kept batch or None, metrics); DAPS sees every
-        drawn group's outcomes."""
+        Returns (every drawn sample, their metadata, this rank's shard of the kept batch or None,
+        metrics); DAPS sees every drawn group's outcomes."""
         import math
 
         k, target = self.cfg.rollout.k, self.cfg.rollout.prompts_per_step
@@ -120,7 +177,7 @@ class RolloutPhases:
             got = len(samples) // k
             scores = torch.zeros(n, k)
             if samples:
-                b = collate(samples, self.pad_to)
+                b = RolloutMeta.of(samples)
                 if self.daps is not None:
                     self.daps.update(b.pid, b.scores, step=self.step_idx)
                 scores[:got] = b.scores.reshape(got, k)
@@ -136,7 +193,7 @@ class RolloutPhases:
         self._aborted = tuple(aborted)
         if not drawn:
             return drawn, None, None, m
-        all_batch = collate(drawn, self.pad_to)
+        all_meta = RolloutMeta.of(drawn)
         if not kept:
-            return drawn, all_batch, None, {**m, "filter/empty_batch": 1}
-        return drawn, all_batch, collate([s for g in kept for s in g], self.pad_to), m
+            return drawn, all_meta, None, {**m, "filter/empty_batch": 1}
+        return drawn, all_meta, self.distribute([s for g in kept for s in g]), m
