@@ -64,6 +64,7 @@ class RouteReplay:
         layers = self.moe_layers if have is None else [list(have).index(x) for x in self.moe_layers]
         out = align_microbatch(routes, [mb.placements[i] for i in pick], tuple(mb.input_ids.shape),
                                layers, self.num_experts, sp_rank=sp_rank, sp_size=sp_size)
+        out.layers = tuple(self.moe_layers)  # the columns are looked up by global layer index
         if not any(real):
             out.routed.zero_()
         return out

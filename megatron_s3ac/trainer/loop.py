@@ -160,7 +160,7 @@ class Trainer(EngineSide, RolloutPhases):
         """V(s_0) [n] for prompt indices (state = the prompt; output at its last token)."""
         samples = [{"prompt_ids": self.prompts[int(i)].ids, "response_ids": [0], "logprobs": [0.0],
                     "reward": 0.0, "pid": int(i)} for i in pids]
-        return self._forward_only("critic", collate(samples, self.pad_to), "values")["values"][:, 0]
+        return self._forward_only("critic", collate(samples, self.pad_to).to(self.device), "values")["values"][:, 0]
 
     def _update(self, which: str, batch: RolloutBatch, minibatches: int, epochs: int, loss_fn, seed: int) -> dict:
         """Mini-batch updates of one model (the shared runner); metrics token-weighted over micro-batches

@@ -41,7 +41,7 @@ class RolloutPhases:
         return sel.ids, stats
 
     def _v0_for_daps(self, pids: torch.Tensor) -> torch.Tensor:
-        v0 = clamp_values(self.critic_v0(pids), self.cfg.algo)
+        v0 = clamp_values(self.critic_v0(pids), self.cfg.algo).cpu()  # the DAPS sampler's state lives on the host
         self._last_v0 = v0
         return v0
 

@@ -104,13 +104,17 @@ class RowShard:
         nested = all(set(sh.owned["actor"]) <= set(sh.owned["critic"]) for sh in shares)
         return cls(n_global, gid, owned, primary, nested, meta)
 
-    def _filler(self) -> tuple[Tensor, Tensor]:
-        return torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool)
+    def _filler(self, model: str) -> tuple[Tensor, Tensor]:
+        """One masked row for a rank with nothing to run: a row ``model`` owns here (its R3 routes are
+        here), else row 0 (every rank whose model owns nothing holds it, routes included)."""
+        own = self.owned[model].nonzero()[:, 0]
+        pos = own[:1] if len(own) else (self.gid == 0).nonzero()[:1, 0]
+        return pos, torch.zeros(1, dtype=torch.bool)
 
     def rows(self, model: str) -> tuple[Tensor, Tensor]:
         """(local positions, real) of every row ``model`` owns here; a masked filler when none."""
         pos = self.owned[model].nonzero()[:, 0]
-        return (pos, torch.ones(len(pos), dtype=torch.bool)) if len(pos) else self._filler()
+        return (pos, torch.ones(len(pos), dtype=torch.bool)) if len(pos) else self._filler(model)
 
     def minibatch_rows(self, rows: Tensor, model: str) -> tuple[Tensor, Tensor]:
         """Global rows of one mini-batch -> (local positions, real) of those ``model`` owns here, in
@@ -119,7 +123,7 @@ class RowShard:
         local[self.gid[self.owned[model]]] = self.owned[model].nonzero()[:, 0]
         pos = local[rows]
         pos = pos[pos >= 0]
-        return (pos, torch.ones(len(pos), dtype=torch.bool)) if len(pos) else self._filler()
+        return (pos, torch.ones(len(pos), dtype=torch.bool)) if len(pos) else self._filler(model)
 
     def owned_mask(self, model: str, device=None) -> Tensor:
         """[n] float 0/1: rows ``model`` owns here (a filler or a row of the other model: 0)."""

@@ -48,7 +48,7 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
     ddp = wrap_ddp(critic, tr.critic_config)
     opt = build_optimizer([ddp], lr=vc.lr, clip_grad=vc.clip_grad)
     samples = [dict(r, logprobs=[0.0] * len(r["response_ids"]), pid=0) for r in rows]
-    batch = collate(samples, tr.pad_to)
+    batch = collate(samples, tr.pad_to).to(tr.device)  # on the models' device (trainer.device)
     # lambda = 1, gamma = 1: the return of every valid token is the terminal reward R
     batch.returns = batch.scores[:, None] * batch.mask
     g = torch.Generator().manual_seed(tr.cfg.train.seed + 17)

@@ -56,7 +56,7 @@ def _refill_run(out_dir):
     def spy(batch):
         m = real(batch)
         seen.append((batch.adv.clone(), batch.old_values.clone(), batch.scores.clone(), batch.mask.clone(),
-                     len(batch)))
+                     batch.global_len()))  # this rank's shard of the step's batch (whole groups here)
         return m
 
     tr.advantages = spy
@@ -77,7 +77,7 @@ def test_refill_entropy_hook_lambda_and_head_init_world2(tmp_path):
         assert 8 <= m["refill/drawn_groups"] <= 16
         assert m["refill/drawn_groups"] == 8 + m["filter/discarded_groups"] + m["refill/surplus_groups"]
         assert m["filter/discarded_trajectories"] == 4 * m["filter/discarded_groups"]
-        groups = scores.reshape(8, 4)
+        groups = scores.reshape(-1, 4)
         assert bool(((groups.max(1).values - groups.min(1).values) > 0).all())  # only informative groups
         assert "entropy_control/group_entropy_mean" in m
     # step 0: the hook is still in warm-up (no statistics yet), so adv is plain GAE with lambda 0.95

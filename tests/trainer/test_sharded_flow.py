@@ -60,6 +60,11 @@ def test_minibatches_keep_their_composition():
         assert sorted(got) == sorted(mb.tolist())
     pos, real = shards[0].minibatch_rows(torch.tensor([31]), "actor")  # nothing of rank 0's: a masked filler
     assert pos.tolist() == [0] and real.tolist() == [False]
+    # the filler is a row the model owns (its R3 routes are here), also when the rank holds other rows
+    cr = [RankRole(r % 2, 2, 0, 1) for r in range(2)]  # actor DP 2, critic DP 1: rank 1 holds every row
+    sh1 = RowShard.of(8, plan_shares(8, 1, cr, routes=True), 1)
+    pos, real = sh1.minibatch_rows(torch.tensor([0, 1]), "actor")
+    assert sh1.gid[pos].tolist() == [4] and real.tolist() == [False]
 
 
 def test_s3ac_metrics_from_shard_sums_equal_the_whole_batch():
@@ -114,3 +119,16 @@ def test_distribute_sends_each_rank_its_rows_and_layers():
         for g, reward, routes in local:
             assert reward == samples[g]["reward"]
             np.testing.assert_array_equal(routes, samples[g]["routes"][:, list(layers), :])
+
+
+def test_metadata_mask_and_shard_width_match_the_whole_batch():
+    from megatron_s3ac.trainer.batch import RolloutMeta, collate
+
+    samples = [{"prompt_ids": [1, 2], "response_ids": [3] * n, "logprobs": [-1.0] * n, "reward": float(n), "pid": n,
+                "plen": 2, "rlen": n} for n in (1, 4, 2)]
+    whole = collate(samples)
+    meta = RolloutMeta.of(samples)
+    assert torch.equal(meta.mask(), whole.mask) and torch.equal(meta.scores, whole.scores)
+    part = collate(samples[:1], width=int(meta.resp_len.max()))  # a shard keeps the whole batch's T
+    assert part.mask.shape == (1, 4) and torch.equal(part.mask, whole.mask[:1])
+    assert part.to("cpu").mask is part.mask

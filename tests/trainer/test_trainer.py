@@ -256,14 +256,15 @@ def _r3(out_dir):
     res["max_gap"] = float(((b.old_logp - b.rollout_logp).abs() * b.mask).max())
     res["routes_rows"] = [int(np.asarray(r).shape[0]) for r in b.routes]
     res["lens"] = (b.prompt_len + b.resp_len).tolist()
-    # corrupt the rollout routes (rank 0 scores and broadcasts, so every rank gets the same corruption):
-    # with replay active the trainer must follow them, so its log-probs leave the engine's
+    # corrupt the rollout routes (rank 0 holds the samples and sends each rank its rows, so every rank
+    # gets the corruption): with replay active the trainer must follow them, so its log-probs leave the engine's
     real = tr.rollout
 
-    def scrambled(pids):
-        out = real(pids)
+    def scrambled(pids, round_idx=0):
+        out = real(pids, round_idx)
         for s in out:
-            s["routes"] = (np.asarray(s["routes"]).astype(np.int64) + 1) % 4  # another expert pair, still distinct
+            if s.get("routes") is not None:  # rank 0 (elsewhere: metadata only)
+                s["routes"] = (np.asarray(s["routes"]).astype(np.int64) + 1) % 4  # another expert pair, still distinct
         return out
 
     tr.rollout = scrambled

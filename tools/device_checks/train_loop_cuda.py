@@ -1,6 +1,22 @@
 """Device check (issue 15): RL steps of a ~0.5B Qwen3-MoE on ONE GPU with the GPU-scale switches.
 
-What runs (one process, one GPU, no SGLang): the demo's Qwen3-MoE architecture scaled to ~0.55B
+Two modes (``--mode trainer|models|both``, default trainer):
+
+trainer: the project's own ``Trainer.step()`` (S3AC with critic, R3 on, DAPO filter off, the
+arithmetic task on the character vocabulary) on the ~0.5B model below (``model.hf_config`` = a
+config.json written to a temp dir, random weights from the trainer's seed), ``rollout.engine=hf`` (the
+transformers engine on the same GPU, weights synced from the actor), first with ``model.dtype=bf16``,
+``train.recompute=full``, ``optim.{actor,critic}.cpu_offload=true`` (CUDA only), ``train.offload_idle=true``,
+``algo.logprob_chunk_tokens``, then in fp32 without them. Reported per run: step_s per step, peak_gpu_gb,
+the device and dtypes of the step's batch shard (``trainer_device()``: every tensor of the step must be
+there; NCCL itself refuses host tensors), and the first step's metrics; "first_step_rel_diff" per
+numeric first-step metric (bf16 vs fp32). Criterion: batch on cuda:0, old_logp / adv / returns /
+old_values float32, finite losses, actor/grad_norm and critic/value_loss within 5% of fp32 (same prompts;
+the samples differ where bf16 sampling does).
+
+models: the earlier models-level loop (below), kept as a reference for the trainer mode.
+
+What the models mode runs (one process, one GPU, no SGLang): the demo's Qwen3-MoE architecture scaled to ~0.55B
 (hidden 1024, 8 layers, 16 experts top-4, expert FFN 512, 16/4 heads of 64, Qwen vocab 151,936),
 random weights from one seed, as
   * actor + critic on megatron-core: ``model.dtype`` bf16, ``train.recompute=full``, optimizer CPU
@@ -30,8 +46,9 @@ actor_grad_norm 1.25021 vs 1.24997 (rel 1.9e-4), critic_loss 0.41346 vs 0.41339 
 engine vs trainer log-prob mean |diff| 4.5e-4 (bf16) / 2.1e-7 (fp32), identical rewards and routes.
 
 Usage on the GPU machine:  python tools/device_checks/train_loop_cuda.py [--steps 3] [--prompts 16 --k 4]
+    [--mode both]
 CPU smoke test of the same code path (tiny model, no optimizer offload: megatron refuses it on CPU):
-    python tools/device_checks/train_loop_cuda.py --tiny --steps 1
+    python tools/device_checks/train_loop_cuda.py --tiny --steps 1 [--mode both]
 """
 from __future__ import annotations
 
@@ -226,6 +243,67 @@ def run(args, dtype, recompute, offload, offload_idle):
                 first_step={k: v for k, v in steps[0].items() if k not in ("step_s", "sync_s", "offload_s", "offload_gb")})
 
 
+# ---- trainer mode: the project's own Trainer.step() ----------------------------------------------------
+def trainer_overrides(args, bf16: bool, cuda: bool, out_dir: str) -> list[str]:
+    import tempfile
+
+    if args.tiny:
+        model = ["model.tiny=arithmetic_moe"]
+    else:
+        d = tempfile.mkdtemp(prefix="train_loop_cuda_cfg_")
+        hf_config(False).save_pretrained(d)
+        model = [f"model.hf_config={d}"]
+    new_tokens = min(args.new_tokens, 8) if args.tiny else args.new_tokens  # the tiny model has 64 positions
+    ov = model + ["data.task=arithmetic", "rollout.engine=hf", f"rollout.prompts_per_step={args.prompts}",
+                  f"rollout.k={args.k}", f"rollout.max_new_tokens={new_tokens}", "algo.name=s3ac",
+                  "algo.dynamic_sampling=false", "daps.enabled=false", "train.r3=on", "train.eval_every=0",
+                  "train.progress=false", "train.tensorboard=false", f"algo.micro_batch_size={args.mbs}",
+                  f"train.out_dir={out_dir}"]
+    if bf16:
+        ov += ["model.dtype=bf16", "train.recompute=full", "train.offload_idle=true",
+               f"algo.logprob_chunk_tokens={args.chunk_tokens}"]
+        if cuda:  # megatron's HybridDeviceOptimizer offloads CUDA params only (refused on CPU)
+            ov += ["optim.actor.cpu_offload=true", "optim.critic.cpu_offload=true"]
+    return ov
+
+
+def run_trainer(args, bf16: bool) -> dict:
+    import tempfile
+
+    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.trainer.device import trainer_device
+    from megatron_s3ac.trainer.loop import Trainer
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    tr = Trainer(load_config(None, trainer_overrides(args, bf16, cuda, tempfile.mkdtemp(prefix="train_loop_cuda_"))))
+    seen, real_adv = [], tr.advantages
+
+    def spy(batch):  # the step's batch shard after its advantages: device and dtypes
+        m = real_adv(batch)
+        seen.append({k: [str(getattr(batch, k).device), str(getattr(batch, k).dtype)]
+                     for k in ("tokens", "old_logp", "adv", "returns", "old_values") if getattr(batch, k) is not None})
+        return m
+    tr.advantages = spy
+    steps = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        m = tr.step()
+        if cuda:
+            torch.cuda.synchronize()
+        m["step_s"] = time.perf_counter() - t0
+        steps.append(m)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    tr.close()
+    first = {k: v for k, v in steps[0].items() if isinstance(v, (int, float)) and not k.startswith("time/")}
+    return dict(device=str(trainer_device()), step_s=[round(s["step_s"], 3) for s in steps], peak_gpu_gb=peak,
+                batch=seen[0] if seen else None, first_step=first,
+                finite=all(torch.isfinite(torch.tensor(float(s.get(k, 0.0)))) for s in steps
+                           for k in ("actor/grad_norm", "critic/grad_norm")))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
@@ -237,15 +315,23 @@ def main():
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, no optimizer offload")
     ap.add_argument("--no-compare-fp32", dest="compare_fp32", action="store_false")
+    ap.add_argument("--mode", choices=("trainer", "models", "both"), default="trainer")
     args = ap.parse_args()
     _setup_dist()
     cuda = torch.cuda.is_available()
     res = {"gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}
-    res["bf16_recompute_offload"] = run(args, torch.bfloat16, "full", offload=cuda, offload_idle=True)
-    if args.compare_fp32:
-        res["fp32"] = run(args, torch.float32, "none", offload=False, offload_idle=False)
-        a, b = res["bf16_recompute_offload"]["first_step"], res["fp32"]["first_step"]
-        res["first_step_rel_diff"] = {k: abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in b}
+    if args.mode in ("trainer", "both"):
+        t = res["trainer"] = {"bf16_recompute_offload": run_trainer(args, bf16=True)}
+        if args.compare_fp32:
+            t["fp32"] = run_trainer(args, bf16=False)
+            a, b = t["bf16_recompute_offload"]["first_step"], t["fp32"]["first_step"]
+            t["first_step_rel_diff"] = {k: abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in b.keys() & a.keys()}
+    if args.mode in ("models", "both"):
+        res["bf16_recompute_offload"] = run(args, torch.bfloat16, "full", offload=cuda, offload_idle=True)
+        if args.compare_fp32:
+            res["fp32"] = run(args, torch.float32, "none", offload=False, offload_idle=False)
+            a, b = res["bf16_recompute_offload"]["first_step"], res["fp32"]["first_step"]
+            res["first_step_rel_diff"] = {k: abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in b}
     print(json.dumps(res, indent=1))
 
 
