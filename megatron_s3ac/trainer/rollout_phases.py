@@ -90,8 +90,7 @@ class RolloutPhases:
         from megatron_s3ac.trainer.sharding import RowShard
 
         group = self.cfg.rollout.k if self.spec.needs_groups else 1
-        local, shares = distribute(samples if self.rank == 0 else None, len(samples), group, self.rank_roles(),
-                                   routes=self.r3_on)
+        local, shares = distribute(samples, group, self.rank_roles(), routes=self.r3_on)
         meta = RolloutMeta.of(samples)
         batch = collate(local, self.pad_to, width=int(meta.resp_len.max()))
         batch.shard = RowShard.of(len(samples), shares, self.rank, meta)

@@ -31,28 +31,32 @@ def _cut(routes, layers: tuple, have: tuple):
     return np.ascontiguousarray(np.asarray(routes)[:, idx, :])
 
 
-def _rows(samples: list[dict], share: RankShare, layers: tuple, have: tuple | None) -> list[dict]:
-    """The sample dicts of ``share.rows`` (+ "gid"), routes only for ``share.route_rows`` and
-    ``layers`` (``have``: the layers the routes hold now, None = all of the model's)."""
+_HEAVY = ("prompt_ids", "response_ids", "logprobs", "routes")  # the rest is metadata every rank holds
+
+
+def _rows(samples: list[dict], share: RankShare, layers: tuple, have: tuple | None) -> list[tuple]:
+    """The payload of ``share.rows``, in order: (prompt_ids, response_ids, logprobs, routes) each,
+    routes only for ``share.route_rows`` and only ``layers`` (``have``: the layers the routes hold
+    now, None = all of the model's)."""
     with_routes = set(share.route_rows)
     out = []
     for g in share.rows:
-        s = dict(samples[g], gid=g)
-        r = s.get("routes")
+        s = samples[g]
+        r = s.get("routes") if g in with_routes else None
         if r is not None:
             r = _cut(r, layers, have if have is not None else tuple(range(np.asarray(r).shape[1])))
-        s["routes"] = r if g in with_routes else None
-        out.append(s)
+        out.append((s["prompt_ids"], s["response_ids"], s["logprobs"], r))
     return out
 
 
-def distribute(samples: list[dict] | None, n: int, group: int, roles: list[RankRole],
-               routes: bool) -> tuple[list[dict], list[RankShare]]:
-    """Rank 0 passes every kept sample (``n`` of them); every rank returns (its sample dicts in
-    global-row order, each with "gid" and routes cut to its layers, every rank's ``RankShare``).
-    Collective over the world (point to point)."""
+def distribute(samples: list[dict], group: int, roles: list[RankRole], routes: bool) -> tuple[list[dict], list[RankShare]]:
+    """``samples``: the kept samples on every rank in one order (rank 0: whole; elsewhere their
+    metadata, ``RolloutPhases.rollout``). Returns (this rank's sample dicts in global-row order, each
+    with "gid" and routes cut to its MoE layers, every rank's ``RankShare``). Only the heavy fields
+    (token ids, log-probs, routes) travel; each rank adds the metadata it already holds. Collective
+    over the world (point to point)."""
     rank = dist.get_rank()
-    shares = plan_shares(n, group, roles, routes)
+    shares = plan_shares(len(samples), group, roles, routes)
     sources = class_sources(roles)
     mine = shares[rank]
     src = next(s for s, members in sources.items() if rank in members)
@@ -72,13 +76,14 @@ def distribute(samples: list[dict] | None, n: int, group: int, roles: list[RankR
     if src == rank:
         union, rows = own
         for m in sources[rank][1:]:
-            part = [dict(s, routes=_cut(s["routes"], shares[m].layers, union)) for s in rows]
+            part = [(p, r, lp, _cut(rt, shares[m].layers, union)) for p, r, lp, rt in rows]
             dist.send_object_list([part], dst=m)
-        local = [dict(s, routes=_cut(s["routes"], mine.layers, union)) for s in rows]
+        heavy = [(p, r, lp, _cut(rt, mine.layers, union)) for p, r, lp, rt in rows]
     else:
         buf = [None]
         dist.recv_object_list(buf, src=src)
-        local = buf[0]
+        heavy = buf[0]
+    local = [dict(samples[g], **dict(zip(_HEAVY, h)), gid=g) for g, h in zip(mine.rows, heavy)]
     return local, shares
 
 

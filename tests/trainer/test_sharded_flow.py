@@ -104,8 +104,10 @@ def _distribute_rank(n, group):
     samples = [{"prompt_ids": [1, 2, 3], "response_ids": [4] * (1 + i % 3), "logprobs": [-0.5] * (1 + i % 3),
                 "reward": float(i), "pid": i // group, "finish": "stop", "plen": 3, "rlen": 1 + i % 3,
                 "routes": rng.integers(0, 8, size=(3 + i % 3, 4, 2)).astype(np.uint8)} for i in range(n)]
-    local, shares = distribute(samples if rank == 0 else None, n, group, roles, routes=True)
-    return [(s["gid"], s["reward"], s["routes"]) for s in local], shares[rank].layers, samples
+    keep = ("pid", "reward", "finish", "plen", "rlen")  # what every rank holds (RolloutPhases.rollout)
+    mine = samples if rank == 0 else [{k: s[k] for k in keep} for s in samples]
+    local, shares = distribute(mine, group, roles, routes=True)
+    return [(s["gid"], s["reward"], s["routes"], s["response_ids"]) for s in local], shares[rank].layers, samples
 
 
 def test_distribute_sends_each_rank_its_rows_and_layers():
@@ -114,10 +116,10 @@ def test_distribute_sends_each_rank_its_rows_and_layers():
     samples = res[0][2]
     for rank, (local, layers, _) in enumerate(res):
         want = owned_rows(n, group, rank % 2, 2)
-        assert [g for g, _, _ in local] == want
+        assert [g for g, *_ in local] == want
         assert layers == ((0, 1) if rank < 2 else (2, 3))
-        for g, reward, routes in local:
-            assert reward == samples[g]["reward"]
+        for g, reward, routes, resp in local:
+            assert reward == samples[g]["reward"] and resp == samples[g]["response_ids"]
             np.testing.assert_array_equal(routes, samples[g]["routes"][:, list(layers), :])
 
 
