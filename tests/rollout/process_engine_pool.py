@@ -10,16 +10,20 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _serve(conn, index, hf_dir, served_shapes, path):
+def _serve(conn, index, n, hf_dir, served_shapes, factory, path):
     sys.path[:0] = path
     import torch
 
     torch.set_num_threads(1)
     from fake_sglang import FakeSGLangEngine
+    from megatron_s3ac.rollout.engine_pool import EngineSlot
     from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
 
-    engine = SGLangEngine(SGLangConfig(model_path=hf_dir), engine_cls=FakeSGLangEngine, served_shapes=served_shapes,
-                          name=f"sglang engine {index}")
+    if factory is not None:  # e.g. rollout.factory.make_engine_factory(..., engine_cls=FakeSGLangEngine)
+        engine = factory(EngineSlot(index, n))
+    else:
+        engine = SGLangEngine(SGLangConfig(model_path=hf_dir), engine_cls=FakeSGLangEngine,
+                              served_shapes=served_shapes, name=f"sglang engine {index}")
     conn.send(int(engine.config.tp_size))
     while (msg := conn.recv()) is not None:
         cid, method, args, kwargs = msg
@@ -33,12 +37,12 @@ def _serve(conn, index, hf_dir, served_shapes, path):
 
 
 class ProcessEnginePool:
-    def __init__(self, hf_dir, n, served_shapes=None):
+    def __init__(self, hf_dir, n, served_shapes=None, factory=None):
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         for i in range(n):
             conn, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(child, i, hf_dir, served_shapes, [HERE] + sys.path), daemon=True)
+            p = ctx.Process(target=_serve, args=(child, i, n, hf_dir, served_shapes, factory, [HERE] + sys.path), daemon=True)
             p.start()
             self._conns.append(conn)
             self._procs.append(p)
