@@ -19,6 +19,7 @@ turns in stage order, so nothing is gathered through one rank.
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 from typing import Iterable, Optional, Sequence
 
@@ -126,3 +127,271 @@ class WeightBroadcaster:
         dist.destroy_process_group(self.group)
         self.group = None
         self.pool.wait(refs, "destroy_weights_update_group", self.timeout_s)
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer's whole separate-GPU sync: every pipeline stage's leader broadcasts its own stage
+# ------------------------------------------------------------------------------------------------
+class _FlatArena:
+    """``into`` for ``export_hf_weights``: assembles a bucket's HF tensors back to back in one uint8 buffer, so the
+    flattened bucket to broadcast IS the assembly (no concatenating copy). A tensor that would start unaligned for
+    its dtype (sglang's receiver has no padding) is refused (None): the export then makes it a tensor of its own and
+    the bucket falls back to ``flat_bucket``."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.buf = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device)
+        self.at, self.placed = 0, {}
+
+    def reset(self) -> None:
+        self.at, self.placed = 0, {}
+
+    def __call__(self, name: str, shape, dtype: torch.dtype):
+        n = math.prod(shape) * dtype.itemsize
+        if self.at % dtype.itemsize:
+            return None
+        if self.at + n > self.buf.numel():
+            if self.at:  # a bucket never exceeds its bound unless it is one tensor: grow only then
+                return None
+            self.buf = torch.empty(n, dtype=torch.uint8, device=self.buf.device)
+        t = self.buf[self.at:self.at + n].view(dtype).view(tuple(shape))
+        self.placed[name] = (self.at, n)
+        self.at += n
+        return t
+
+    def flat(self, bucket) -> Optional[torch.Tensor]:
+        """The bucket's flattened tensor if every tensor of it was assembled here in order, else None."""
+        at = 0
+        for name, t in bucket:
+            if self.placed.get(name, (None,))[0] != at or t.data_ptr() != self.buf.data_ptr() + at:
+                return None
+            at += t.numel() * t.element_size()
+        return self.buf[:at]
+
+
+def _header(bucket) -> tuple[list, list, list]:
+    """(names, dtype names, shapes) of a bucket, in its order."""
+    return ([n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            [list(t.shape) for _, t in bucket])
+
+
+def _send_obj(obj, dst: int, dev: torch.device) -> None:
+    """A small JSON message over the default group (plain tensors: works on gloo and NCCL)."""
+    import json
+
+    data = json.dumps(obj).encode()
+    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=dev), dst=dst)
+    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev), dst=dst)
+
+
+def _recv_obj(src: int, dev: torch.device):
+    import json
+
+    n = torch.empty(1, dtype=torch.int64, device=dev)
+    dist.recv(n, src=src)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
+    dist.recv(buf, src=src)
+    return json.loads(bytes(buf.cpu().numpy()).decode())
+
+
+class StageBroadcastSync:
+    """Separate-GPU weight sync from the ranks that own the bytes (every trainer rank builds one; the rank that
+    holds the engine pool passes ``pool``, the others None).
+
+    Each pipeline stage's export leader (``weight_sync`` roles: tp = dp = ep = 0 of that stage) is rank 0 of its own
+    weight-update group with every engine TP rank (group ``<group_name>-pp<stage>``, as slime gives each PP source
+    rank its own group) and broadcasts its stage's flattened buckets straight to the engines. TP/EP/ETP shards reach
+    their stage leader inside the stage (``export_hf_weights``: main replicas only, point-to-point within the
+    stage's tensor x data group, i.e. experts within their EP group); nothing goes through the pool's rank. That
+    rank (the *controller*, which must lead its own stage) only drives the engines: per bucket it receives the
+    bucket's (names, dtypes, shapes) from the stage leader (a few hundred bytes), checks them against every served
+    checkpoint (sglang would skip unknown names silently), lets the leader broadcast and asks the engines to receive
+    (``update_weights_from_distributed``, flattened bucket), then checks every ``(success, message)``.
+
+    One weight-update session per engine around the whole sync (``pool.begin_weight_update`` ...
+    ``pool.finish_sync``: end, flush retried, completeness over all stages' names). Stages take turns in stage
+    order (each engine receives one bucket at a time); a later stage's leader waits in its first header send.
+    The bucket is assembled straight into the flat tensor that is broadcast (``_FlatArena``): one copy of the
+    leader's own pieces, received pieces land in place, no concatenation.
+
+        sync = StageBroadcastSync(pool if rank == 0 else None)   # every rank
+        stats = sync.sync(model_chunks, info, bucket_bytes)       # every rank, every weight sync
+    """
+
+    def __init__(self, pool=None, group_name: str = "s3ac-weights", master_address: Optional[str] = None,
+                 backend: Optional[str] = None, timeout_s: float = 600.0, require_complete: bool = True):
+        self.pool, self.group_name = pool, group_name
+        self.master_address, self.backend = master_address, backend
+        self.timeout_s, self.require_complete = float(timeout_s), bool(require_complete)
+        self.group = None  # this rank's group with the engines (stage leaders only)
+        self.roles = None
+        self._arena = None
+
+    def _group_name(self, stage: int) -> str:
+        return f"{self.group_name}-pp{stage}"
+
+    def connect(self, export_group=None) -> None:
+        """Collective over the default group, once: the stage leaders and every engine join the per-stage groups."""
+        from megatron_s3ac.rollout.weight_sync import _comm_device, _roles
+
+        if export_group is None:
+            from megatron.core import parallel_state as ps
+
+            export_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        ctl, leaders, stage, leader = _roles(self.pool is not None, export_group)
+        me = dist.get_rank()
+        if me == ctl and leaders[stage] != me:
+            raise ValueError(f"rank {me} holds the engine pool but does not lead its pipeline stage {stage} (rank "
+                             f"{leaders[stage]} does): build the pool on a stage leader (e.g. global rank 0)")
+        backend = self.backend or ("nccl" if "nccl" in str(dist.get_backend()).lower() else "gloo")
+        mine = None
+        if me == leader:
+            addr = self.master_address or socket.gethostbyname(socket.gethostname())
+            mine = (stage, addr, free_port(addr))
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, (mine, list(self.pool.tp_sizes) if me == ctl else None))
+        tp_sizes = next(t for _, t in rows if t is not None)
+        addrs = {m[0]: (m[1], m[2]) for m, _ in rows if m is not None}
+        world = 1 + sum(tp_sizes)
+        self.roles = dict(controller=ctl, leaders=leaders, stage=stage, leader=leader, tp_sizes=tp_sizes,
+                          device=_comm_device(), backend=backend)
+        refs = []
+        if me == ctl:
+            offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+            for s in sorted(addrs):  # each engine joins the stages' groups in this order (one call at a time)
+                a, p = addrs[s]
+                refs += [self.pool.submit(e, "init_weights_update_group", a, p, off, world, self._group_name(s),
+                                          backend) for e, off in enumerate(offsets)]
+        if me == leader:
+            a, p = addrs[stage]
+            self.group = init_custom_process_group(backend, f"tcp://{a}:{p}", world, 0, self._group_name(stage),
+                                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+        if refs:
+            self.pool.wait(refs, "init_weights_update_group", self.timeout_s)
+        dist.barrier()
+
+    # -- one sync -------------------------------------------------------------------------------
+    def _serve(self, stage: int, header, broadcast) -> None:
+        """Controller: one bucket of ``stage`` into every engine. ``broadcast()`` starts the leader's side (local
+        broadcast, or the go-ahead to a remote leader) and returns something with ``wait()`` or None."""
+        names, dtypes, shapes = header
+        n = len(self.roles["tp_sizes"])
+        self.pool.wait([self.pool.submit(e, "check_weights", names, shapes) for e in range(n)], "check_weights",
+                       self.timeout_s)
+        refs = [self.pool.submit(e, "update_weights_from_distributed", names, dtypes, shapes,
+                                 self._group_name(stage)) for e in range(n)]
+        work = broadcast()
+        self.pool.wait(refs, f"update_weights_from_distributed (stage {stage}: {names[0]} .. {names[-1]}, "
+                             f"{len(names)} tensors)", self.timeout_s)
+        if work is not None:
+            work.wait()
+
+    def _serve_remote(self, stage: int, src: int, dev: torch.device) -> list[str]:
+        """Controller: every bucket stage ``stage``'s leader (global rank ``src``) announces, until its end marker."""
+        names = []
+        while (header := _recv_obj(src, dev)) is not None:
+            said = []
+
+            def go():
+                dist.send(torch.ones(1, dtype=torch.int64, device=dev), dst=src)
+                said.append(True)
+
+            try:
+                self._serve(stage, header, go)
+            except BaseException:
+                if not said:  # the leader waits for its go-ahead: tell it no, so it stops instead of broadcasting
+                    dist.send(torch.zeros(1, dtype=torch.int64, device=dev), dst=src)
+                raise
+            names += header[0]
+        return names
+
+    @torch.no_grad()
+    def sync(self, model_chunks, info, bucket_bytes: int = 512 << 20, export_group=None, quantize=None):
+        """Every rank, every weight sync (collective over the default group). ``quantize``: as in
+        ``weight_sync.sync_weights`` (applied on the stage leader before the broadcast). Returns this rank's
+        SyncStats: bytes/buckets this rank broadcast; on the controller ``tensors`` counts every stage's."""
+        import time
+
+        from megatron_s3ac.convert.export import export_hf_weights
+        from megatron_s3ac.rollout.weight_sync import SyncStats
+
+        if export_group is None:
+            from megatron.core import parallel_state as ps
+
+            export_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        if self.roles is None:
+            self.connect(export_group)
+        r, me = self.roles, dist.get_rank()
+        ctl, leader, stage, dev = r["controller"], r["leader"], r["stage"], r["device"]
+        t0 = time.perf_counter()
+        stats = SyncStats(engine_rank=ctl)
+        names_all: list[str] = []
+        if me == ctl:
+            self.pool.begin_weight_update()
+        try:
+            into = None
+            if me == leader:
+                if self._arena is None:
+                    self._arena = _FlatArena(bucket_bytes, dev)
+                into = self._arena if quantize is None else None
+            for bucket in export_hf_weights(model_chunks, info, bucket_bytes, group=export_group, into=into):
+                if me != leader or not bucket:
+                    continue
+                if quantize is not None:
+                    bucket = list(quantize(bucket))
+                flat = self._arena.flat(bucket) if into is not None else None
+                if flat is None:
+                    names, dtypes, shapes, flat = flat_bucket(bucket, dev)
+                    header = (names, dtypes, shapes)
+                else:
+                    header = _header(bucket)
+                start = lambda: dist.broadcast(flat, src=0, group=self.group, async_op=True)
+                if me == ctl:
+                    self._serve(stage, header, start)
+                else:
+                    _send_obj(header, ctl, dev)
+                    ok = torch.empty(1, dtype=torch.int64, device=dev)
+                    dist.recv(ok, src=ctl)
+                    if not int(ok.item()):
+                        raise RuntimeError(f"rank {me} (stage {stage} leader): rank {ctl}, which drives the engines, "
+                                           f"refused bucket {header[0][0]} .. (its error names the cause)")
+                    start().wait()
+                names_all += header[0]
+                stats.buckets += 1
+                stats.tensors += len(header[0])
+                stats.bytes += int(flat.numel())
+                if into is not None:
+                    self._arena.reset()
+            if me == leader and me != ctl:
+                _send_obj(None, ctl, dev)  # end of this stage
+            if me == ctl:  # then every other stage, in order, as its leader sends it
+                for s in sorted(r["leaders"]):
+                    if r["leaders"][s] != me:
+                        names_all += self._serve_remote(s, r["leaders"][s], dev)
+                self.pool.finish_sync(names_all, self.require_complete)
+                stats.tensors = len(names_all)
+        except BaseException:
+            if me == ctl:
+                try:
+                    self.pool.end_weight_update()
+                except Exception:
+                    pass
+            raise
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def close(self) -> None:
+        """Engines leave every stage's group, then the leaders (collective over the default group)."""
+        if self.roles is None:
+            return
+        me = dist.get_rank()
+        refs = []
+        if me == self.roles["controller"]:
+            for s in sorted(self.roles["leaders"]):
+                refs += [self.pool.submit(e, "destroy_weights_update_group", self._group_name(s))
+                         for e in range(len(self.roles["tp_sizes"]))]
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+        if refs:
+            self.pool.wait(refs, "destroy_weights_update_group", self.timeout_s)
+        self.roles = None

@@ -14,6 +14,13 @@ each stage leader hands its buckets to the engine rank:
   flat uint8 payload), then an end marker. No object collectives, so it works on gloo and NCCL alike
   (on NCCL the messages live on the current CUDA device).
 
+* any other stage whose leader shares the engine rank's host, on CPU (``handoff=True``, the default): the leader
+  assembles each bucket in a POSIX shared-memory segment of its own (``_SharedArena``: local pieces copied once,
+  remote ones received in place) and hands the engine rank only a handle (segment name, offsets, names, dtypes,
+  shapes); the engine rank reads the tensors in place and acknowledges, so the leader can reuse the segment. No
+  byte of another stage crosses the engine rank's sockets: the CPU counterpart of handing a CUDA IPC handle per
+  bucket. On CUDA, or across hosts, the leader sends the bucket's bytes point to point (above).
+
 The engine rank consumes its own stage first (interleaved with that stage's export when it is not the
 leader), then the other stages in order; leaders of other stages block in ``send`` until then.
 Afterwards the engine's ``flush_cache()`` is called. Memory on the engine rank: one bucket at a time.
@@ -54,6 +61,7 @@ class SyncStats:
     buckets: int = 0
     seconds: float = 0.0
     engine_rank: int = -1
+    handed_bytes: int = 0  # a stage leader: bytes handed over in shared memory (read in place by the engine rank)
 
     @property
     def gbps(self) -> float:
@@ -91,11 +99,18 @@ def _send_bucket(bucket: list[tuple[str, torch.Tensor]], dst: int, dev: torch.de
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
+def _ack(dst: int, dev: torch.device) -> None:
+    dist.send(torch.ones(1, dtype=torch.int64, device=dev), dst=dst)
+
+
 def _send_end(dst: int, dev: torch.device) -> None:
     dist.send(torch.tensor([_END, 0], dtype=torch.int64, device=dev), dst=dst)
 
 
-def _recv_bucket(src: int, dev: torch.device) -> list[tuple[str, torch.Tensor]] | None:
+def _recv_bucket(src: int, dev: torch.device, views: "Optional[_SharedViews]" = None
+                 ) -> list[tuple[str, torch.Tensor]] | None:
+    """The next bucket from ``src`` (None at its end marker). A handed-over bucket comes back as views of the
+    sender's shared memory: the caller must ``_ack(src)`` once it has read them."""
     sizes = torch.empty(2, dtype=torch.int64, device=dev)
     dist.recv(sizes, src=src)
     hlen, plen = (int(x) for x in sizes.tolist())
@@ -104,6 +119,10 @@ def _recv_bucket(src: int, dev: torch.device) -> list[tuple[str, torch.Tensor]] 
     hbuf = torch.empty(hlen, dtype=torch.uint8, device=dev)
     dist.recv(hbuf, src=src)
     header = json.loads(bytes(hbuf.cpu().numpy()).decode())
+    if plen == _HANDOFF:
+        buf = views.open(header["shm"])
+        return [(name, buf[at:at + math.prod(shape) * getattr(torch, dt).itemsize].view(getattr(torch, dt)).view(shape))
+                for name, dt, shape, at in header["items"]]
     payload = torch.empty(plen, dtype=torch.uint8, device=dev)
     if plen:
         dist.recv(payload, src=src)
@@ -116,15 +135,105 @@ def _recv_bucket(src: int, dev: torch.device) -> list[tuple[str, torch.Tensor]] 
     return out
 
 
+_HANDOFF = -2  # payload-length marker: the bucket lies in the sender's shared memory, only its handle is sent
+
+
+class _SharedArena:
+    """A stage leader's bucket assembly area in POSIX shared memory (``into`` for ``export_hf_weights``): tensors back
+    to back, each at an offset aligned to its element size. One segment, reused by every bucket and sync; replaced
+    by a larger one only for a single tensor larger than it."""
+
+    def __init__(self, nbytes: int):
+        self.shm, self.buf = None, None
+        self._new(max(int(nbytes), 8))
+
+    def _new(self, n: int) -> None:
+        from multiprocessing.shared_memory import SharedMemory
+
+        self.close()
+        self.shm = SharedMemory(create=True, size=n)
+        self.buf = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=n)
+        self.at, self.items = 0, []
+
+    def reset(self) -> None:
+        self.at, self.items = 0, []
+
+    def __call__(self, name: str, shape, dtype: torch.dtype):
+        n = math.prod(shape) * dtype.itemsize
+        at = _pad8(self.at)
+        if at + n > self.buf.numel():
+            if self.at:  # a bucket exceeds its bound only as a single tensor
+                return None
+            self._new(_pad8(n))
+            at = 0
+        t = self.buf[at:at + n].view(dtype).view(tuple(shape))
+        self.items.append((name, _dtype_name(dtype), list(shape), at))
+        self.at = at + n
+        return t
+
+    def holds(self, bucket) -> bool:
+        """Every tensor of the bucket was assembled here, in order (none made elsewhere, none transformed)."""
+        base = self.buf.data_ptr()
+        return len(bucket) == len(self.items) and all(
+            n == it[0] and t.data_ptr() == base + it[3] for (n, t), it in zip(bucket, self.items))
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.buf = None
+            self.shm.close()
+            self.shm.unlink()
+            self.shm = None
+
+
+class _SharedViews:
+    """The engine rank's side: segments of other ranks mapped once (by name) and read in place."""
+
+    def __init__(self):
+        self.maps: dict = {}
+
+    def open(self, name: str):
+        if name not in self.maps:
+            from multiprocessing import resource_tracker
+            from multiprocessing.shared_memory import SharedMemory
+
+            shm = SharedMemory(name=name)
+            # attaching registers the segment with this process's tracker (Python < 3.13), which would unlink it at
+            # exit; its owner does that
+            resource_tracker.unregister(shm._name, "shared_memory")
+            self.maps[name] = (shm, torch.frombuffer(shm.buf, dtype=torch.uint8))
+        return self.maps[name][1]
+
+
+def _send_handoff(arena: _SharedArena, dst: int, dev: torch.device) -> int:
+    header = json.dumps({"shm": arena.shm.name, "items": arena.items}).encode()
+    dist.send(torch.tensor([len(header), _HANDOFF], dtype=torch.int64, device=dev), dst=dst)
+    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev), dst=dst)
+    ack = torch.empty(1, dtype=torch.int64, device=dev)
+    dist.recv(ack, src=dst)  # the engine rank has read the bucket: the segment may be reused
+    return sum(math.prod(sh) * getattr(torch, dt).itemsize for _, dt, sh, _ in arena.items)
+
+
 def _roles(has_engine: bool, group) -> tuple[int, dict[int, int], int, int]:
     """(engine global rank, {pp stage: leader global rank}, my stage, my stage's leader)."""
+    return _roles_hosts(has_engine, group)[:4]
+
+
+def _host_id() -> int:
+    import socket
+    import zlib
+
+    return zlib.crc32(socket.gethostname().encode())
+
+
+def _roles_hosts(has_engine: bool, group):
+    """_roles + {global rank: host id} (ranks on one host share memory)."""
     from megatron.core import parallel_state as ps
 
     me = dist.get_rank()
     stage = ps.get_pipeline_model_parallel_rank()
     leader = dist.get_global_rank(group, 0)
     dev = _comm_device()
-    mine = torch.tensor([1 if has_engine else 0, stage, leader], dtype=torch.int64, device=dev)
+    mine = torch.tensor([1 if has_engine else 0, stage, leader, _host_id()], dtype=torch.int64, device=dev)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
     rows = [r.tolist() for r in rows]
@@ -135,28 +244,35 @@ def _roles(has_engine: bool, group) -> tuple[int, dict[int, int], int, int]:
     leaders = {}
     for row in rows:
         leaders.setdefault(row[1], row[2])
-    return engines[0], leaders, stage, leader
+    return engines[0], leaders, stage, leader, {r: row[3] for r, row in enumerate(rows)}
 
 
 @torch.no_grad()
 def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20, group=None,
-                 quantize: Optional[Callable[[list], Iterable]] = None) -> SyncStats:
+                 quantize: Optional[Callable[[list], Iterable]] = None, handoff: bool = True) -> SyncStats:
     """Copy the live sharded actor's weights into ``engine`` (held by exactly one rank; ``None`` elsewhere).
 
     Collective over the whole default process group. ``model_chunks``: this rank's model chunks (one per
     virtual pipeline stage). ``group``: the export group of this rank's pipeline stage (default: megatron's
     tensor x data (x context) parallel group). ``quantize``: bucket [(name, tensor)] -> (name, tensor)
     stream, applied on the stage leader before the transfer (e.g. ``convert.fp8.quantize_stream``); the same
-    on every rank. Returns this rank's ``SyncStats``.
+    on every rank. ``handoff``: other stages' leaders on the engine rank's host hand buckets over in shared
+    memory (CPU) instead of sending their bytes. Returns this rank's ``SyncStats``.
     """
     from megatron.core import parallel_state as ps
 
     if group is None:
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
     t0 = time.perf_counter()
-    engine_rank, leaders, stage, leader = _roles(engine is not None, group)
+    engine_rank, leaders, stage, leader, hosts = _roles_hosts(engine is not None, group)
     me, dev = dist.get_rank(), _comm_device()
     stats = SyncStats(engine_rank=engine_rank)
+    # which stage leaders hand their buckets over in shared memory (CPU, same host as the engine rank)
+    handing = {src for src in leaders.values() if handoff and dev.type == "cpu" and quantize is None
+               and src != engine_rank and hosts[src] == hosts[engine_rank]}
+    views = None
+    if me == engine_rank and handing:
+        views = model_chunks[0].__dict__.setdefault("_s3ac_shared_views", _SharedViews())
 
     def feed(bucket):
         engine.update_weights(bucket)
@@ -168,6 +284,12 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
     # A colocated engine that exposes its weight memory gets the stage assembled in place: one copy
     # from the trainer's shards (local pieces copied, remote ones received straight into it).
     into = getattr(engine, "weight_buffer", None) if (engine is not None and me == leader) else None
+    arena = None
+    if me in handing and me == leader:
+        arena = model_chunks[0].__dict__.get("_s3ac_shared_arena")
+        if arena is None:
+            arena = model_chunks[0].__dict__["_s3ac_shared_arena"] = _SharedArena(bucket_bytes)
+        into = arena
     if quantize is not None:
         into = None  # the quantized pairs must reach the engine through update_weights
     for bucket in export_hf_weights(model_chunks, info, bucket_bytes, group=group, into=into):
@@ -176,14 +298,24 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
                 bucket = list(quantize(bucket))
             if me == engine_rank:
                 feed(bucket)
+            elif arena is not None and bucket and arena.holds(bucket):
+                n = _send_handoff(arena, engine_rank, dev)
+                stats.bytes += n
+                stats.handed_bytes += n
+                stats.buckets += 1
+                stats.tensors += len(bucket)
             else:
                 stats.bytes += _send_bucket(bucket, engine_rank, dev)
                 stats.buckets += 1
                 stats.tensors += len(bucket)
+            if arena is not None:
+                arena.reset()
         elif me == engine_rank:  # engine on a non-leader: take this bucket from our leader now
-            got = _recv_bucket(leader, dev)
+            got = _recv_bucket(leader, dev, views)
             assert got is not None, "stage leader ended the sync early"
             feed(got)
+            if leader in handing:
+                _ack(leader, dev)
     if me == leader and me != engine_rank:
         _send_end(engine_rank, dev)
 
@@ -197,8 +329,10 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
                 if _recv_bucket(src, dev) is not None:
                     raise RuntimeError("stage leader sent more buckets than the export yielded")
                 continue
-            while (got := _recv_bucket(src, dev)) is not None:
+            while (got := _recv_bucket(src, dev, views)) is not None:
                 feed(got)
+                if src in handing:
+                    _ack(src, dev)
         engine.flush_cache()
     stats.seconds = time.perf_counter() - t0
     return stats

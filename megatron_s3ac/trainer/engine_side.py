@@ -8,14 +8,18 @@ from functools import partial
 
 class EngineSide:
     def sync_weights(self):
-        """The one weight path, actor -> engine. Collective: every rank joins the export; rank 0's
-        engine receives every pipeline stage's tensors (rollout.weight_sync gathers them).
+        """The one weight path, actor -> engine. Collective: every rank joins the export.
+        SGLang engines on their own GPUs (``rollout.placement: separate``): each pipeline stage's leader broadcasts
+        its own stage to the engines (``rollout.broadcast.StageBroadcastSync``; rank 0 only drives the engines).
+        Otherwise rank 0's engine receives every pipeline stage's tensors (rollout.weight_sync gathers them).
         SGLang engines (sessions): the whole sync is one weight-update session (``SessionSync``), checked
         complete, and a colocated engine wakes in sglang's order: weights -> sync -> kv_cache + cuda_graph."""
         from megatron_s3ac.rollout.sglang_engine import SessionSync
         from megatron_s3ac.rollout.weight_sync import sync_weights
 
         chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
+        if self._broadcast_sync():
+            return self._stage_broadcast(chunks)
         target, sessions, kw = self.engine, hasattr(self.engine, "begin_weight_update"), {}
         if sessions:
             sg = self.cfg.rollout.sglang
@@ -26,15 +30,42 @@ class EngineSide:
             # weights re-allocated but stale: the sync below must refill every one
             self.engine.wake(["weights"]) if sessions else self.engine.wake()
             self._engine_asleep = False
-        if self.cfg.rollout.weights_dtype == "fp8":  # every rank: stage leaders quantize before the transfer
-            from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, quantize_stream
-
-            keep = self.cfg.rollout.fp8_keep
-            kw["quantize"] = partial(quantize_stream, keep=DEFAULT_KEEP if keep is None else tuple(keep))
+        if self._fp8_quantizer() is not None:  # every rank: stage leaders quantize before the transfer
+            kw["quantize"] = self._fp8_quantizer()
         stats = sync_weights(chunks, self.info, target, **kw)
         if woke and sessions:
             self.engine.wake(["kv_cache", "cuda_graph"])
         return stats
+
+    def _broadcast_sync(self) -> bool:
+        """SGLang engines on their own GPUs take the broadcast path (decided from the config: the same on every
+        rank, though only rank 0 holds the pool)."""
+        r = self.cfg.rollout
+        return str(getattr(r.engine, "value", r.engine)) == "sglang" and \
+            str(getattr(r.placement, "value", r.placement)) == "separate"
+
+    def _fp8_quantizer(self):
+        if self.cfg.rollout.weights_dtype != "fp8":
+            return None
+        from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, quantize_stream
+
+        keep = self.cfg.rollout.fp8_keep
+        return partial(quantize_stream, keep=DEFAULT_KEEP if keep is None else tuple(keep))
+
+    def _stage_broadcast(self, chunks):
+        """Every rank: the per-stage broadcast sync (connects the stage leaders and the engines on first use)."""
+        from megatron_s3ac.rollout.broadcast import StageBroadcastSync
+
+        sg = self.cfg.rollout.sglang
+        if getattr(self, "_bsync", None) is None:
+            self._bsync = StageBroadcastSync(self.engine, timeout_s=sg.timeout_s)
+        return self._bsync.sync(chunks, self.info, sg.bucket_bytes, quantize=self._fp8_quantizer())
+
+    def close_weight_sync(self) -> None:
+        """Leave the broadcast groups (stage leaders and engines); before the engines shut down."""
+        if getattr(self, "_bsync", None) is not None:
+            self._bsync.close()
+            self._bsync = None
 
     # ---- idle-model offload (train.offload_idle) -------------------------------------------------
     def _place(self, m: dict, on=(), off=()) -> None:

@@ -43,21 +43,30 @@ def _check(results, engine_rank):
     return st
 
 
-# (model, tp, pp, ep, engine rank): the engine on the export leader, on a non-leader of its stage
-# (buckets arrive from its own stage's leader), and on stage 0 receiving stage 1 from another rank
+# (model, tp, pp, ep, engine rank, handoff): the engine on the export leader, on a non-leader of its stage
+# (buckets arrive from its own stage's leader), and on stage 0 receiving stage 1 from another rank; other
+# leaders hand their buckets over in shared memory (handoff) or send the bytes (relay)
 CASES = {
-    "tp2": ("qwen3", 2, 1, 1, 0),
-    "ep2_engine_on_rank1": ("qwen3_moe", 1, 1, 2, 1),
-    "pp2_tied": ("qwen2_tied", 1, 2, 1, 0),
+    "tp2": ("qwen3", 2, 1, 1, 0, True),
+    "ep2_engine_on_rank1": ("qwen3_moe", 1, 1, 2, 1, True),
+    "pp2_tied": ("qwen2_tied", 1, 2, 1, 0, True),
+    "pp2_tied_relay": ("qwen2_tied", 1, 2, 1, 0, False),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sync_matches_trainer_log_probs(ckpts, case):
-    name, tp, pp, ep, engine_rank = CASES[case]
+    name, tp, pp, ep, engine_rank, handoff = CASES[case]
     hf, mc = ckpts[name]
-    results = run_distributed(sync_rank, 2, hf, mc, tp, pp, ep, engine_rank, 20_000, TOKENS)
+    results = run_distributed(sync_rank, 2, hf, mc, tp, pp, ep, engine_rank, 20_000, TOKENS, handoff)
     st = _check(results, engine_rank)
+    other = results[1 - engine_rank]["stats"]  # the other rank leads a stage (pp2) / the engine's stage (ep2)
+    if case == "tp2":
+        assert other.bytes == other.handed_bytes == 0  # its TP shards went to the engine rank inside the export
+    elif handoff:  # every byte of the other leader's buckets was read in place from its shared memory
+        assert other.bytes > 0 and other.handed_bytes == other.bytes
+    else:
+        assert other.bytes > 0 and other.handed_bytes == 0
     # every HF tensor reached the engine exactly once: the bytes of the checkpoint's weights
     from safetensors import safe_open
     import glob

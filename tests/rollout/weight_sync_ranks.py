@@ -34,7 +34,7 @@ def engine_log_probs(engine, tokens):
     return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
 
 
-def sync_rank(hf_dir, ckpt_dir, tp, pp, ep, engine_rank, bucket_bytes, tokens):
+def sync_rank(hf_dir, ckpt_dir, tp, pp, ep, engine_rank, bucket_bytes, tokens, handoff=True):
     """Load the converted checkpoint at the layout, perturb, sync into a CPU engine on ``engine_rank``.
     Returns {'trainer': lp or None, 'before'/'after': engine lp or None, 'stats': SyncStats}."""
     import torch.distributed as dist
@@ -50,7 +50,7 @@ def sync_rank(hf_dir, ckpt_dir, tp, pp, ep, engine_rank, bucket_bytes, tokens):
     if dist.get_rank() == engine_rank:
         engine = CPUEngine.from_pretrained(hf_dir, tokenizer=None)
         out["before"] = engine_log_probs(engine, tokens)
-    out["stats"] = sync_weights([model], info, engine, bucket_bytes=bucket_bytes)
+    out["stats"] = sync_weights([model], info, engine, bucket_bytes=bucket_bytes, handoff=handoff)
     if engine is not None:
         out["after"] = engine_log_probs(engine, tokens)
     return out
