@@ -410,9 +410,18 @@ class TrainCfg:
     # move the idle model's params, grads and optimizer state to host memory (models.offload): both
     # while the colocated engine generates, the critic during the actor update and vice versa
     offload_idle: bool = False
+    # optimizer state in checkpoints (trainer.checkpoint): fully_reshardable (megatron's layout-free
+    # distributed-optimizer format: resumes at any tp/pp/ep/dp) | dp_reshardable (no gather on save;
+    # reshards in DP only) | per_rank (torch Adam state per rank: same layout only). Where megatron
+    # refuses a dist format (e.g. before the first optimizer step on CPU), per_rank is used and said once.
+    optimizer_checkpoint: str = "fully_reshardable"
+    resume_optimizer: bool = True  # false: resume weights/data/RNG with fresh optimizer state (e.g. at a new layout)
 
     def errors(self) -> list[str]:
         out = [] if self.r3 in R3_MODES else [f"train.r3={self.r3!r} must be auto, on or off"]
+        if self.optimizer_checkpoint not in ("fully_reshardable", "dp_reshardable", "per_rank"):
+            out.append(f"train.optimizer_checkpoint={self.optimizer_checkpoint!r} must be fully_reshardable, "
+                       f"dp_reshardable or per_rank")
         if self.wandb_project:
             import importlib.util
 
