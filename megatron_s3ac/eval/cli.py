@@ -91,6 +91,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     p.add_argument("--bench", action="append", required=True, metavar="NAME=PATH",
                    help="benchmark file (.jsonl/.json/.parquet); a bare PATH is named by its file stem")
+    p.add_argument("--schema", action="append", default=[], metavar="NAME=SCHEMA",
+                   help="release schema a benchmark file must follow: aime26 | hmmt26 | imo_answerbench "
+                        "(default: the one its NAME implies, if any; 'auto': detect rows one by one)")
     p.add_argument("--k", type=int, default=1, help="samples per prompt (avg@k, pass@k)")
     p.add_argument("--k-for", action="append", default=[], metavar="NAME=K", help="per-benchmark k")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -175,8 +178,13 @@ def _run(args: argparse.Namespace) -> int:
     unknown = set(k_for) - set(benches)
     if unknown:
         raise SystemExit(f"--k-for names no --bench: {sorted(unknown)}")
+    schemas = dict(_pairs(args.schema, "--schema"))
+    unknown = set(schemas) - set(benches)
+    if unknown:
+        raise SystemExit(f"--schema names no --bench: {sorted(unknown)}")
     for name, spec in benches.items():
         spec.k = k_for.get(name, args.k)
+        spec.schema = schemas.get(name)
         # load and settle each file's reward now, before a (possibly slow) engine starts
         spec.source = as_spec(name, spec)[1]
         spec.reward = resolve_reward(spec, spec.source)

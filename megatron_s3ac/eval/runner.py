@@ -41,12 +41,15 @@ class BenchmarkSpec:
     reward: registered reward for kind "math" items; see resolve_reward for how it combines with the
         reward the file declares.
     template: see benchmarks.render_prompt ("auto", "chat", "raw", or a "{prompt}" format).
+    schema: a release schema the file must follow (benchmarks.SCHEMAS: aime26, hmmt26, imo_answerbench);
+        None: the one the benchmark's name implies, if any; "auto": rows detected one by one.
     """
 
     source: Union[str, Iterable[Any], Benchmark]
     k: Optional[int] = None
     reward: Optional[str] = None
     template: Optional[str] = None
+    schema: Optional[str] = None
 
 
 BenchmarkSource = Union[str, Iterable[Any], Benchmark, BenchmarkSpec]
@@ -55,7 +58,7 @@ BenchmarkSource = Union[str, Iterable[Any], Benchmark, BenchmarkSpec]
 def as_spec(name: str, source: BenchmarkSource) -> tuple[BenchmarkSpec, Benchmark]:
     """Normalise any accepted source into (spec, loaded benchmark)."""
     spec = source if isinstance(source, BenchmarkSpec) else BenchmarkSpec(source)
-    bench = spec.source if isinstance(spec.source, Benchmark) else load_benchmark(name, spec.source)
+    bench = spec.source if isinstance(spec.source, Benchmark) else load_benchmark(name, spec.source, spec.schema)
     return spec, bench
 
 
