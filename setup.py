@@ -19,6 +19,7 @@ CORE = [
     "numpy>=1.26,<2.5",  # a range like torch: CPU locks 2.4.6 (requirements-cpu.txt); sglang's mistral-common needs <2.4 on py3.12
     "packaging>=24.2",  # megatron_s3ac.env and the megatron-core version gate (models.cpu_compat)
     "pyyaml==6.0.4",
+    "requests==2.34.2",  # eval.judge: the LLM judge's OpenAI-compatible HTTP client (already in the CPU lock)
 ]
 # GPU stack (Python 3.12, CUDA 13). Each pin and where it comes from: docs/environment.md. Checked with
 # `pip install --dry-run --ignore-installed --no-build-isolation ".[gpu]"` on Python 3.12 (resolves);

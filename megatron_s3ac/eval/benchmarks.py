@@ -9,6 +9,13 @@ Accepted row schemas (auto-detected per row; keys are matched case-insensitively
 - GPQA raw (Idavidrein/gpqa):      Question + Correct Answer + Incorrect Answer 1..3; the four choices
                                    are shuffled with a per-question seed, so the correct one is not
                                    always A and every run sees the same order.
+Named releases (a benchmark named after one, or BenchmarkSpec(schema=...) / --schema NAME=SCHEMA): the
+file must have every column of the release as published (see SCHEMAS, each citing where its layout was
+read), else it is refused naming the missing columns:
+- aime26:           MathArena/aime_2026 (parquet)        problem_idx, problem, answer
+- hmmt26:           MathArena/hmmt_feb_2026 (parquet)    problem_idx, problem, answer, problem_type
+- imo_answerbench:  google-deepmind/superhuman imobench/answerbench.csv
+                    Problem ID, Problem, Short Answer, Category, Subcategory, Source (Level optional)
 Any row may also carry "prompt_ids" (a list of token ids): it is then fed to the model exactly, with
 no template; the trainer uses this for its held-out split, so eval sees the prompts as training does.
 
@@ -17,7 +24,7 @@ registered reward name, the same on every row that has it) or a sidecar ``<file>
 {"reward": NAME}. A pre-tokenized file (rows with "prompt_ids", i.e. written by a trainer for its own
 task) that declares none cannot be scored without the caller naming the reward: the default math
 verifier would silently score a task it does not know (see runner.resolve_reward).
-Files: .jsonl / .json (list of rows) / .parquet. A row that fits no schema, has an empty field or
+Files: .jsonl / .json (list of rows) / .parquet / .csv (header row). A row that fits no schema, has an empty field or
 an answer outside its choices is skipped and counted by reason in `Benchmark.skipped`.
 
 Kinds: "math" (scored by the rollout's math-verify reward) or "choice" (letter extraction).
@@ -25,6 +32,7 @@ Kinds: "math" (scored by the rollout's math-verify reward) or "choice" (letter e
 from __future__ import annotations
 
 import collections
+import csv
 import dataclasses
 import json
 import os
@@ -97,8 +105,11 @@ def read_rows(path: str) -> tuple[list[Any], dict[str, int]]:
         if not isinstance(data, list):
             raise ValueError(f"{path}: a .json benchmark must hold a list of rows")
         return data, {}
+    if ext == ".csv":  # IMO-AnswerBench's release format; quoted cells may span lines
+        with open(path, encoding="utf-8", newline="") as f:
+            return list(csv.DictReader(f)), {}
     if ext != ".jsonl":
-        raise ValueError(f"{path}: unsupported benchmark file type {ext!r} (jsonl, json, parquet)")
+        raise ValueError(f"{path}: unsupported benchmark file type {ext!r} (jsonl, json, parquet, csv)")
     rows = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -148,18 +159,100 @@ def declared_reward(rows: list[Any], path: Optional[str] = None) -> Optional[str
     return declared
 
 
-def load_benchmark(name: str, source: Union[str, Iterable[Any]]) -> Benchmark:
-    """Load a file path or an iterable of row dicts into a Benchmark (malformed rows skipped, counted)."""
+# ----------------------------------------------------------------------------------------------
+# Named releases
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    """A benchmark release's column layout, as published. columns: every column a file must have (matched
+    case-insensitively, reported as the release spells them); question / answer: the two read."""
+
+    name: str
+    columns: tuple[str, ...]
+    question: str
+    answer: str
+    source: str  # where the layout was read
+
+
+SCHEMAS = {s.name: s for s in (
+    # huggingface.co/datasets/MathArena/aime_2026, README.md dataset_info (commit 2548a41): features
+    # problem_idx int64, answer int64, problem string; one split "train", 30 rows, parquet.
+    Schema("aime26", ("problem_idx", "problem", "answer"), "problem", "answer",
+           "MathArena/aime_2026 (Hugging Face dataset card: problem_idx, problem, answer)"),
+    # huggingface.co/datasets/MathArena/hmmt_feb_2026, README.md dataset_info (commit afb530a): features
+    # problem_idx int64, answer string, problem_type list[string], problem string; 33 rows, parquet.
+    Schema("hmmt26", ("problem_idx", "problem", "answer", "problem_type"), "problem", "answer",
+           "MathArena/hmmt_feb_2026 (Hugging Face dataset card: problem_idx, problem, answer, problem_type)"),
+    # github.com/google-deepmind/superhuman imobench/answerbench.csv header (commit f960960):
+    # "Problem ID,Problem,Short Answer,Category,Level,Subcategory,Source"; the dataset card
+    # imobench/hf_dataset_cards/answerbench.md lists the same columns. Level is not required (the
+    # paper's release text names six columns; nothing here reads it).
+    Schema("imo_answerbench", ("Problem ID", "Problem", "Short Answer", "Category", "Subcategory", "Source"),
+           "Problem", "Short Answer",
+           "google-deepmind/superhuman imobench/answerbench.csv (IMO-AnswerBench)"),
+)}
+SCHEMA_ALIASES = {"aime_2026": "aime26", "aime2026": "aime26", "hmmt_feb_2026": "hmmt26", "hmmt_feb26": "hmmt26",
+                  "hmmt2026": "hmmt26", "imo-answerbench": "imo_answerbench", "imoanswerbench": "imo_answerbench",
+                  "answerbench": "imo_answerbench"}
+
+
+def schema_for(name: str) -> Optional[Schema]:
+    """The release schema a benchmark *named* `name` must follow (aime26, hmmt26, imo_answerbench and
+    their aliases, case-insensitive), else None."""
+    key = name.strip().lower()
+    return SCHEMAS.get(SCHEMA_ALIASES.get(key, key))
+
+
+def get_schema(schema: str) -> Schema:
+    """A schema by name or alias; EvalInputError naming the known ones otherwise."""
+    found = schema_for(schema)
+    if found is None:
+        raise EvalInputError(f"unknown benchmark schema {schema!r}; known: {sorted(SCHEMAS)}")
+    return found
+
+
+def check_schema(rows: list[Any], schema: Schema, where: str) -> None:
+    """Refuse `rows` unless every row has every column of `schema` (EvalInputError naming the missing ones)."""
+    if not rows:
+        raise EvalInputError(f"{where}: no rows; expected the {schema.name} schema of {schema.source}")
+    for i, row in enumerate(rows):
+        keys = {str(k).strip().lower() for k in row} if isinstance(row, dict) else set()
+        missing = [c for c in schema.columns if c.lower() not in keys]
+        if missing:
+            found = sorted(map(str, row)) if isinstance(row, dict) else type(row).__name__
+            raise EvalInputError(f"{where}: not in the {schema.name} schema of {schema.source}: row {i} is missing "
+                                 f"column(s) {missing} (found {found})")
+
+
+def _schema_row(row: dict, schema: Schema) -> tuple[Optional[Item], str]:
+    r = {str(k).strip().lower(): v for k, v in row.items()}
+    question = _text(r.get(schema.question.lower()))
+    if question is None:
+        return None, "missing_question"
+    reference = _text(r.get(schema.answer.lower()))
+    if reference is None:
+        return None, "missing_answer"
+    return Item(prompt=question, reference=reference, kind="math"), ""
+
+
+def load_benchmark(name: str, source: Union[str, Iterable[Any]], schema: Optional[str] = None) -> Benchmark:
+    """Load a file path or an iterable of row dicts into a Benchmark (malformed rows skipped, counted).
+
+    schema: a release schema (SCHEMAS) the rows must follow; None: the one the benchmark's name implies
+    (schema_for), if any; "auto": none, rows are detected one by one."""
     path = None
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         rows, skipped = read_rows(path)
     else:
         rows, skipped = list(source), {}
+    release = None if schema == "auto" else (get_schema(schema) if schema else schema_for(name))
+    if release is not None:
+        check_schema(rows, release, f"{name} ({path or 'rows'})")
     counts = collections.Counter(skipped)
     items = []
     for row in rows:
-        item, reason = normalize_row(row)
+        item, reason = _schema_row(row, release) if release is not None else normalize_row(row)
         if item is None:
             counts[reason] += 1
         else:

@@ -15,9 +15,13 @@ afterwards). Training checkpoints do not store their HF config: pass --hf-config
 the GPU when CUDA is present (--dtype fp32|bf16), sglang = sglang.Engine on --tp-size GPUs; a model
 the engine cannot serve exits 2 naming --engine.
 
+--judge llm scores free-form answers with an LLM behind an OpenAI-compatible endpoint (eval/judge.py:
+strict verdict parsing, bounded timeout and retries, key from --judge-key-env's variable).
+
 Exit status 2, with the cause on stderr and no report, when the numbers could not be trusted: the
 model directory has no tokenizer files (and no --tokenizer), a pre-tokenized benchmark declares no
-reward and --reward names none, --reward contradicts the file's, or the responses cannot be decoded.
+reward and --reward names none, --reward contradicts the file's, the responses cannot be decoded, a
+file is not in the release schema its name implies (or --schema names), or the LLM judge is down.
 """
 from __future__ import annotations
 
@@ -91,6 +95,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     p.add_argument("--bench", action="append", required=True, metavar="NAME=PATH",
                    help="benchmark file (.jsonl/.json/.parquet); a bare PATH is named by its file stem")
+    p.add_argument("--schema", action="append", default=[], metavar="NAME=SCHEMA",
+                   help="release schema a benchmark file must follow: aime26 | hmmt26 | imo_answerbench "
+                        "(default: the one its NAME implies, if any; 'auto': detect rows one by one)")
     p.add_argument("--k", type=int, default=1, help="samples per prompt (avg@k, pass@k)")
     p.add_argument("--k-for", action="append", default=[], metavar="NAME=K", help="per-benchmark k")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -102,6 +109,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--reward", default=None,
                    help="reward for non-choice items (default: the file's 'reward' field or <file>.meta.json; "
                         "else math for text sets; a pre-tokenized set without one is refused)")
+    p.add_argument("--judge", choices=("math_verify", "llm"), default="math_verify",
+                   help="free-form answers: math_verify (the training reward) or an LLM judge behind an "
+                        "OpenAI-compatible /v1/chat/completions endpoint (--judge-url, --judge-model)")
+    p.add_argument("--judge-url", default=None, help="judge server: http://host:8000, .../v1 or the full endpoint")
+    p.add_argument("--judge-model", default=None, help="the judge model name the server serves")
+    p.add_argument("--judge-key-env", default=None, metavar="VAR",
+                   help="environment variable holding the judge's API key (never the key itself)")
+    p.add_argument("--judge-for", action="append", default=[], metavar="NAME",
+                   help="benchmarks the LLM judge scores (default: every set scored with the math reward)")
+    p.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judge request")
+    p.add_argument("--judge-retries", type=int, default=3, help="retries per judge request (timeouts, 429, 5xx)")
     p.add_argument("--engine", choices=("cpu", "hf", "sglang"), default="cpu",
                    help="cpu: transformers on the CPU (exact); hf: the same on the GPU when CUDA is present; "
                         "sglang: sglang.Engine (rollout.factory, as training uses)")
@@ -175,11 +193,27 @@ def _run(args: argparse.Namespace) -> int:
     unknown = set(k_for) - set(benches)
     if unknown:
         raise SystemExit(f"--k-for names no --bench: {sorted(unknown)}")
+    schemas = dict(_pairs(args.schema, "--schema"))
+    unknown = set(schemas) - set(benches)
+    if unknown:
+        raise SystemExit(f"--schema names no --bench: {sorted(unknown)}")
     for name, spec in benches.items():
         spec.k = k_for.get(name, args.k)
+        spec.schema = schemas.get(name)
         # load and settle each file's reward now, before a (possibly slow) engine starts
         spec.source = as_spec(name, spec)[1]
         spec.reward = resolve_reward(spec, spec.source)
+    from megatron_s3ac.eval.judge import make_judge
+
+    unknown = set(args.judge_for) - set(benches)
+    if unknown:
+        raise SystemExit(f"--judge-for names no --bench: {sorted(unknown)}")
+    if args.judge == "math_verify" and (args.judge_url or args.judge_model or args.judge_for):
+        raise SystemExit("--judge-url / --judge-model / --judge-for need --judge llm")
+    judge = make_judge(args.judge, url=args.judge_url, model=args.judge_model, api_key_env=args.judge_key_env,
+                       timeout_s=args.judge_timeout, max_retries=args.judge_retries, sets=tuple(args.judge_for))
+    if judge is not None:
+        judge.check()  # before the model loads: a down judge fails in seconds
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens)
     with model_directory(args.model, args.hf_config, args.convert_dir) as model_dir:
@@ -194,7 +228,7 @@ def _run(args: argparse.Namespace) -> int:
             report = evaluate(engine, tokenizer, benches, k=args.k, params=params, seed=args.seed,
                               template=args.template, batch_size=args.batch_size,
                               reward_workers=args.reward_workers, verifier_timeout_s=args.verifier_timeout,
-                              keep_samples=args.save_samples)
+                              keep_samples=args.save_samples, judge=judge)
         finally:
             engine.shutdown()
     report["model"] = os.path.abspath(args.model)

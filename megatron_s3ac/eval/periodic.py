@@ -29,7 +29,8 @@ class PeriodicEvaluator:
 
     def __init__(self, benchmarks: Mapping[str, BenchmarkSource], every_n_steps: int,
                  k: Union[int, Mapping[str, int]] = 1, params: Optional[SamplingParams] = None, seed: int = 0,
-                 template: str = "auto", report_dir: Optional[str] = None, reward_pool=None, batch_size: int = 64):
+                 template: str = "auto", report_dir: Optional[str] = None, reward_pool=None, batch_size: int = 64,
+                 judge=None):
         # Load (and validate) the files once, at start-up, not at the first evaluation hours later.
         self.benchmarks = {}
         for name, src in benchmarks.items():
@@ -38,6 +39,7 @@ class PeriodicEvaluator:
         self.every_n_steps = every_n_steps
         self.k, self.params, self.seed, self.template = k, params, seed, template
         self.report_dir, self.reward_pool, self.batch_size = report_dir, reward_pool, batch_size
+        self.judge = judge  # eval.judge.LLMJudge or None (math-verify)
         self.best_step: Optional[int] = None
         self.best_score = -math.inf
         self.history: list[tuple[int, float]] = []  # (step, average avg@k)
@@ -48,7 +50,8 @@ class PeriodicEvaluator:
     def run(self, step: int, engine, tokenizer) -> dict[str, float]:
         """Evaluate now; returns flat metrics (plus "eval/is_best" 1.0/0.0) and updates best_step."""
         report = evaluate(engine, tokenizer, self.benchmarks, k=self.k, params=self.params, seed=self.seed,
-                          template=self.template, reward_pool=self.reward_pool, batch_size=self.batch_size)
+                          template=self.template, reward_pool=self.reward_pool, batch_size=self.batch_size,
+                          judge=self.judge)
         report["step"] = step
         avg = report["average_avg_at_k"]
         is_best = math.isfinite(avg) and avg > self.best_score  # ties keep the earlier step
@@ -86,18 +89,25 @@ class TrainerEvaluation:
         self.reward_pool = None
         self.sets: dict = {}
         reward = e.reward or default_reward
+        self.judge = judge_from_cfg(getattr(e, "judge", None))
         if e.heldout and heldout_rows:
             self.sets["heldout"] = BenchmarkSpec(heldout_rows, reward=reward, k=e.k_for.get("heldout"))
         for name, path in e.benchmarks.items():
             self.sets[name] = BenchmarkSpec(path, reward=reward, k=e.k_for.get(name))
         if not self.sets:
             return
+        if self.judge is not None:  # a misspelt set name would silently fall back to math-verify
+            unknown = set(self.judge.sets) - set(self.sets)
+            if unknown:
+                from megatron_s3ac.eval.judge import JudgeError
+
+                raise JudgeError(f"eval.judge.sets names no evaluation set: {sorted(unknown)} (sets: {sorted(self.sets)})")
         if get_reward(reward).isolate:  # one verifier pool for the whole run, not one per evaluation
             self.reward_pool = reward_pool()
         self.evaluator = PeriodicEvaluator(self.sets, every_n_steps=every_n_steps, k=e.k,
                                            params=self.params(greedy=False), seed=e.seed, template=e.template,
                                            report_dir=report_dir, reward_pool=self.reward_pool,
-                                           batch_size=e.batch_size)
+                                           batch_size=e.batch_size, judge=self.judge)
         self.sets = self.evaluator.benchmarks  # loaded once (files validated at start-up)
 
     def params(self, greedy: bool) -> SamplingParams:
@@ -113,7 +123,7 @@ class TrainerEvaluation:
             return None
         e = self.cfg
         return evaluate(engine, tokenizer, sets, k=1 if greedy else e.k, params=self.params(greedy), seed=e.seed,
-                        template=e.template, reward_pool=self.reward_pool, batch_size=e.batch_size)
+                        template=e.template, reward_pool=self.reward_pool, batch_size=e.batch_size, judge=self.judge)
 
     def pass_rate(self, engine, tokenizer, greedy: bool, name: str) -> Optional[float]:
         """avg@k of one set (greedy: k = 1); None if there is no such set."""
@@ -132,3 +142,17 @@ class TrainerEvaluation:
             rep = self.report(engine, tokenizer, True, {n: dataclasses.replace(s, k=1) for n, s in self.sets.items()})
             m.update({f"eval/{n}/greedy": b["avg_at_k"] for n, b in rep["benchmarks"].items()})
         return m
+
+
+def judge_from_cfg(cfg):
+    """The trainer's ``eval.judge`` section (read by attribute) -> eval.judge.LLMJudge, or None for
+    ``math_verify`` (and for a config without the section)."""
+    if cfg is None:
+        return None
+    from megatron_s3ac.eval.judge import make_judge
+
+    name = getattr(cfg, "name", "math_verify")
+    name = getattr(name, "value", name)
+    return make_judge(name, url=cfg.url, model=cfg.model, api_key_env=cfg.api_key_env, timeout_s=cfg.timeout_s,
+                      max_retries=cfg.max_retries, concurrency=cfg.concurrency, max_tokens=cfg.max_tokens,
+                      sets=tuple(cfg.sets or ()))

@@ -36,6 +36,8 @@ def flat_metrics(report: dict, prefix: str = "eval") -> dict[str, float]:
         out[f"{prefix}/{name}/avg@{k}"] = b["avg_at_k"]
         out[f"{prefix}/{name}/pass@{k}"] = b["pass_at_k"]
         out[f"{prefix}/{name}/verifier_timeouts"] = float(b["verifier_timeouts"])
+        if b.get("judge_calls"):  # LLM judge: replies that carried no verdict (scored incorrect)
+            out[f"{prefix}/{name}/judge_unparsable"] = float(b["judge_unparsable"])
     out[f"{prefix}/average"] = report["average_avg_at_k"]
     return out
 

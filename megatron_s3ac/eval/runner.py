@@ -5,6 +5,7 @@ The report (JSON-serialisable dict):
    "benchmarks": {name: {"k", "avg_at_k", "avg_at_k_ci95": [lo, hi], "pass_at_k", "pass_at_k_ci95",
                          "num_prompts", "num_samples", "num_skipped", "skipped": {reason: n},
                          "verifier_timeouts", "verifier_crashes", "verifier_errors",
+                         "judge" (math_verify | llm:<model> | the reward), "judge_calls", "judge_unparsable",
                          "finish_reasons": {reason: n}, "mean_response_tokens", "seconds"}}}
 Intervals: percentile bootstrap over prompts (estimators.py).
 
@@ -41,12 +42,15 @@ class BenchmarkSpec:
     reward: registered reward for kind "math" items; see resolve_reward for how it combines with the
         reward the file declares.
     template: see benchmarks.render_prompt ("auto", "chat", "raw", or a "{prompt}" format).
+    schema: a release schema the file must follow (benchmarks.SCHEMAS: aime26, hmmt26, imo_answerbench);
+        None: the one the benchmark's name implies, if any; "auto": rows detected one by one.
     """
 
     source: Union[str, Iterable[Any], Benchmark]
     k: Optional[int] = None
     reward: Optional[str] = None
     template: Optional[str] = None
+    schema: Optional[str] = None
 
 
 BenchmarkSource = Union[str, Iterable[Any], Benchmark, BenchmarkSpec]
@@ -55,7 +59,7 @@ BenchmarkSource = Union[str, Iterable[Any], Benchmark, BenchmarkSpec]
 def as_spec(name: str, source: BenchmarkSource) -> tuple[BenchmarkSpec, Benchmark]:
     """Normalise any accepted source into (spec, loaded benchmark)."""
     spec = source if isinstance(source, BenchmarkSpec) else BenchmarkSpec(source)
-    bench = spec.source if isinstance(spec.source, Benchmark) else load_benchmark(name, spec.source)
+    bench = spec.source if isinstance(spec.source, Benchmark) else load_benchmark(name, spec.source, spec.schema)
     return spec, bench
 
 
@@ -99,7 +103,7 @@ def batch_seed(seed: int, name: str, batch: int) -> int:
 def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, BenchmarkSource], k: Union[int, Mapping[str, int]] = 1,
              params: Optional[SamplingParams] = None, seed: int = 0, *, template: str = "auto",
              reward_pool: Optional[RewardPool] = None, batch_size: int = 64, reward_workers: int = 2,
-             verifier_timeout_s: float = 5.0, keep_samples: bool = False) -> dict:
+             verifier_timeout_s: float = 5.0, keep_samples: bool = False, judge=None) -> dict:
     """Evaluate `engine` on each benchmark with k samples per prompt; returns the report dict.
 
     k: one value, or {name: k} (missing names get 1); a BenchmarkSpec's own k wins.
@@ -107,12 +111,18 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, Benchmar
     reward_pool: reused if given (the trainer's), else one is started only if a benchmark needs it.
     batch_size: prompts per engine.generate call (each expands to batch_size * k sequences).
     keep_samples: also return per-prompt responses and correctness under "samples".
+    judge: None (math items scored by their reward: math-verify for "math") or an eval.judge.LLMJudge, which
+        scores the math items of the sets it applies to (``judge.applies(name, reward)``); its endpoint is
+        checked before anything is generated.
     """
     params = params or SamplingParams()
     loaded = {name: as_spec(name, src) for name, src in benchmarks.items()}
     # every benchmark's reward is settled before anything is generated: no partial report
     loaded = {name: (dataclasses.replace(spec, reward=resolve_reward(spec, bench)), bench)
               for name, (spec, bench) in loaded.items()}
+    judged = {name for name, (spec, _) in loaded.items() if judge is not None and judge.applies(name, spec.reward)}
+    if judged:
+        judge.check()  # a down endpoint fails now, not after the generation
     own_pool = None
     report: dict[str, Any] = {"seed": seed, "sampling": dataclasses.asdict(params), "benchmarks": {}}
     with preserved_rng_state(), torch.no_grad():
@@ -120,13 +130,14 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, Benchmar
             for name, (spec, bench) in loaded.items():
                 bench_k = spec.k or (k.get(name, 1) if isinstance(k, Mapping) else k)
                 pool = reward_pool
-                needs_pool = any(it.kind != "choice" for it in bench.items) and get_reward(spec.reward).isolate
+                needs_pool = (name not in judged and any(it.kind != "choice" for it in bench.items)
+                              and get_reward(spec.reward).isolate)
                 if needs_pool and pool is None:
                     own_pool = own_pool or RewardPool(num_workers=reward_workers, timeout_s=verifier_timeout_s)
                     pool = own_pool
                 report["benchmarks"][name] = _evaluate_one(
                     engine, tokenizer, bench, spec, bench_k, params, seed, spec.template or template, pool,
-                    batch_size, keep_samples)
+                    batch_size, keep_samples, judge if name in judged else None)
         finally:
             if own_pool is not None:
                 own_pool.close()
@@ -168,7 +179,7 @@ def _check_decodable(name: str, tokenizer, bad: list[int], content: int, empty: 
 
 
 def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: int, params: SamplingParams,
-                  seed: int, template: str, pool, batch_size: int, keep_samples: bool) -> dict:
+                  seed: int, template: str, pool, batch_size: int, keep_samples: bool, judge=None) -> dict:
     if k < 1:
         raise ValueError(f"{bench.name}: k must be >= 1, got {k}")
     t0 = time.monotonic()
@@ -198,7 +209,10 @@ def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: i
         responses = [t for i in rows for t in texts[i]]
         references = [items[i].reference for i in rows for _ in range(k)]
         nchoices = [len(items[i].choices) for i in rows for _ in range(k)]
-        ok, c = score(kind, responses, references, num_choices=nchoices, reward=spec.reward, pool=pool)
+        if judge is not None and kind == "math":
+            ok, c = judge.score([items[i].prompt for i in rows for _ in range(k)], responses, references)
+        else:
+            ok, c = score(kind, responses, references, num_choices=nchoices, reward=spec.reward, pool=pool)
         correct[rows] = ok.reshape(len(rows), k)
         counts.update(c)
 
@@ -207,6 +221,8 @@ def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: i
               "num_skipped": bench.num_skipped, "skipped": dict(bench.skipped),
               "verifier_timeouts": counts["timeouts"], "verifier_crashes": counts["crashes"],
               "verifier_errors": counts["errors"], "finish_reasons": dict(finish),
+              "judge": judge.label if judge is not None else ("math_verify" if spec.reward == "math" else spec.reward),
+              "judge_calls": counts["judge_calls"], "judge_unparsable": counts["judge_unparsable"],
               "mean_response_tokens": num_tokens / max(1, len(items) * k),
               "seconds": time.monotonic() - t0}
     if keep_samples:

@@ -1,7 +1,7 @@
 """Scoring responses as correct (1) / incorrect (0).
 
-- math: the rollout's verifiable reward (math-verify in RewardPool worker processes with a hard
-  time limit); reward > 0 is correct. An answer whose verification times out, crashes or raises
+- math: the rollout's verifiable reward through the training path, `rollout.rewards.score_answers`
+  (math-verify in RewardPool worker processes with a hard time limit); reward > 0 is correct. An answer whose verification times out, crashes or raises
   scores 0 and is counted, so one pathological answer cannot stall or crash an evaluation.
 - choice: the letter the response commits to (see `extract_choice_letter`) equals the reference.
 - any other registered reward name (e.g. "arithmetic" for the CPU demo, "multistep" for the step-by-step
@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_s3ac.rollout.rewards import RewardPool, extract_last_boxed, get_reward
+from megatron_s3ac.rollout.rewards import RewardPool, extract_last_boxed, get_reward, score_answers
 
 CHOICE_TAIL_CHARS = 2000  # "the answer is X" is searched for only near the end of a response
 
@@ -62,19 +62,16 @@ def score(kind: str, responses: Sequence[str], references: Sequence[str], *,
         ns = list(num_choices) or [4] * len(responses)
         correct = [extract_choice_letter(r, n) == ref for r, n, ref in zip(responses, ns, references)]
         return np.array(correct, dtype=bool), counts
-    spec = get_reward(reward or "math")
-    if not spec.isolate:  # cheap, bounded reward: run inline, a raise scores 0
-        out = np.zeros(len(responses), dtype=bool)
-        for i, (resp, ref) in enumerate(zip(responses, references)):
-            try:
-                out[i] = float(spec.fn(resp, ref)) > 0
-            except Exception:  # noqa: BLE001 - a bad answer is wrong, not fatal
-                counts["errors"] += 1
-        return out, counts
-    if pool is None:
-        raise ValueError(f"reward {spec.name!r} runs in worker processes: pass a RewardPool")
-    before = pool.stats.as_dict()
-    rewards = pool.score(spec.name, list(responses), list(references))
-    after = pool.stats.as_dict()
-    counts = {key: after[key] - before[key] for key in counts}
+    # the training path (rollout.rewards.score_answers), so evaluation and training agree on every
+    # answer, a raising one included (-1 there, incorrect here; counted as an error)
+    name = reward or "math"
+    errors: list[int] = []
+    before = pool.stats.as_dict() if pool is not None else None
+    rewards = np.asarray(score_answers(name, list(responses), list(references),
+                                       pool if get_reward(name).isolate else None,
+                                       on_error=lambda i, exc: errors.append(i)), dtype=np.float64)
+    if before is not None and get_reward(name).isolate:
+        after = pool.stats.as_dict()
+        counts = {key: after[key] - before[key] for key in counts}
+    counts["errors"] += len(errors)
     return rewards > 0, counts

@@ -65,22 +65,26 @@ def registered_rewards() -> list[str]:
 
 
 def score_answers(name: str, responses: Sequence[str], references: Sequence[str],
-                  pool: "Optional[RewardPool]" = None) -> list[float]:
-    """The one scoring path (training, the demo's coverage data): rewards [N] of (response, reference)
-    pairs. Rewards that may hang or blow up (``isolate``, e.g. math-verify) run in ``pool``'s worker
-    processes under its per-answer time limit (a pool is required); cheap ones run inline. An answer
-    that cannot be scored is wrong (-1)."""
+                  pool: "Optional[RewardPool]" = None,
+                  on_error: Optional[Callable[[int, BaseException], None]] = None) -> list[float]:
+    """The one scoring path (training, the demo's coverage data, evaluation): rewards [N] of (response,
+    reference) pairs. Rewards that may hang or blow up (``isolate``, e.g. math-verify) run in ``pool``'s
+    worker processes under its per-answer time limit (a pool is required; its ``stats`` count timeouts,
+    crashes and errors); cheap ones run inline. An answer that cannot be scored is wrong (-1);
+    ``on_error(i, exc)`` is told about each inline one that raised (evaluation counts them)."""
     spec = get_reward(name)
     if spec.isolate:
         if pool is None:
             raise ValueError(f"reward {name!r} runs in worker processes: pass a RewardPool")
         return pool.score(name, responses, references).tolist()
     out = []
-    for text, ref in zip(responses, references):
+    for i, (text, ref) in enumerate(zip(responses, references)):
         try:
             out.append(float(spec.fn(text, ref)))
-        except Exception:  # noqa: BLE001 - an unscorable answer is wrong
+        except Exception as exc:  # noqa: BLE001 - an unscorable answer is wrong
             out.append(-1.0)
+            if on_error is not None:
+                on_error(i, exc)
     return out
 
 

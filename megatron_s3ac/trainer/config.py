@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from omegaconf import OmegaConf
 
@@ -336,6 +336,36 @@ class DemoCfg:
 
 
 @dataclass
+class JudgeCfg:
+    """How free-form (Minerva-style) answers are judged (megatron_s3ac.eval.judge): math_verify (the
+    training reward) or an LLM judge behind an OpenAI-compatible /v1/chat/completions endpoint. The
+    key is read from the environment variable named by api_key_env, never from this file."""
+    name: str = "math_verify"  # math_verify | llm
+    url: Optional[str] = None  # http://host:8000, .../v1 or .../v1/chat/completions
+    model: Optional[str] = None  # the served judge model
+    api_key_env: Optional[str] = None  # e.g. OPENAI_API_KEY (a variable name); None: no Authorization header
+    timeout_s: float = 60.0  # per request
+    max_retries: int = 3  # on timeouts, connection errors, HTTP 429/5xx; then the evaluation stops
+    concurrency: int = 8  # requests in flight
+    max_tokens: int = 1024
+    sets: List[str] = field(default_factory=list)  # sets the LLM judge scores; empty: every set with reward math
+
+    def errors(self) -> list[str]:
+        import re
+
+        if self.name not in ("math_verify", "llm"):
+            return [f"eval.judge.name={self.name!r} must be math_verify or llm"]
+        out = []
+        if self.name == "llm" and not (self.url and self.model):
+            out.append("eval.judge.name=llm needs eval.judge.url and eval.judge.model")
+        if self.api_key_env is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.api_key_env):
+            out.append("eval.judge.api_key_env must name an environment variable holding the key, not the key")
+        if self.timeout_s <= 0 or self.max_retries < 0 or self.concurrency < 1 or self.max_tokens < 1:
+            out.append("eval.judge: timeout_s > 0, max_retries >= 0, concurrency >= 1, max_tokens >= 1")
+        return out
+
+
+@dataclass
 class EvalCfg:
     """Held-out evaluation every ``train.eval_every`` steps (megatron_s3ac.eval.PeriodicEvaluator) on
     rank 0's engine; the best step by ``eval/average`` (mean avg@k over the sets) is kept from the
@@ -352,9 +382,14 @@ class EvalCfg:
     template: str = "auto"  # prompt template for file sets (eval docs); the held-out split is pre-tokenized
     reward: Optional[str] = None  # verifier for math items (default: rollout.reward)
     batch_size: int = 256  # prompts per engine.generate call
+    judge: JudgeCfg = field(default_factory=JudgeCfg)  # free-form answers: math_verify | llm (eval.judge)
 
     def errors(self) -> list[str]:
         out = [f"eval.benchmarks.{n}={p!r} does not exist" for n, p in self.benchmarks.items() if not os.path.exists(p)]
+        out += self.judge.errors()
+        unknown = set(self.judge.sets) - set(self.benchmarks) - ({"heldout"} if self.heldout else set())
+        if unknown:
+            out.append(f"eval.judge.sets names unknown sets: {sorted(unknown)}")
         if self.heldout and "heldout" in self.benchmarks:
             out.append("eval.benchmarks.heldout clashes with the built-in held-out split (eval.heldout=true)")
         if self.k < 1 or any(v < 1 for v in self.k_for.values()):
@@ -410,9 +445,18 @@ class TrainCfg:
     # move the idle model's params, grads and optimizer state to host memory (models.offload): both
     # while the colocated engine generates, the critic during the actor update and vice versa
     offload_idle: bool = False
+    # optimizer state in checkpoints (trainer.checkpoint): fully_reshardable (megatron's layout-free
+    # distributed-optimizer format: resumes at any tp/pp/ep/dp) | dp_reshardable (no gather on save;
+    # reshards in DP only) | per_rank (torch Adam state per rank: same layout only). Where megatron
+    # refuses a dist format (e.g. before the first optimizer step on CPU), per_rank is used and said once.
+    optimizer_checkpoint: str = "fully_reshardable"
+    resume_optimizer: bool = True  # false: resume weights/data/RNG with fresh optimizer state (e.g. at a new layout)
 
     def errors(self) -> list[str]:
         out = [] if self.r3 in R3_MODES else [f"train.r3={self.r3!r} must be auto, on or off"]
+        if self.optimizer_checkpoint not in ("fully_reshardable", "dp_reshardable", "per_rank"):
+            out.append(f"train.optimizer_checkpoint={self.optimizer_checkpoint!r} must be fully_reshardable, "
+                       f"dp_reshardable or per_rank")
         if self.wandb_project:
             import importlib.util
 

@@ -81,7 +81,7 @@ def test_parquet_and_json_files(tmp_path):
     (tmp_path / "rows.json").write_text(json.dumps(rows))
     assert len(load_benchmark("o", str(tmp_path / "rows.json")).items) == 2
     with pytest.raises(ValueError, match="unsupported"):
-        load_benchmark("o", str(tmp_path / "rows.csv"))
+        load_benchmark("o", str(tmp_path / "rows.txt"))  # .csv is read (IMO-AnswerBench)
 
 
 def test_case_insensitive_keys_and_nan_answer():

@@ -68,3 +68,23 @@ def test_verifier_timeout_scores_zero_and_is_counted(pool):
     ok, counts = score("math", ["\\boxed{1}"], ["1"], pool=pool)  # the pool recovered
     assert ok.tolist() == [True] and counts["timeouts"] == 0
     assert isinstance(ok, np.ndarray) and ok.dtype == bool
+
+
+def test_eval_and_training_score_the_same_answers(pool):
+    """One scoring path: eval's correctness is exactly reward > 0 of rollout.rewards.score_answers
+    (what training uses) on the same answers, incl. one whose reward raises (training: -1; eval:
+    incorrect and counted), for an inline reward and for the pooled math verifier."""
+    from megatron_s3ac.rollout.rewards import score_answers
+
+    responses, refs = ["46 is it", "45", "7", " 12"], ["46", "46", "not a number", "12"]
+    train = score_answers("arithmetic", responses, refs)
+    assert train == [1.0, -1.0, -1.0, 1.0]  # the raising answer is -1 for training
+    ok, counts = score("math", responses, refs, reward="arithmetic")
+    assert ok.tolist() == [r > 0 for r in train] and counts["errors"] == 1
+
+    responses = ["\\boxed{\\frac{1}{2}}", "\\boxed{3}", "I give up", "\\boxed{0.5}"]
+    refs = ["0.5", "4", "1", "\\frac12"]
+    train = score_answers("math", responses, refs, pool)
+    ok, counts = score("math", responses, refs, pool=pool)
+    assert ok.tolist() == [r > 0 for r in train] == [True, False, False, True]
+    assert counts == {"timeouts": 0, "crashes": 0, "errors": 0}
