@@ -46,6 +46,46 @@ def coverage_prompt_subset(prompts: Sequence, n: int, seed: int) -> list:
     return [prompts[i] for i in torch.randperm(len(prompts), generator=g)[:n].tolist()]
 
 
+def decoder(vocab) -> Callable[[list], str]:
+    """Response ids -> text as the trainer decodes them (the character vocabulary or an HF tokenizer)."""
+    if hasattr(vocab, "chars"):
+        return vocab.decode
+    return lambda ids: vocab.decode(ids, skip_special_tokens=True)
+
+
+def build_coverage(cfg, policies: Sequence[str], prompts: Sequence, vocab, score, out_path: str, *,
+                   log=None, after_policy=None) -> dict:
+    """A trainer config's coverage data (the pipeline's coverage stage and tools/build_coverage_data.py):
+    ``pipeline.coverage_prompts`` (else ``demo.coverage_prompts``) of ``prompts`` drawn with seed
+    ``train.seed + 5``, rolled out by every policy with ``coverage_settings(cfg)``; see generate_coverage."""
+    n = cfg.pipeline.coverage_prompts or cfg.demo.coverage_prompts
+    chosen = coverage_prompt_subset(prompts, n, cfg.train.seed + 5)
+    return generate_coverage(policies, chosen, coverage_settings(cfg), decode=decoder(vocab), score=score,
+                             out_path=out_path, log=log, after_policy=after_policy)
+
+
+def resolve_policies(cfg, warmup_dir: str) -> list[str]:
+    """HF dirs to roll out: ``pipeline.policies`` (ints = step numbers of the warm-up snapshots in
+    ``warmup_dir/policies/step_N``), else the warm-up's last ``demo.coverage_checkpoints`` snapshots.
+    A missing dir raises ValueError naming it."""
+    snap_root = os.path.join(warmup_dir, "policies")
+    pol = cfg.pipeline.policies
+    if pol is None:
+        steps = sorted(int(n.split("_")[1]) for n in os.listdir(snap_root) if n.startswith("step_")) \
+            if os.path.isdir(snap_root) else []
+        if not steps:
+            raise ValueError(f"pipeline.policies is null and {snap_root} holds no warm-up snapshots")
+        pol = steps[-cfg.demo.coverage_checkpoints:]
+    out = []
+    for p in pol:
+        path = os.path.join(snap_root, f"step_{p}") if isinstance(p, int) else str(p)
+        if not os.path.isdir(path):
+            raise ValueError(f"pipeline.policies: {p!r} -> {path} does not exist"
+                             + (" (the warm-up saved no snapshot at that step)" if isinstance(p, int) else ""))
+        out.append(path)
+    return out
+
+
 def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: CoverageSettings, *,
                       decode: Callable[[list], str], score: Callable[[list, list], Sequence[float]], out_path: str,
                       log: Optional[Callable[[dict], None]] = None, after_policy: Optional[Callable[[int], None]] = None,

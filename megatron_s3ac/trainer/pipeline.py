@@ -362,31 +362,20 @@ class Pipeline:
 
     # -- coverage
     def coverage_policies(self) -> list[str]:
-        """HF dirs to roll out: pipeline.policies (ints = warm-up snapshot steps), else the warm-up's last
-        demo.coverage_checkpoints snapshots."""
-        snap_root = os.path.join(self.dirs["warmup"], "policies")
-        pol = self.cfg.pipeline.policies
-        if pol is None:
-            steps = sorted(int(n.split("_")[1]) for n in os.listdir(snap_root) if n.startswith("step_"))
-            pol = steps[-self.cfg.demo.coverage_checkpoints:]
-        out = []
-        for p in pol:
-            path = os.path.join(snap_root, f"step_{p}") if isinstance(p, int) else str(p)
-            if not os.path.isdir(path):
-                raise ConfigError(f"pipeline.policies: {p!r} -> {path} does not exist"
-                                  + (" (the warm-up saved no snapshot at that step)" if isinstance(p, int) else ""))
-            out.append(path)
-        return out
+        from megatron_s3ac.trainer.coverage import resolve_policies
+
+        try:
+            return resolve_policies(self.cfg, self.dirs["warmup"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _run_coverage(self, t0: float) -> dict:
-        from megatron_s3ac.trainer.coverage import coverage_prompt_subset, coverage_settings, generate_coverage
+        from megatron_s3ac.trainer.coverage import build_coverage
 
         tr, d = self.tr, self._fresh_dir("coverage")
         res = None
         if self.rank == 0:
             policies = self.coverage_policies()
-            n = self.cfg.pipeline.coverage_prompts or self.cfg.demo.coverage_prompts
-            prompts = coverage_prompt_subset(tr.prompts, n, self.cfg.train.seed + 5)
             log_f = open(os.path.join(d, "coverage_log.jsonl"), "w")
 
             def log(st):
@@ -396,9 +385,9 @@ class Pipeline:
 
             tr._engine_sleep()  # a colocated engine frees its memory for the coverage engines
             try:
-                res = generate_coverage(policies, prompts, coverage_settings(self.cfg), decode=tr.decode,
-                                        score=tr._score, out_path=os.path.join(d, "coverage.jsonl"), log=log,
-                                        after_policy=lambda i: faults.in_stage("coverage"))
+                res = build_coverage(self.cfg, policies, tr.prompts, tr.vocab, tr._score,
+                                     os.path.join(d, "coverage.jsonl"), log=log,
+                                     after_policy=lambda i: faults.in_stage("coverage"))
             finally:
                 log_f.close()
         # other ranks wait for rank 0's file (a long generation would outlast a collective's timeout)
