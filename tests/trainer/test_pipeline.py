@@ -182,6 +182,26 @@ def test_train_prints_the_banner_on_rank0_before_building(monkeypatch, capsys, t
     assert "!!!!" not in capsys.readouterr().err
 
 
+PAPER = sorted(os.path.join(ROOT, "examples", d, f) for d in ("paper", "qwen3_5")
+               for f in os.listdir(os.path.join(ROOT, "examples", d)) if f.endswith(".yaml"))
+
+
+@pytest.mark.parametrize("path", PAPER, ids=os.path.basename)
+def test_paper_examples_never_start_s3ac_from_a_fresh_head(path):
+    """Every paper / Qwen3.5 example either runs the pipeline's value pretraining on several coverage
+    policies or names a pretrained critic; GRPO-X runs with R3 on (paper §4.1)."""
+    cfg = load_config(path, check=False)  # the model paths live on the cluster
+    if cfg.algo.name == "grpo_x":
+        assert cfg.train.r3 == "on"
+    from megatron_s3ac.algorithms.registry import get_algo
+
+    if get_algo(cfg.algo.name).uses_critic:
+        assert cfg.model.critic_init or (planned_stages(cfg)["value_pretrain"] == "run"
+                                         and len(cfg.pipeline.policies or []) >= 2)
+        assert fresh_critic_warning(cfg, "pipeline") is None and fresh_critic_warning(cfg, "train") is not None
+        assert "launch.sh train" in open(path).read() or "run.sh train" in open(path).read()
+
+
 def test_stage_fault_seam():
     code = ("from megatron_s3ac.testing import faults; faults.in_stage('warmup'); print('past warmup', flush=True); "
             "faults.after_step(0); print('past step 0', flush=True); faults.after_step(1); print('past 1')")
