@@ -254,8 +254,10 @@ def test_kill_in_every_stage_then_rerun_completes_like_an_uninterrupted_run(tmp_
         assert rc != 0, log[-2000:]
         assert _done(dirs[stage]) is None, stage  # killed before its DONE.json
         assert all(_done(dirs[s]) for s in STAGES[:i]), stage
-        if i:
-            assert f"stage {STAGES[i - 1]} skipped" in log
+        if i:  # the stage killed last time is redone from scratch, the ones done before it are skipped
+            assert f"stage {STAGES[i - 1]} -> " in log and f"stage {STAGES[i - 1]} skipped" not in log
+        if i > 1:
+            assert f"stage {STAGES[i - 2]} skipped" in log
     assert os.path.exists(os.path.join(out, "checkpoints", "step_000001", "COMPLETE"))  # rl died after step 1
     rc, log = _pipeline(out)
     assert rc == 0, log[-3000:]
@@ -281,3 +283,12 @@ def test_kill_in_every_stage_then_rerun_completes_like_an_uninterrupted_run(tmp_
 
     assert metrics(ref) == metrics(out)
     assert _done(ref)["result"] == _done(out)["result"]
+    # tools/build_coverage_data.py on the same config and snapshots writes the coverage stage's file
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import build_coverage_data
+
+    snaps = [os.path.join(ref, "stages", "warmup", "policies", f"step_{n}") for n in (10, 20)]
+    tool_out = str(tmp_path / "tool_cov.jsonl")
+    assert build_coverage_data.main(["--config", DEMO, "--checkpoints", *snaps, "--out", tool_out, *TINY,
+                                     f"train.out_dir={ref}"]) == 0
+    assert open(tool_out).read() == open(os.path.join(ref, "stages", "coverage", "coverage.jsonl")).read()
