@@ -286,7 +286,9 @@ def test_kill_in_every_stage_then_rerun_completes_like_an_uninterrupted_run(tmp_
     # tools/build_coverage_data.py on the same config and snapshots writes the coverage stage's file
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import build_coverage_data
+    import torch
 
+    torch.set_num_threads(1)  # as the pipeline's ranks (train.threads=1): the same float reductions
     snaps = [os.path.join(ref, "stages", "warmup", "policies", f"step_{n}") for n in (10, 20)]
     tool_out = str(tmp_path / "tool_cov.jsonl")
     assert build_coverage_data.main(["--config", DEMO, "--checkpoints", *snaps, "--out", tool_out, *TINY,
