@@ -4,6 +4,9 @@ from the environment (the tests run the trainer under torchrun) and do nothing w
   S3AC_TESTING_FAIL_AT_STEP=N           os._exit(9) after step N is logged and saved (like kill -9)
   S3AC_TESTING_SAVE_PAUSE=SECONDS[@N]   mid-save (after the actor's shards, at step N): touch
                                         <tmp>/PAUSED_rank<r>, sleep, remove it (a window to SIGKILL)
+  S3AC_TESTING_FAIL_IN_STAGE=STAGE      os._exit(9) inside pipeline stage STAGE, after part of its output
+                                        is written and before its DONE.json (trainer.pipeline); for rl: after
+                                        RL step 1 is logged and saved
 """
 from __future__ import annotations
 
@@ -12,12 +15,20 @@ import time
 
 FAIL_AT_STEP = "S3AC_TESTING_FAIL_AT_STEP"
 SAVE_PAUSE = "S3AC_TESTING_SAVE_PAUSE"
+FAIL_IN_STAGE = "S3AC_TESTING_FAIL_IN_STAGE"
 
 
 def after_step(step: int) -> None:
     at = os.environ.get(FAIL_AT_STEP)
     if at is not None and int(at) == step:
         os._exit(9)  # an abrupt death (no cleanup), like kill -9
+    if step == 1:
+        in_stage("rl")
+
+
+def in_stage(stage: str) -> None:
+    if os.environ.get(FAIL_IN_STAGE) == stage:
+        os._exit(9)
 
 
 def mid_save(tmp: str, step: int, rank: int) -> None:

@@ -2,8 +2,16 @@
 
     torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli train  examples/cpu_demo.yaml train.steps=20
     torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli value-pretrain cfg.yaml value_pretrain.coverage_path=cov.jsonl
+    torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli pipeline examples/cpu_demo.yaml
     torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli demo   examples/cpu_demo.yaml
-    s3ac-train check cfg.yaml [key=value ...] [--strict]   # validate + plan memory (no torchrun needed)
+    s3ac-train check cfg.yaml [key=value ...] [--strict] [--for train|pipeline]   # validate + plan memory
+
+``pipeline`` runs the paper's recipe as resumable stages in one job (trainer.pipeline; docs/trainer.md
+"Pipeline"): warm-up (model.tiny) -> coverage data -> value pretraining -> RL; a stage whose DONE.json
+matches the config is skipped. ``demo`` = the pipeline + the CPU demo's before/after table.
+``train`` with a critic-using algorithm, no ``model.critic_init`` and so a fresh value head prints a
+banner on rank 0; ``check`` reports the same as a warning (``--for pipeline``: only when the pipeline
+would not pretrain the critic either), which ``--strict`` refuses.
 
 ``check`` validates the config, then runs the planner's pre-flight (megatron_s3ac.plan.preflight): every
 layout rule (world-size rules when WORLD_SIZE or a ``cluster:`` section gives the world size) and, with a
@@ -37,12 +45,26 @@ def main(argv=None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     strict = "--strict" in args
     args = [a for a in args if a != "--strict"]
+    check_for = "train"
+    if "--for" in args:
+        i = args.index("--for")
+        check_for = args[i + 1] if i + 1 < len(args) else ""
+        del args[i:i + 2]
+        if check_for not in ("train", "pipeline"):
+            print(f"s3ac-train check: --for {check_for!r} must be train or pipeline", file=sys.stderr)
+            return 2
     cmd, path, overrides = _parse(args)
-    if cmd not in ("train", "value-pretrain", "demo", "check"):
-        print(f"unknown command {cmd!r}; use train | value-pretrain | demo | check", file=sys.stderr)
+    if cmd not in ("train", "value-pretrain", "pipeline", "demo", "check"):
+        print(f"unknown command {cmd!r}; use train | value-pretrain | pipeline | demo | check", file=sys.stderr)
         return 2
     try:
         cfg = load_config(path, overrides)
+        if cmd in ("pipeline", "demo"):
+            from megatron_s3ac.trainer.pipeline import pipeline_errors
+
+            errs = pipeline_errors(cfg)
+            if errs:
+                raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
         if cmd == "check":
             from megatron_s3ac.trainer.config import validate
 
@@ -51,6 +73,13 @@ def main(argv=None) -> int:
             from megatron_s3ac.plan.preflight import preflight
 
             rep = preflight(cfg, world)
+            from megatron_s3ac.trainer.pipeline import fresh_critic_warning, pipeline_errors
+
+            if check_for == "pipeline":
+                rep.errors += pipeline_errors(cfg)
+            fresh = fresh_critic_warning(cfg, check_for)
+            if fresh:
+                rep.warnings.append(fresh)
             for msg in rep.messages():
                 print(f"s3ac-train check: {msg}", file=sys.stderr)
             if rep.errors or (strict and rep.warnings):
@@ -80,10 +109,18 @@ def main(argv=None) -> int:
         from megatron_s3ac.trainer.demo import run_demo
 
         run_demo(cfg)
+    elif cmd == "pipeline":
+        from megatron_s3ac.trainer.pipeline import run_pipeline
+
+        run_pipeline(cfg)
     elif cmd == "train":
         from megatron_s3ac.trainer.loop import Trainer
+        from megatron_s3ac.trainer.pipeline import banner, fresh_critic_warning
         from megatron_s3ac.trainer.run import train_loop
 
+        fresh = fresh_critic_warning(cfg, "train")
+        if fresh and int(os.environ.get("RANK", "0")) == 0:  # before the (long) build: seen at once
+            print(banner(fresh), file=sys.stderr, flush=True)
         tr = Trainer(cfg)
         try:
             train_loop(tr)

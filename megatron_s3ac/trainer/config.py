@@ -335,6 +335,46 @@ class DemoCfg:
         return [f"demo.{k}={getattr(self, k)} must be >= 1" for k in keys if getattr(self, k) < 1]
 
 
+class Stage(str, enum.Enum):  # trainer.pipeline's stages, in order
+    warmup = "warmup"
+    coverage = "coverage"
+    value_pretrain = "value_pretrain"
+    rl = "rl"
+
+
+@dataclass
+class PipelineCfg:
+    """``s3ac-train pipeline`` (trainer.pipeline; docs/trainer.md "Pipeline"): warm-up (model.tiny only) ->
+    coverage data -> value pretraining -> RL, each stage in its own dir, skipped when its DONE.json
+    matches. ``train`` / ``value-pretrain`` ignore this section."""
+    # where each stage lives (None: {train.out_dir}/stages/<stage>); runs may share a dir (one at a time)
+    warmup_dir: Optional[str] = None
+    coverage_dir: Optional[str] = None
+    value_pretrain_dir: Optional[str] = None
+    # coverage policies: HF dirs, or ints = step numbers of this run's warm-up snapshots
+    # (null: the warm-up's last demo.coverage_checkpoints snapshots; needs model.tiny)
+    policies: Optional[list] = None
+    coverage_prompts: Optional[int] = None  # prompts rolled out per policy (null: demo.coverage_prompts)
+    coverage_k: Optional[int] = None  # samples per prompt (null: demo.coverage_k)
+    stop_after: Stage = Stage.rl
+
+    def errors(self) -> list[str]:
+        out = []
+        for i, p in enumerate(self.policies or []):
+            if isinstance(p, bool) or not isinstance(p, (int, str)):
+                out.append(f"pipeline.policies[{i}]={p!r} must be an HF dir or a warm-up step number")
+            elif isinstance(p, int) and p < 1:
+                out.append(f"pipeline.policies[{i}]={p} must be a warm-up step number >= 1")
+            elif isinstance(p, str) and not os.path.isdir(p):
+                out.append(f"pipeline.policies[{i}]={p!r} is not a directory (an HF policy checkpoint)")
+        if self.policies is not None and not self.policies:
+            out.append("pipeline.policies is empty (null: the warm-up's snapshots)")
+        for k in ("coverage_prompts", "coverage_k"):
+            if getattr(self, k) is not None and getattr(self, k) < 1:
+                out.append(f"pipeline.{k}={getattr(self, k)} must be >= 1 (or null: demo.{k})")
+        return out
+
+
 @dataclass
 class JudgeCfg:
     """How free-form (Minerva-style) answers are judged (megatron_s3ac.eval.judge): math_verify (the
@@ -502,13 +542,14 @@ class Config:
     daps: DAPSCfg = field(default_factory=DAPSCfg)
     value_pretrain: ValuePretrainCfg = field(default_factory=ValuePretrainCfg)
     demo: DemoCfg = field(default_factory=DemoCfg)
+    pipeline: PipelineCfg = field(default_factory=PipelineCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     cluster: ClusterCfg = field(default_factory=ClusterCfg)
     optim: OptimCfg = field(default_factory=OptimCfg)
     train: TrainCfg = field(default_factory=TrainCfg)
 
 
-SECTIONS = ("model", "data", "rollout", "algo", "value_pretrain", "demo", "eval", "cluster", "optim", "train")
+SECTIONS = ("model", "data", "rollout", "algo", "value_pretrain", "demo", "pipeline", "eval", "cluster", "optim", "train")
 
 
 def load_config(path: Optional[str] = None, overrides: list[str] = (), check: bool = True) -> Config:
@@ -561,6 +602,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         errs.append(f"data.task=multistep is scored by rollout.reward=multistep, got {r.reward!r}")
     if a.dynamic_sampling_refill and not (a.dynamic_sampling and r.k > 1):
         errs.append("algo.dynamic_sampling_refill needs the group filter (algo.dynamic_sampling=true, rollout.k > 1)")
+    if any(isinstance(p, int) and not isinstance(p, bool) for p in cfg.pipeline.policies or []) \
+            and cfg.model.tiny is None:
+        errs.append("pipeline.policies: step numbers name warm-up snapshots, and only model.tiny runs a warm-up; "
+                    "give HF dirs")
     if a.entropy_control != "none" and r.k < 2:
         errs.append(f"algo.entropy_control={a.entropy_control} shapes group advantages: needs rollout.k >= 2")
     if not errs:

@@ -1,0 +1,79 @@
+"""The CPU demo's supervised warm-up (the pipeline's ``warmup`` stage, trainer.pipeline): a from-scratch
+tiny model is trained by cross-entropy on reference answers until its greedy held-out pass rate enters
+the 10-60% band RL needs; its evaluation points are saved as HF dirs (the coverage policies)."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_s3ac.trainer.batch import collate, per_token
+from megatron_s3ac.trainer.data import EOS
+from megatron_s3ac.trainer.minibatch import run_minibatches
+
+
+def supervised_warmup(tr, log, snapshot=None) -> dict:
+    """Cross-entropy on answer tokens through the actor's megatron optimizer until the greedy held-out
+    pass rate reaches ``demo.target_pass_rate`` (or ``demo.warmup_max_steps``). At every evaluation
+    point (``demo.warmup_eval_every``) rank 0 calls ``snapshot(step)`` with the engine holding that
+    step's weights (the pipeline saves it as a coverage policy). Returns {"steps", "greedy_pass_rate"}
+    (the last evaluation), the same on every rank."""
+    from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
+
+    d = tr.cfg.demo
+    for grp in tr.actor_opt.param_groups:
+        grp["lr"] = d.warmup_lr
+    g = torch.Generator().manual_seed(tr.cfg.train.seed + 5)
+    # the coverage prompt draw used to come first from this generator: kept so the warm-up's batches
+    # (and so its result) are the same as before coverage became its own stage
+    torch.randperm(len(tr.prompts), generator=g)
+    t0, acc, step = time.time(), None, 0
+
+    def loss_fn(mb, out):
+        targets = torch.roll(mb.input_ids, -1, dims=1)
+        lp = per_token(vocab_parallel_log_probs(out, targets, tr.info.vocab_size), mb)
+        return -(lp * mb.mask).sum(), mb.mask.sum().long(), {"nll": -(lp * mb.mask).sum().detach()}
+
+    for step in range(1, d.warmup_max_steps + 1):
+        pids = torch.randint(0, len(tr.prompts), (d.warmup_batch,), generator=g)
+        samples = [{"prompt_ids": tr.prompts[i].ids, "response_ids": tr.vocab.encode(tr.prompts[i].reference) + [EOS],
+                    "logprobs": [0.0] * (len(tr.prompts[i].reference) + 1), "reward": 1.0, "pid": i}
+                   for i in pids.tolist()]
+        batch = collate(samples, tr.pad_to)
+        nll = []
+        for r in run_minibatches(tr.actor_ddp, tr.actor_opt, batch, [(0, torch.arange(len(samples)))], loss_fn,
+                                 tr.micro_batches):
+            nll += [float(o["nll"]) for o in r.outputs]
+        if step % d.warmup_eval_every == 0:
+            tr.sync_weights()
+            payload = [None]
+            if tr.rank == 0:
+                payload = [tr.evaluate()]
+                if snapshot is not None:
+                    snapshot(step)
+            dist.broadcast_object_list(payload, src=0)
+            acc = payload[0]
+            log({"step": step, "warmup/greedy_pass_rate": acc, "warmup/time": time.time() - t0,
+                 "warmup/nll_rank0": sum(nll)})
+            if acc >= d.target_pass_rate:
+                break
+    # RL starts from fresh Adam moments at the RL learning rate: the warm-up's momentum points along
+    # the supervised gradient and its second moments were sized for lr warmup_lr
+    tr.reset_optimizer(tr.actor_opt, tr.cfg.algo.actor_lr)
+    return {"steps": step, "greedy_pass_rate": acc, "wall_s": time.time() - t0}
+
+
+def save_engine_hf(tr, path: str) -> None:
+    """Rank 0: the engine's current model as an HF directory at ``path`` (with the character vocabulary
+    as its tokenizer for the demo's model, so any HF tool and the coverage engines load it)."""
+    if hasattr(tr.engine, "call"):  # separate placement: the model lives in the engine's process
+        tr.engine.call("model.save_pretrained", path)
+    else:
+        tr.engine.model.save_pretrained(path)
+    if hasattr(tr.vocab, "chars"):  # the character vocabulary as HF tokenizer files: any HF tool decodes it
+        from megatron_s3ac.trainer.char_tokenizer import save_char_tokenizer
+
+        save_char_tokenizer(tr.vocab, path)
+    elif hasattr(tr.vocab, "save_pretrained"):
+        tr.vocab.save_pretrained(path)
