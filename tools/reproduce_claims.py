@@ -184,12 +184,12 @@ def arms(size: Size, hidden: int, coverage_prompts: int) -> dict[str, Arm]:
         "head_init_paper_ratio": Arm((f"model.value_head_init_std={ratio_std:.4g}",), "vpt"),
         "value_pretrain_clip_1": Arm(("value_pretrain.clip_grad=1.0",), "vpt"),
         "grpo_x": Arm(("algo.name=grpo_x",)),
+        "uniform_sampling": Arm(("daps.enabled=false",)),
+        "dapo_refill": Arm(("algo.dynamic_sampling_refill=true",)),
+        "fixed_lambda_0.95": Arm(("algo.actor_lambda=0.95",)),
         "k1_s3ac": Arm(k1),
         "k1_reinforce_pp": Arm(k1 + ("algo.name=reinforce_pp",)),
         "k1_flash_reinforce": Arm(k1 + ("algo.name=flash_reinforce",)),
-        "uniform_sampling": Arm(("daps.enabled=false",)),
-        "fixed_lambda_0.95": Arm(("algo.actor_lambda=0.95",)),
-        "dapo_refill": Arm(("algo.dynamic_sampling_refill=true",)),
     }
 
 
@@ -353,15 +353,15 @@ def plan(args, size: Size, chosen: list[Claim]) -> tuple[list[Job], dict[str, st
     hidden = _hidden_size(cfg0)
     arm_def = arms(size, hidden, cfg0.demo.coverage_prompts)
     needed = list(dict.fromkeys(a for c in chosen for a in c.arms))
-    needed.sort(key=lambda a: a != "s3ac")
+    needed.sort(key=lambda a: list(arm_def).index(a))  # launch priority: the order of arms()
     jobs, missing = [], {}
     for a in needed:
         try:
             jobs += plan_arm(args.config, out, a, arm_def[a], args.seeds, base, size)
         except (ConfigError, ValueError) as e:
             missing[a] = str(e).replace("\n", " ")
-    # the recipe arm of every seed first, then the others seed by seed
-    jobs.sort(key=lambda j: (j.arm != "s3ac", j.seed if j.arm != "s3ac" else 0, j.seed))
+    # arm by arm, every seed of an arm before the next arm: the recipe arm (which produces the shared
+    # stages) first; a report cut short then lacks whole arms, not seeds of every arm
     return jobs, missing
 
 

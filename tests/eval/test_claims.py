@@ -104,6 +104,9 @@ def test_arms_share_stages_by_fingerprint(tmp_path):
     assert missing == {}
     by = {(j.arm, j.seed): j for j in jobs}
     assert [j.arm for j in jobs[:3]] == ["s3ac"] * 3  # producers of the shared stages first
+    # then arm by arm, every seed of an arm together (a report cut short lacks whole arms)
+    assert [j.seed for j in jobs] == [4, 5, 6] * (len(jobs) // 3)
+    assert all(len({j.arm for j in jobs[i:i + 3]}) == 1 for i in range(0, len(jobs), 3))
     st = lambda a, s=4: dict(by[(a, s)].dirs.stages)
     base = st("s3ac")
     assert set(base) == {"warmup", "coverage", "value_pretrain"}
