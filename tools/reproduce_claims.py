@@ -1,17 +1,23 @@
 """Reproduce the S3AC paper's claims in miniature, with several seeds per arm and honest statistics.
 
-    python tools/reproduce_claims.py --seeds 1 2 3 --out runs/claims            # the full report
-    python tools/reproduce_claims.py --quick --out runs/claims_quick              # CI-sized smoke
+    python tools/reproduce_claims.py --seeds 1 2 3 --out runs/claims            # the full report (<= 45 min)
+    python tools/reproduce_claims.py --quick --out runs/claims_quick              # CI-sized smoke (<= 10 min)
     python tools/reproduce_claims.py --task multistep --max-operands 5 --out ...  # a variant task
 
-Every arm of every claim is one CPU-demo run per seed (``torchrun -m megatron_s3ac.trainer.cli demo
-CONFIG overrides``: supervised warm-up -> coverage data -> value pretraining -> RL), run as a
-subprocess; runs shared by several claims (e.g. the default S3AC arm) run once. A run directory
-holding demo_result.json is complete and reused (the driver resumes). The metric of each claim is
-read from the run's metrics.jsonl / value_pretrain.jsonl / demo_result.json; statistics, verdict
-rule and the claims.json schema are in megatron_s3ac/eval/claims.py. An arm whose settings the
-trainer does not have yet (a config key it rejects) is not run: its claim is "inconclusive" and the
-rule says why. Writes OUT/claims.json, OUT/report.md and OUT/plots/*.png.
+Every arm x seed is one ``s3ac-train pipeline`` job (``torchrun -m megatron_s3ac.trainer.cli pipeline
+CONFIG overrides``: warm-up -> coverage -> value pretraining -> RL). Arms of one seed share stages
+through the pipeline's stage directories: each stage lives in ``OUT/stages/seed<S>/<stage>-<fingerprint>``
+(``megatron_s3ac.trainer.pipeline.stage_fingerprint``), so arms that only change RL settings reuse one
+warm-up / coverage / value pretraining, an arm that changes a value-pretraining setting gets its own
+value pretraining on the shared coverage data, and nothing is shared that differs in a key the stage
+depends on. Arms whose metric is a value-pretraining figure stop there (``pipeline.stop_after``); arms
+whose metric is "the first N RL steps" run N steps. Jobs run ``--jobs`` at a time, a job starting only
+when no running job is still producing a stage it needs. A job whose run directory holds
+``pipeline.json`` is complete and reused (the driver resumes). Metrics are read from the run's
+``metrics.jsonl`` and the stages' ``DONE.json`` / ``value_pretrain.jsonl``; statistics, the verdict rule
+and the claims.json schema are in megatron_s3ac/eval/claims.py. An arm whose settings the trainer
+rejects is not run: its claim is "inconclusive" and the rule says why. Writes OUT/claims.json,
+OUT/report.md, OUT/plots/*.png and OUT/jobs.json (every job's command, status and wall time).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,13 +38,62 @@ from megatron_s3ac.eval.claims import RULE_PREFIX, THRESHOLD_RULE, arm_summary, 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "examples", "cpu_demo.yaml")
+STAGES = ("warmup", "coverage", "value_pretrain")
+# the paper's value head (Intern-S2-Preview-35B) has 2,048 parameters: H = 2048 (§4.3)
+PAPER_HIDDEN = 2048
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes (measured on the 2-core machine: docs/reproduction.md "Sizing")
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Size:
+    prompts_per_step: int  # K = 8 arms; K = 1 arms draw prompts_per_step * k prompts (same trajectories)
+    k: int
+    minibatches: int  # actor and critic mini-batches per rollout step
+    steps: int  # RL steps of the arms whose metric is the whole run
+    first: int  # the "first RL steps" window, and the length of arms that only need it
+    eval_every: int
+    eval_prompts: int
+    eval_k: int
+    extra: tuple[str, ...] = ()  # warm-up / coverage sizing
+
+    def overrides(self) -> list[str]:
+        return [f"rollout.prompts_per_step={self.prompts_per_step}", f"rollout.k={self.k}",
+                f"algo.actor_minibatches={self.minibatches}", f"algo.critic_minibatches={self.minibatches}",
+                f"train.eval_every={self.eval_every}", f"data.eval_prompts={self.eval_prompts}",
+                f"eval.k={self.eval_k}", "eval.greedy=false", *self.extra]
+
+
+FULL = Size(prompts_per_step=32, k=8, minibatches=4, steps=50, first=10, eval_every=10, eval_prompts=400, eval_k=4)
+QUICK = Size(prompts_per_step=32, k=8, minibatches=4, steps=8, first=4, eval_every=4, eval_prompts=200, eval_k=2,
+             extra=("demo.warmup_eval_every=50", "demo.coverage_prompts=256"))
 
 
 # ----------------------------------------------------------------------------------------------
 # Reading a run
 # ----------------------------------------------------------------------------------------------
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
+@dataclasses.dataclass(frozen=True)
+class RunDirs:
+    """Where one arm x seed wrote: ``out`` (train.out_dir: metrics.jsonl, pipeline.json) and the
+    directory of every pipeline stage it ran (shared with the other arms of its seed)."""
+
+    out: str
+    stages: tuple[tuple[str, str], ...] = ()
+
+    def stage(self, name: str) -> Optional[str]:
+        return dict(self.stages).get(name)
+
+    def file(self, name: str) -> Optional[str]:
+        """metrics.jsonl lives in ``out``; value_pretrain.jsonl in the value-pretraining stage."""
+        if name == "value_pretrain.jsonl":
+            d = self.stage("value_pretrain")
+            return None if d is None else os.path.join(d, name)
+        return os.path.join(self.out, name)
+
+
+def read_jsonl(path: Optional[str]) -> list[dict]:
+    if path is None or not os.path.exists(path):
         return []
     rows = []
     with open(path) as f:
@@ -51,68 +107,89 @@ def read_jsonl(path: str) -> list[dict]:
     return rows
 
 
-def series(run_dir: str, key: str, file: str = "metrics.jsonl") -> list[float]:
-    """The finite values of `key` in step order from a run's jsonl file."""
-    rows = sorted((r for r in read_jsonl(os.path.join(run_dir, file)) if key in r), key=lambda r: r.get("step", 0))
-    return [float(r[key]) for r in rows if r[key] is not None and math.isfinite(float(r[key]))]
+def _num(x) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x)) else None
 
 
-def first_mean(key: str, n: int, file: str = "metrics.jsonl") -> Callable[[str], Optional[float]]:
-    def f(run_dir):
-        v = series(run_dir, key, file)[:n]
-        return sum(v) / len(v) if v else None
+def series(run: RunDirs, key: str, file: str = "metrics.jsonl") -> list[float]:
+    """The finite values of `key` in step order from one of the run's jsonl files."""
+    rows = sorted((r for r in read_jsonl(run.file(file)) if key in r), key=lambda r: r.get("step", 0))
+    return [v for v in (_num(r[key]) for r in rows) if v is not None]
+
+
+def _mean(v: list[float]) -> Optional[float]:
+    return sum(v) / len(v) if v else None
+
+
+def first_mean(key: str, n: int, file: str = "metrics.jsonl") -> Callable[[RunDirs], Optional[float]]:
+    return lambda run: _mean(series(run, key, file)[:n])
+
+
+def last_mean(key: str, n: int, file: str = "metrics.jsonl") -> Callable[[RunDirs], Optional[float]]:
+    return lambda run: _mean(series(run, key, file)[-n:])
+
+
+def mean_over_run(key: str) -> Callable[[RunDirs], Optional[float]]:
+    return lambda run: _mean(series(run, key))
+
+
+def last_value(key: str) -> Callable[[RunDirs], Optional[float]]:
+    def f(run):
+        v = series(run, key)
+        return v[-1] if v else None
     return f
 
 
-def mean_over_run(key: str) -> Callable[[str], Optional[float]]:
-    def f(run_dir):
-        v = series(run_dir, key)
-        return sum(v) / len(v) if v else None
-    return f
-
-
-def drop_from_peak(key: str) -> Callable[[str], Optional[float]]:
+def drop_from_peak(key: str) -> Callable[[RunDirs], Optional[float]]:
     """max over the run minus the last value (0: the run ends at its best)."""
-    def f(run_dir):
-        v = series(run_dir, key)
+    def f(run):
+        v = series(run, key)
         return max(v) - v[-1] if v else None
     return f
 
 
-def result(*path: str) -> Callable[[str], Optional[float]]:
-    """A number from demo_result.json, e.g. result("after", "sampled")."""
-    def f(run_dir):
-        p = os.path.join(run_dir, "demo_result.json")
-        if not os.path.exists(p):
+def stage_result(stage: str, key: str) -> Callable[[RunDirs], Optional[float]]:
+    """A number from a stage's DONE.json ``result`` (e.g. value pretraining's vpt/clip_frac)."""
+    def f(run):
+        d = run.stage(stage)
+        p = None if d is None else os.path.join(d, "DONE.json")
+        if p is None or not os.path.exists(p):
             return None
-        x = json.load(open(p))
-        for k in path:
-            if not isinstance(x, dict) or k not in x:
-                return None
-            x = x[k]
-        return float(x) if isinstance(x, (int, float)) and math.isfinite(float(x)) else None
+        return _num((json.load(open(p)).get("result") or {}).get(key))
     return f
 
 
 # ----------------------------------------------------------------------------------------------
 # Arms and claims
 # ----------------------------------------------------------------------------------------------
-def arms(quick: bool) -> dict[str, list[str]]:
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    overrides: tuple[str, ...] = ()
+    length: str = "main"  # main: Size.steps RL steps; first: Size.first RL steps; vpt: stop after value pretraining
+
+
+def arms(size: Size, hidden: int, coverage_prompts: int) -> dict[str, Arm]:
     """Arm name -> overrides on top of the base config (the same for every seed)."""
-    k1 = ["rollout.k=1", f"rollout.prompts_per_step={256 if quick else 1024}"]  # same trajectories per step
-    longer = [f"train.steps={16 if quick else 200}"]  # stability needs a longer run (paper Fig. 4)
+    k1 = ("rollout.k=1", f"rollout.prompts_per_step={size.prompts_per_step * size.k}")  # same trajectories per step
+    # the paper's 0.01 is 0.01 * (H+1) = 20.5x its 1/(H+1) at H = 2048; here H is small, so 0.01 is *below*
+    # 1/(H+1) and a second arm keeps the paper's ratio
+    ratio_std = 0.01 * (PAPER_HIDDEN + 1) / (hidden + 1)
     return {
-        "s3ac": [],
-        "no_value_pretraining": ["value_pretrain.enabled=false"],
-        "on_policy_value_pretraining": ["demo.coverage_checkpoints=1"],  # only the RL start policy's samples
-        "head_init_0.01": ["model.value_head_init_std=0.01"],
-        "value_pretrain_clip_1": ["value_pretrain.clip_grad=1.0"],
-        "grpo_x": ["algo.name=grpo_x"],
-        "k1_s3ac": k1 + longer,
-        "k1_reinforce_pp": k1 + longer + ["algo.name=reinforce_pp"],
-        "k1_flash_reinforce": k1 + longer + ["algo.name=flash_reinforce"],
-        "uniform_sampling": ["daps.enabled=false"],
-        "fixed_lambda_0.95": ["algo.actor_lambda=0.95"],
+        "s3ac": Arm(),
+        "no_value_pretraining": Arm(("value_pretrain.enabled=false",), "first"),
+        # only the RL start policy's samples, as many rows as the coverage data (3 checkpoints x prompts)
+        "on_policy_value_pretraining": Arm(("demo.coverage_checkpoints=1",
+                                            f"demo.coverage_prompts={3 * coverage_prompts}"), "first"),
+        "head_init_0.01": Arm(("model.value_head_init_std=0.01",), "vpt"),
+        "head_init_paper_ratio": Arm((f"model.value_head_init_std={ratio_std:.4g}",), "vpt"),
+        "value_pretrain_clip_1": Arm(("value_pretrain.clip_grad=1.0",), "vpt"),
+        "grpo_x": Arm(("algo.name=grpo_x",)),
+        "uniform_sampling": Arm(("daps.enabled=false",)),
+        "dapo_refill": Arm(("algo.dynamic_sampling_refill=true",)),
+        "fixed_lambda_0.95": Arm(("algo.actor_lambda=0.95",)),
+        "k1_s3ac": Arm(k1),
+        "k1_reinforce_pp": Arm(k1 + ("algo.name=reinforce_pp",)),
+        "k1_flash_reinforce": Arm(k1 + ("algo.name=flash_reinforce",)),
     }
 
 
@@ -120,7 +197,7 @@ def arms(quick: bool) -> dict[str, list[str]]:
 class Claim:
     name: str
     metric: str  # what is measured, in words
-    fn: Callable[[str], Optional[float]]
+    fn: Callable[[RunDirs], Optional[float]]
     arms: dict[str, str]  # arm -> label in the report
     higher_is_better: bool
     comparisons: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (claimed better, worse)
@@ -129,51 +206,66 @@ class Claim:
     paper: str = ""
 
 
-def claims(n_first: int) -> list[Claim]:
-    ev, vl = "critic/explained_variance", "critic/value_loss_tok"
+def claims(n_first: int, hidden: int = 64) -> list[Claim]:
+    ev, vl, score = "critic/explained_variance", "critic/value_loss_tok", "eval/average"
+    vpt_arms = {"s3ac": "coverage data", "no_value_pretraining": "none", "on_policy_value_pretraining": "on-policy data"}
+    vpt_cmp = [("s3ac", "no_value_pretraining"), ("s3ac", "on_policy_value_pretraining")]
+    final = "held-out sampled pass rate (avg@k) at the last RL step"
     return [
-        Claim("value_pretraining_explained_variance",
-              f"critic explained variance, mean over the first {n_first} RL steps",
-              first_mean(ev, n_first), {"s3ac": "coverage data", "no_value_pretraining": "none",
-                                        "on_policy_value_pretraining": "on-policy data"}, True,
-              [("s3ac", "no_value_pretraining"), ("s3ac", "on_policy_value_pretraining")],
-              curve=("metrics.jsonl", ev), paper="Fig. 5: coverage critic has higher EV early in RL"),
+        Claim("value_pretraining_explained_variance", f"critic explained variance, mean over the first {n_first} RL steps",
+              first_mean(ev, n_first), vpt_arms, True, vpt_cmp, curve=("metrics.jsonl", ev),
+              paper="Fig. 5: coverage critic has higher EV early in RL"),
         Claim("value_pretraining_value_loss", f"critic value loss per token, mean over the first {n_first} RL steps",
-              first_mean(vl, n_first), {"s3ac": "coverage data", "no_value_pretraining": "none",
-                                        "on_policy_value_pretraining": "on-policy data"}, False,
-              [("s3ac", "no_value_pretraining"), ("s3ac", "on_policy_value_pretraining")],
-              curve=("metrics.jsonl", vl), paper="Fig. 5: coverage critic has lower value loss early in RL"),
+              first_mean(vl, n_first), vpt_arms, False, vpt_cmp, curve=("metrics.jsonl", vl),
+              paper="Fig. 5: coverage critic has lower value loss early in RL"),
         Claim("value_head_init", "value-pretraining loss, mean over the first 20 critic steps",
-              result("vpt/loss_first"), {"s3ac": "std 1/(H+1)", "head_init_0.01": "std 0.01"}, False,
+              stage_result("value_pretrain", "vpt/loss_first"),
+              {"s3ac": f"std 1/(H+1) = {1 / (hidden + 1):.3g}", "head_init_0.01": "std 0.01"}, False,
               [("s3ac", "head_init_0.01")], curve=("value_pretrain.jsonl", "vpt/value_loss"),
-              paper="Table 4: 1/(H+1) lowers early value loss (0.72 -> 0.45)"),
+              paper="Table 4: 1/(H+1) lowers early value loss (0.72 -> 0.45 at H = 2048)"),
+        Claim("value_head_init_paper_ratio", "value-pretraining loss, mean over the first 20 critic steps",
+              stage_result("value_pretrain", "vpt/loss_first"),
+              {"s3ac": f"std 1/(H+1) = {1 / (hidden + 1):.3g}",
+               "head_init_paper_ratio": f"std 20.5/(H+1) = {0.01 * (PAPER_HIDDEN + 1) / (hidden + 1):.3g}"}, False,
+              [("s3ac", "head_init_paper_ratio")], curve=("value_pretrain.jsonl", "vpt/value_loss"),
+              paper="Table 4 at the paper's ratio: its 0.01 is 20.5/(H+1)"),
         Claim("critic_grad_clip", "fraction of value-pretraining steps whose grad norm exceeds the clip",
-              result("vpt/clip_frac"), {"s3ac": "clip 10", "value_pretrain_clip_1": "clip 1"}, False,
-              [("s3ac", "value_pretrain_clip_1")], curve=("value_pretrain.jsonl", "vpt/grad_norm"),
+              stage_result("value_pretrain", "vpt/clip_frac"), {"s3ac": "clip 10", "value_pretrain_clip_1": "clip 1"},
+              False, [("s3ac", "value_pretrain_clip_1")], curve=("value_pretrain.jsonl", "vpt/grad_norm"),
               paper="Table 4: clip 10 vs 1 cuts clipped steps (99.7% -> 12.5%)"),
         Claim("value_head_gradient_share", "value head's share of the squared critic gradient norm, first 10 "
               "value-pretraining steps", first_mean("vpt/head_sq_share", 10, "value_pretrain.jsonl"),
               {"s3ac": "recipe"}, True, above=("s3ac", 0.5), curve=("value_pretrain.jsonl", "vpt/head_sq_share"),
               paper="§4.3: the head holds > 99% of the squared gradient norm in the first 10 updates"),
-        Claim("s3ac_vs_grpo_x", "held-out sampled pass rate after RL (avg@k)", result("after", "sampled"),
-              {"s3ac": "S3AC", "grpo_x": "GRPO-X"}, True, [("s3ac", "grpo_x")],
-              curve=("metrics.jsonl", "eval/average"), paper="Tables 2-3: S3AC > GRPO-X at K > 1"),
-        Claim("single_rollout_stability", "drop of the held-out score from its peak to the end of a longer K=1 run",
-              drop_from_peak("eval/average"), {"k1_s3ac": "S3AC", "k1_reinforce_pp": "REINFORCE++",
-                                               "k1_flash_reinforce": "FlashREINFORCE"}, False,
+        Claim("s3ac_vs_grpo_x", final, last_value(score), {"s3ac": "S3AC", "grpo_x": "GRPO-X"}, True,
+              [("s3ac", "grpo_x")], curve=("metrics.jsonl", score), paper="Tables 2-3: S3AC > GRPO-X at K > 1"),
+        Claim("single_rollout_score", final, last_value(score),
+              {"k1_s3ac": "S3AC", "k1_reinforce_pp": "REINFORCE++", "k1_flash_reinforce": "FlashREINFORCE"}, True,
+              [("k1_s3ac", "k1_reinforce_pp"), ("k1_s3ac", "k1_flash_reinforce")], curve=("metrics.jsonl", score),
+              paper="Tables 2-3, K = 1: S3AC > REINFORCE++ and FlashREINFORCE"),
+        Claim("single_rollout_stability", "drop of the held-out score from its peak to the last RL step (K = 1)",
+              drop_from_peak(score), {"k1_s3ac": "S3AC", "k1_reinforce_pp": "REINFORCE++",
+                                      "k1_flash_reinforce": "FlashREINFORCE"}, False,
               [("k1_s3ac", "k1_reinforce_pp"), ("k1_s3ac", "k1_flash_reinforce")],
-              curve=("metrics.jsonl", "eval/average"), paper="Fig. 4: critic-free K=1 baselines decline, S3AC holds"),
-        Claim("daps_discarded_trajectories", "trajectories discarded by the group filter per step (mean)",
+              curve=("metrics.jsonl", "rollout/entropy"), paper="Fig. 4: critic-free K=1 baselines decline, S3AC holds"),
+        Claim("daps_discarded_trajectories", "trajectories discarded by the group filter per step (mean over the run)",
               mean_over_run("filter/discarded_trajectories"), {"s3ac": "DAPS", "uniform_sampling": "uniform"},
               False, [("s3ac", "uniform_sampling")], curve=("metrics.jsonl", "filter/discarded_trajectories"),
               paper="Fig. 6a: DAPS discards fewer trajectories"),
-        Claim("daps_final_score", "held-out sampled pass rate after RL (avg@k)", result("after", "sampled"),
-              {"s3ac": "DAPS", "uniform_sampling": "uniform"}, True, [("s3ac", "uniform_sampling")],
-              curve=("metrics.jsonl", "eval/average"), paper="Table 5: DAPS improves the best score"),
-        Claim("length_adaptive_lambda", "held-out sampled pass rate after RL (avg@k)", result("after", "sampled"),
+        Claim("daps_final_score", final, last_value(score), {"s3ac": "DAPS", "uniform_sampling": "uniform"}, True,
+              [("s3ac", "uniform_sampling")], curve=("metrics.jsonl", score), paper="Table 5: DAPS improves the score"),
+        Claim("length_adaptive_lambda", final, last_value(score),
               {"s3ac": "lambda = 1 - 1/(alpha T)", "fixed_lambda_0.95": "lambda = 0.95"}, True,
-              [("s3ac", "fixed_lambda_0.95")], curve=("metrics.jsonl", "eval/average"),
+              [("s3ac", "fixed_lambda_0.95")], curve=("metrics.jsonl", score),
               paper="§3.1 / VAPO: length-adaptive actor lambda"),
+        Claim("dapo_refill_explained_variance_first", f"critic explained variance, mean over the first {n_first} RL steps",
+              first_mean(ev, n_first), {"dapo_refill": "refill on", "s3ac": "refill off"}, True,
+              [("dapo_refill", "s3ac")], curve=("metrics.jsonl", ev),
+              paper="issue 17 (paper silent): refilling filtered groups feeds the critic more data"),
+        Claim("dapo_refill_explained_variance_last", f"critic explained variance, mean over the last {n_first} RL steps",
+              last_mean(ev, n_first), {"dapo_refill": "refill on", "s3ac": "refill off"}, True,
+              [("dapo_refill", "s3ac")], curve=("metrics.jsonl", "refill/drawn_groups"),
+              paper="issue 17 (paper silent): refilling filtered groups feeds the critic more data"),
     ]
 
 
@@ -181,14 +273,11 @@ QUICK_CLAIMS = ("value_pretraining_explained_variance", "critic_grad_clip", "val
                 "s3ac_vs_grpo_x")
 
 
-def base_overrides(args) -> list[str]:
-    """Settings shared by every arm: size (quick / --steps) and the task variant."""
-    o = []
-    if args.quick:
-        o += ["train.steps=8", "train.eval_every=2", "rollout.prompts_per_step=32", "data.eval_prompts=100",
-              "demo.warmup_eval_every=50", "demo.warmup_max_steps=400", "demo.coverage_prompts=128", "eval.k=2"]
-    if args.steps is not None:
-        o.append(f"train.steps={args.steps}")
+def base_overrides(args, size: Size) -> list[str]:
+    """Settings shared by every arm: size, layout and the task variant."""
+    o = size.overrides()
+    if args.nproc == 1:  # one rank per job (faster on 2 cores than EP=2 over gloo: docs/reproduction.md)
+        o += ["actor_layout.tp=1", "actor_layout.pp=1", "actor_layout.ep=1"]
     if args.max_operand is not None:
         o.append(f"data.max_operand={args.max_operand}")
     if args.task == "multistep":
@@ -203,38 +292,170 @@ def base_overrides(args) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Running
+# Planning: one pipeline job per arm x seed, stage directories by fingerprint
 # ----------------------------------------------------------------------------------------------
-def check_arm(config: str, overrides: list[str]) -> Optional[str]:
-    """None when the trainer accepts the overrides, else its error (e.g. a knob it does not have)."""
+@dataclasses.dataclass
+class Job:
+    arm: str
+    seed: int
+    overrides: list[str]  # everything after CONFIG on the pipeline command line
+    dirs: RunDirs
+    status: str = "pending"  # pending | reused | ok | failed | not run
+    wall_s: float = 0.0
+    cpu_s: float = 0.0  # CPU seconds of the job's processes (user + system)
+    note: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm} seed {self.seed}"
+
+    def complete(self) -> bool:
+        return os.path.exists(os.path.join(self.dirs.out, "pipeline.json"))
+
+
+def stage_done(d: str) -> bool:
+    return os.path.exists(os.path.join(d, "DONE.json"))
+
+
+def plan_arm(config: str, out: str, arm: str, a: Arm, seeds: list[int], base: list[str], size: Size) -> list[Job]:
+    """The arm's job per seed: overrides and directories; raises ConfigError when the trainer rejects
+    the arm. (The config is loaded once per arm: only train.seed differs between its seeds.)"""
+    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.trainer.pipeline import planned_stages, stage_fingerprint
+
+    length = {"main": [f"train.steps={size.steps}"], "first": [f"train.steps={size.first}"],
+              "vpt": ["pipeline.stop_after=value_pretrain"]}[a.length]
+    over = base + list(a.overrides) + length
+    cfg = load_config(config, over + [f"train.seed={seeds[0]}"])
+    runs = [s for s, why in planned_stages(cfg).items() if why == "run" and s in STAGES]
+    if a.length == "vpt" and "value_pretrain" not in runs:
+        raise ValueError(f"arm {arm} stops after value pretraining but runs none")
+    jobs = []
+    for seed in seeds:
+        cfg.train.seed = seed
+        stages = tuple((s, os.path.join(out, "stages", f"seed{seed}", f"{s}-{stage_fingerprint(cfg, s)[:12]}"))
+                       for s in runs)
+        run_out = os.path.join(out, "runs", arm, f"seed{seed}")
+        job_over = over + [f"train.seed={seed}"] + [f"pipeline.{s}_dir={d}" for s, d in stages] + \
+            [f"train.out_dir={run_out}"]
+        jobs.append(Job(arm, seed, job_over, RunDirs(run_out, stages)))
+    return jobs
+
+
+def plan(args, size: Size, chosen: list[Claim]) -> tuple[list[Job], dict[str, str]]:
+    """Jobs in launch priority (every seed's recipe arm first: it produces the shared stages) and
+    the arms the trainer rejects (arm -> error)."""
     from megatron_s3ac.trainer.config import ConfigError, load_config
 
-    try:
-        load_config(config, overrides)
-    except ConfigError as e:
-        return str(e).replace("\n", " ")
+    out = os.path.abspath(args.out)
+    base = base_overrides(args, size)
+    cfg0 = load_config(args.config, base)
+    hidden = _hidden_size(cfg0)
+    arm_def = arms(size, hidden, cfg0.demo.coverage_prompts)
+    needed = list(dict.fromkeys(a for c in chosen for a in c.arms))
+    needed.sort(key=lambda a: list(arm_def).index(a))  # launch priority: the order of arms()
+    jobs, missing = [], {}
+    for a in needed:
+        try:
+            jobs += plan_arm(args.config, out, a, arm_def[a], args.seeds, base, size)
+        except (ConfigError, ValueError) as e:
+            missing[a] = str(e).replace("\n", " ")
+    # arm by arm, every seed of an arm before the next arm: the recipe arm (which produces the shared
+    # stages) first; a report cut short then lacks whole arms, not seeds of every arm
+    return jobs, missing
+
+
+def _hidden_size(cfg) -> int:
+    if cfg.model.tiny is not None:
+        from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+
+        return int(tiny_arithmetic_hf_config().hidden_size)
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(cfg.model.hf_config).hidden_size)
+
+
+def check_recorded(job: Job) -> Optional[str]:
+    """A run directory made by other settings is an error (never silently reused)."""
+    p = os.path.join(job.dirs.out, "claims_job.json")
+    if not os.path.exists(p):
+        return None
+    rec = json.load(open(p)).get("overrides")
+    if rec != job.overrides:
+        diff = sorted(set(rec or []) ^ set(job.overrides))
+        return f"{job.dirs.out} was run with other settings ({', '.join(diff)}); delete it or choose another --out"
     return None
 
 
-def run_arm(config: str, overrides: list[str], run_dir: str, nproc: int, timeout_s: float) -> tuple[bool, float]:
-    """One demo run (skipped when run_dir holds demo_result.json); (ok, seconds)."""
-    if os.path.exists(os.path.join(run_dir, "demo_result.json")):
-        return True, 0.0
-    os.makedirs(run_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megatron_s3ac.trainer.cli", "demo", config, *overrides, f"train.out_dir={run_dir}",
-           "train.progress=false", "train.tensorboard=false"]
+# ----------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------
+def pipeline_cmd(config: str, job: Job, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "megatron_s3ac.trainer.cli", "pipeline", config, *job.overrides,
+            "train.progress=false", "train.tensorboard=false"]
+
+
+def start_job(config: str, job: Job, nproc: int):
+    os.makedirs(job.dirs.out, exist_ok=True)
+    with open(os.path.join(job.dirs.out, "claims_job.json"), "w") as f:
+        json.dump({"overrides": job.overrides}, f, indent=1)
+    cmd = pipeline_cmd(config, job, nproc)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-    t0 = time.time()
-    with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        log.write(" ".join(cmd) + "\n")
-        log.flush()
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = -1
-            log.write(f"\nreproduce_claims: killed after {timeout_s:.0f} s\n")
-    return rc == 0 and os.path.exists(os.path.join(run_dir, "demo_result.json")), time.time() - t0
+    log = open(os.path.join(job.dirs.out, "log.txt"), "w")
+    log.write(" ".join(cmd) + "\n")
+    log.flush()
+    # own session: a timeout kills the job's whole process group (torchrun and its ranks), nothing else
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    return proc, log, time.time()
+
+
+def run_jobs(config: str, jobs: list[Job], nproc: int, max_jobs: int, timeout_s: float,
+             on_done: Callable[[Job], None] = lambda j: None) -> None:
+    """Run the pending jobs, ``max_jobs`` at a time. A job starts once no running job is producing a
+    stage it needs (a stage without DONE.json that a running job uses); a job needing a stage whose
+    producer failed is failed without running (its log names the producer)."""
+    pending = [j for j in jobs if j.status == "pending"]
+    running: dict[int, tuple] = {}
+    failed_dirs: dict[str, str] = {}
+    while pending or running:
+        for key, (j, proc, log, t0) in list(running.items()):
+            # wait4: the exit status and the CPU time of the job (torchrun + its ranks, which it reaps)
+            pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+            if pid == 0 and time.time() - t0 > timeout_s:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pid, status, ru = os.wait4(proc.pid, 0)
+                log.write(f"\nreproduce_claims: killed after {timeout_s:.0f} s\n")
+            if pid == 0:
+                continue
+            rc = proc.returncode = os.waitstatus_to_exitcode(status)
+            log.close()
+            j.wall_s, j.cpu_s = time.time() - t0, ru.ru_utime + ru.ru_stime
+            j.status = "ok" if rc == 0 and j.complete() else "failed"
+            if j.status == "failed":
+                j.note = f"exit {rc}, see {os.path.join(j.dirs.out, 'log.txt')}"
+                for _, d in j.dirs.stages:
+                    if not stage_done(d):
+                        failed_dirs[d] = j.name
+            del running[key]
+            on_done(j)
+        for j in list(pending):
+            if len(running) >= max_jobs:
+                break
+            bad = [failed_dirs[d] for _, d in j.dirs.stages if d in failed_dirs and not stage_done(d)]
+            if bad:
+                j.status, j.note = "failed", f"a stage it needs failed in {bad[0]}"
+                pending.remove(j)
+                on_done(j)
+                continue
+            busy = {d for (r, *_rest) in running.values() for _, d in r.dirs.stages if not stage_done(d)}
+            if any(d in busy for _, d in j.dirs.stages if not stage_done(d)):
+                continue
+            proc, log, t0 = start_job(config, j, nproc)
+            running[id(j)] = (j, proc, log, t0)
+            pending.remove(j)
+            print(f"start {j.name}", flush=True)
+        time.sleep(0.5)
 
 
 def evaluate_claim(c: Claim, values: dict[str, list[Optional[float]]], missing: dict[str, str]) -> dict:
@@ -265,13 +486,13 @@ def evaluate_claim(c: Claim, values: dict[str, list[Optional[float]]], missing: 
 # ----------------------------------------------------------------------------------------------
 # Report
 # ----------------------------------------------------------------------------------------------
-def plot_claim(c: Claim, entry: dict, run_dirs: dict[str, list[str]], path: str) -> None:
+def plot_claim(c: Claim, entry: dict, run_dirs: dict[str, list[RunDirs]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2 if c.curve else 1, figsize=(11 if c.curve else 5.5, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if c.curve else 1, figsize=(10 if c.curve else 5, 3.3), squeeze=False)
     ax = axes[0, 0]
     for i, (arm, label) in enumerate(c.arms.items()):
         a = entry["arms"][arm]
@@ -281,7 +502,7 @@ def plot_claim(c: Claim, entry: dict, run_dirs: dict[str, list[str]], path: str)
             lo, hi = a["ci95"]
             err = None if lo is None else [[a["mean"] - lo], [hi - a["mean"]]]
             ax.errorbar([i], [a["mean"]], yerr=err, fmt="o", color=f"C{i}", capsize=5, zorder=4)
-    ax.set_xticks(range(len(c.arms)), list(c.arms.values()), fontsize=8)
+    ax.set_xticks(range(len(c.arms)), list(c.arms.values()), fontsize=7)
     ax.set_xlim(-0.5, len(c.arms) - 0.5)
     ax.set_title(f"{c.name}: {entry['verdict']}", fontsize=9)
     ax.set_ylabel(c.metric[:60], fontsize=7)
@@ -289,25 +510,23 @@ def plot_claim(c: Claim, entry: dict, run_dirs: dict[str, list[str]], path: str)
         file, key = c.curve
         ax = axes[0, 1]
         for i, (arm, label) in enumerate(c.arms.items()):
-            curves = [series(d, key, file) for d in run_dirs.get(arm, [])]
-            curves = [cv for cv in curves if cv]
+            curves = [cv for cv in (series(d, key, file) for d in run_dirs.get(arm, [])) if cv]
             if not curves:
                 continue
             n = min(len(cv) for cv in curves)
-            mean = [sum(cv[j] for cv in curves) / len(curves) for j in range(n)]
             for cv in curves:
                 ax.plot(range(len(cv)), cv, color=f"C{i}", alpha=0.25, lw=0.8)
-            ax.plot(range(n), mean, color=f"C{i}", label=label)
-        ax.set_xlabel("logged step (per-seed thin, mean thick)", fontsize=8)
+            ax.plot(range(n), [sum(cv[j] for cv in curves) / len(curves) for j in range(n)], color=f"C{i}", label=label)
+        ax.set_xlabel("logged point (per-seed thin, mean thick)", fontsize=8)
         ax.set_title(key, fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
 def write_report(out: str, entries: list[dict], claims_by_name: dict[str, Claim], cmdline: str, seeds: list[int],
-                 run_dirs: dict, failures: list[str], wall_s: float) -> str:
+                 jobs: list[Job], missing: dict[str, str], size: Size, wall_s: float) -> str:
     def fmt(a):
         if a["mean"] is None:
             return "n/a"
@@ -316,17 +535,25 @@ def write_report(out: str, entries: list[dict], claims_by_name: dict[str, Claim]
         return f"{a['mean']:.3g}{ci} (n={sum(v is not None for v in a['values'])})"
 
     lines = ["# S3AC claims in miniature", "", f"Command: `{cmdline}`", "",
-             f"Seeds: {seeds}; wall time {wall_s / 60:.1f} min. Intervals: 95% Student-t over seeds. "
-             "Verdict rule: megatron_s3ac/eval/claims.py (paired differences; the rule column of claims.json "
-             "gives each claim's numbers).", "",
+             f"Seeds: {seeds}; wall time {wall_s / 60:.1f} min for {len(jobs)} pipeline jobs. RL size: "
+             f"{size.prompts_per_step} prompts x K = {size.k} per step, {size.minibatches} actor and critic "
+             f"mini-batches, {size.steps} steps (arms that need only the first steps: {size.first}); held-out "
+             f"avg@{size.eval_k} on {size.eval_prompts} prompts every {size.eval_every} steps. Intervals: 95% "
+             "Student-t over seeds. Verdict rule: megatron_s3ac/eval/claims.py (paired differences; the rule "
+             "column of claims.json gives each claim's numbers).", "",
              "| claim | paper | metric | arms: mean [95% CI] (n) | verdict |", "|---|---|---|---|---|"]
     for e in entries:
         c = claims_by_name[e["name"]]
         arms_s = "<br>".join(f"{c.arms[a]}: {fmt(s)}" for a, s in e["arms"].items())
         lines.append(f"| {e['name']} | {c.paper} | {e['metric']} | {arms_s} | **{e['verdict']}** |")
     lines += ["", "## Rules with numbers", ""] + [f"- **{e['name']}**: {e['rule']}" for e in entries]
-    if failures:
-        lines += ["", "## Runs that failed (their values are null)", ""] + [f"- {f}" for f in failures]
+    if missing:
+        lines += ["", "## Arms not run (the trainer rejects their settings)", ""] + [f"- {a}: {e}" for a, e in missing.items()]
+    bad = [j for j in jobs if j.status == "failed"]
+    if bad:
+        lines += ["", "## Jobs that failed (their values are null)", ""] + [f"- {j.name}: {j.note}" for j in bad]
+    lines += ["", "## Jobs", "", "| job | status | wall s | CPU s |", "|---|---|---|---|"]
+    lines += [f"| {j.name} | {j.status} | {j.wall_s:.0f} | {j.cpu_s:.0f} |" for j in jobs]
     lines += ["", "## Plots", ""] + [f"![{e['name']}](plots/{e['name']}.png)" for e in entries]
     path = os.path.join(out, "report.md")
     with open(path, "w") as f:
@@ -337,82 +564,95 @@ def write_report(out: str, entries: list[dict], claims_by_name: dict[str, Claim]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="train.seed of each run (default 1 2 3; quick 1 2)")
-    p.add_argument("--out", required=True, help="output directory (runs/, claims.json, report.md, plots/)")
+    p.add_argument("--out", required=True, help="output directory (runs/, stages/, claims.json, report.md, plots/)")
     p.add_argument("--quick", action="store_true", help="CI-sized smoke: short runs, claims " + ", ".join(QUICK_CLAIMS))
     p.add_argument("--claims", nargs="+", default=None, help="only these claims (names in claims.json)")
     p.add_argument("--config", default=DEFAULT_CONFIG)
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (train.steps)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps of the whole-run arms (default: the size's)")
     p.add_argument("--task", choices=("arithmetic", "multistep"), default="arithmetic")
     p.add_argument("--max-operand", type=int, default=None)
     p.add_argument("--min-operands", type=int, default=3, help="multistep: fewest operands per prompt")
     p.add_argument("--max-operands", type=int, default=5, help="multistep: most operands per prompt")
     p.add_argument("--ops", default="+", help="multistep: operators drawn ('+' or '+-')")
     p.add_argument("--override", nargs="*", default=[], help="extra key=value for every run")
-    p.add_argument("--nproc", type=int, default=2, help="torchrun ranks per run")
-    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a run is killed")
-    p.add_argument("--dry-run", action="store_true", help="print the runs and exit")
+    p.add_argument("--nproc", type=int, default=1, help="torchrun ranks per job (1: tp = pp = ep = 1)")
+    p.add_argument("--jobs", type=int, default=2, help="pipeline jobs at a time")
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before a job is killed")
+    p.add_argument("--dry-run", action="store_true", help="print the jobs and exit")
     p.add_argument("--reuse-only", action="store_true",
-                   help="launch nothing: use the runs already in OUT/runs (a missing one counts as failed)")
+                   help="launch nothing: use the runs already in OUT (a missing one counts as failed)")
     args = p.parse_args(argv)
     if args.seeds is None:
         args.seeds = [1, 2] if args.quick else [1, 2, 3]
     if len(set(args.seeds)) != len(args.seeds):
         p.error("--seeds must be distinct")
+    if args.jobs < 1 or args.nproc < 1:
+        p.error("--jobs and --nproc must be >= 1")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.time()
+    size = QUICK if args.quick else FULL
+    if args.steps is not None:
+        size = dataclasses.replace(size, steps=args.steps, eval_every=max(1, min(size.eval_every, args.steps)))
     out = os.path.abspath(args.out)
-    os.makedirs(os.path.join(out, "plots"), exist_ok=True)
-    all_claims = claims(n_first=4 if args.quick else 10)
+    from megatron_s3ac.trainer.config import load_config
+
+    hidden = _hidden_size(load_config(args.config, base_overrides(args, size)))
+    all_claims = claims(n_first=size.first, hidden=hidden)
     names = args.claims or (list(QUICK_CLAIMS) if args.quick else [c.name for c in all_claims])
     unknown = set(names) - {c.name for c in all_claims}
     if unknown:
         print(f"reproduce_claims: unknown claims {sorted(unknown)}", file=sys.stderr)
         return 2
     chosen = [c for c in all_claims if c.name in names]
-    arm_over = arms(args.quick)
-    base = base_overrides(args)
-    needed = list(dict.fromkeys(a for c in chosen for a in c.arms))
-    missing = {}
-    for a in needed:
-        err = check_arm(args.config, base + arm_over[a])
-        if err is not None:
-            missing[a] = err
-            print(f"arm {a}: not run ({err})", file=sys.stderr)
-    runs = [(a, s) for a in needed if a not in missing for s in args.seeds]
+    jobs, missing = plan(args, size, chosen)
+    for a, e in missing.items():
+        print(f"arm {a}: not run ({e})", file=sys.stderr)
+    errors = [e for e in (check_recorded(j) for j in jobs) if e]
+    if errors:
+        print("reproduce_claims: " + "\n".join(errors), file=sys.stderr)
+        return 2
     if args.dry_run:
-        for a, s in runs:
-            print(a, s, " ".join(base + arm_over[a] + [f"train.seed={s}"]))
+        for j in jobs:
+            print(j.name, " ".join(j.overrides))
         return 0
-    values = {a: [None] * len(args.seeds) for a in needed}
-    run_dirs, failures = {a: [] for a in needed}, []
+    os.makedirs(os.path.join(out, "plots"), exist_ok=True)
+    for j in jobs:
+        if j.complete():
+            j.status = "reused"
+        elif args.reuse_only:
+            j.status, j.note = "failed", "not in OUT (--reuse-only)"
+
+    def write_jobs():
+        with open(os.path.join(out, "jobs.json"), "w") as f:
+            json.dump([dataclasses.asdict(x) for x in jobs], f, indent=1)
+
+    def record(j):
+        print(f"[{sum(x.status != 'pending' for x in jobs)}/{len(jobs)}] {j.name}: {j.status} "
+              f"({j.wall_s:.0f} s wall, {j.cpu_s:.0f} s CPU)"
+              + (f" {j.note}" if j.note else ""), flush=True)
+        write_jobs()
+
+    run_jobs(args.config, jobs, args.nproc, args.jobs, args.run_timeout, record)
+    write_jobs()
     by_name = {c.name: c for c in all_claims}
-    for i, (a, s) in enumerate(runs):
-        d = os.path.join(out, "runs", a, f"seed{s}")
-        if args.reuse_only:
-            ok, secs = os.path.exists(os.path.join(d, "demo_result.json")), 0.0
-        else:
-            ok, secs = run_arm(args.config, base + arm_over[a] + [f"train.seed={s}"], d, args.nproc, args.run_timeout)
-        print(f"[{i + 1}/{len(runs)}] {a} seed {s}: {'ok' if ok else 'FAILED'} ({secs:.0f} s)", flush=True)
-        run_dirs[a].append(d)
-        if not ok:
-            failures.append(f"{a} seed {s}: see {os.path.join(d, 'log.txt')}")
+    dirs = {(j.arm, j.seed): j.dirs for j in jobs}
+    run_dirs = {a: [dirs[(a, s)] for s in args.seeds if (a, s) in dirs] for a in {j.arm for j in jobs}}
     entries = []
     for c in chosen:
-        vals = {a: [c.fn(os.path.join(out, "runs", a, f"seed{s}")) if a not in missing else None for s in args.seeds]
-                for a in c.arms}
+        vals = {a: [c.fn(dirs[(a, s)]) if (a, s) in dirs else None for s in args.seeds] for a in c.arms}
         entries.append(evaluate_claim(c, vals, missing))
     write_claims(entries, os.path.join(out, "claims.json"))
     for e in entries:
         plot_claim(by_name[e["name"]], e, run_dirs, os.path.join(out, "plots", f"{e['name']}.png"))
     cmdline = "python tools/reproduce_claims.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    rep = write_report(out, entries, by_name, cmdline, args.seeds, run_dirs, failures, time.time() - t0)
+    rep = write_report(out, entries, by_name, cmdline, args.seeds, jobs, missing, size, time.time() - t0)
     for e in entries:
         print(f"{e['name']:40s} {e['verdict']}")
-    print(f"claims: {os.path.join(out, 'claims.json')}  report: {rep}")
+    print(f"claims: {os.path.join(out, 'claims.json')}  report: {rep}  wall {time.time() - t0:.0f} s")
     return 0
 
 

@@ -79,42 +79,108 @@ def test_schema_validation():
             validate_claims(bad)
 
 
-def _fake_run(out, arm, seed, result=None, metrics=(), vpt=()):
-    d = os.path.join(out, "runs", arm, f"seed{seed}")
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "demo_result.json"), "w") as f:
-        json.dump(result or {}, f)
-    for name, rows in (("metrics.jsonl", metrics), ("value_pretrain.jsonl", vpt)):
-        with open(os.path.join(d, name), "w") as f:
+def _plan(drv, out, claims=None, extra=()):
+    args = drv.parse_args(["--out", out, "--seeds", "4", "5", "6", *extra] + (["--claims", *claims] if claims else []))
+    chosen = [c for c in drv.claims(10) if claims is None or c.name in claims]
+    return drv.plan(args, drv.FULL, chosen)
+
+
+def _write(path, obj=None, rows=None):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        if rows is not None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+        else:
+            json.dump(obj or {}, f)
+
+
+def test_arms_share_stages_by_fingerprint(tmp_path):
+    """Arms that change only RL settings share their seed's warm-up, coverage and value pretraining;
+    an arm that changes a value-pretraining setting shares warm-up + coverage and has its own value
+    pretraining; the on-policy arm has its own coverage; critic-free arms run the warm-up only; seeds
+    share nothing; arms stop where their metric is (value pretraining / the first RL steps)."""
+    drv = _driver()
+    jobs, missing = _plan(drv, str(tmp_path))
+    assert missing == {}
+    by = {(j.arm, j.seed): j for j in jobs}
+    assert [j.arm for j in jobs[:3]] == ["s3ac"] * 3  # producers of the shared stages first
+    # then arm by arm, every seed of an arm together (a report cut short lacks whole arms)
+    assert [j.seed for j in jobs] == [4, 5, 6] * (len(jobs) // 3)
+    assert all(len({j.arm for j in jobs[i:i + 3]}) == 1 for i in range(0, len(jobs), 3))
+    st = lambda a, s=4: dict(by[(a, s)].dirs.stages)
+    base = st("s3ac")
+    assert set(base) == {"warmup", "coverage", "value_pretrain"}
+    for a in ("uniform_sampling", "fixed_lambda_0.95", "dapo_refill", "k1_s3ac"):
+        assert st(a) == base, a
+    for a in ("head_init_0.01", "head_init_paper_ratio", "value_pretrain_clip_1"):
+        assert st(a)["warmup"] == base["warmup"] and st(a)["coverage"] == base["coverage"]
+        assert st(a)["value_pretrain"] != base["value_pretrain"]
+        assert "pipeline.stop_after=value_pretrain" in by[(a, 4)].overrides
+    assert len({st(a)["value_pretrain"] for a in ("head_init_0.01", "head_init_paper_ratio", "value_pretrain_clip_1")}) == 3
+    onp = st("on_policy_value_pretraining")
+    assert onp["warmup"] == base["warmup"] and onp["coverage"] != base["coverage"]
+    for a in ("grpo_x", "k1_reinforce_pp", "k1_flash_reinforce", "no_value_pretraining"):
+        assert st(a) == {"warmup": base["warmup"]}, a
+    assert st("s3ac", 5)["warmup"] != base["warmup"]
+    assert f"train.steps={drv.FULL.first}" in by[("no_value_pretraining", 4)].overrides
+    assert f"train.steps={drv.FULL.steps}" in by[("grpo_x", 4)].overrides
+    k1 = by[("k1_s3ac", 4)].overrides
+    assert "rollout.k=1" in k1 and f"rollout.prompts_per_step={drv.FULL.prompts_per_step * drv.FULL.k}" in k1
+    # every job's command line names its stage dirs and its own out dir
+    j = by[("head_init_0.01", 6)]
+    assert f"pipeline.value_pretrain_dir={st('head_init_0.01', 6)['value_pretrain']}" in j.overrides
+    assert j.dirs.out.endswith(os.path.join("runs", "head_init_0.01", "seed6"))
+
+
+def _fake_outputs(drv, jobs, values):
+    """values: arm -> per-seed dict of metric rows / stage results written where a pipeline would."""
+    for j in jobs:
+        v = values.get(j.arm, {}).get(j.seed)
+        if v is None:
+            continue
+        for stage, d in j.dirs.stages:
+            _write(os.path.join(d, "DONE.json"), {"stage": stage, "fingerprint": "x", "keys": {},
+                                                  "result": v.get("vpt", {}) if stage == "value_pretrain" else {},
+                                                  "wall_s": 1.0})
+            if stage == "value_pretrain":
+                _write(os.path.join(d, "value_pretrain.jsonl"), rows=v.get("vpt_rows", []))
+        _write(os.path.join(j.dirs.out, "metrics.jsonl"), rows=v.get("metrics", []))
+        _write(os.path.join(j.dirs.out, "pipeline.json"), {})
+        _write(os.path.join(j.dirs.out, "claims_job.json"), {"overrides": j.overrides})
 
 
 def test_driver_on_synthetic_runs(tmp_path, capsys):
-    """Complete synthetic runs for three claims: the driver reuses them (--reuse-only: it can never
-    launch training here), reads each metric from the right file, writes claims.json in the schema,
-    verdicts by the rule, a report and plots; a missing run leaves null values and no verdict."""
+    """Complete synthetic outputs for three claims: the driver reuses them (--reuse-only: it can never
+    launch training here), reads each metric from the right file (a value-pretraining figure from the
+    arm's own value-pretraining stage), writes claims.json in the schema, verdicts by the rule, a
+    report and plots; a missing run leaves null values."""
     drv = _driver()
     out = str(tmp_path / "claims")
+    names = ["critic_grad_clip", "s3ac_vs_grpo_x", "value_head_init"]
+    jobs, _ = _plan(drv, out, names)
     clip = {"s3ac": [0.10, 0.12, 0.11], "value_pretrain_clip_1": [0.99, 0.97, 1.0]}
     score = {"s3ac": [0.30, 0.36, 0.33], "grpo_x": [0.31, 0.33, 0.35]}
-    loss = {"s3ac": [0.40, 0.45, 0.42]}  # head_init_0.01 has runs for seeds 4 and 5 only (below)
-    for seed_i, seed in enumerate((4, 5, 6)):
+    loss = {"s3ac": [0.40, 0.45, 0.42], "head_init_0.01": [0.7, 0.72, None], "value_pretrain_clip_1": [0.5] * 3}
+    values = {}
+    for i, seed in enumerate((4, 5, 6)):
         for arm in ("s3ac", "value_pretrain_clip_1", "grpo_x", "head_init_0.01"):
             if arm == "head_init_0.01" and seed == 6:
-                continue
-            res = {"vpt/clip_frac": clip.get(arm, [0.5] * 3)[seed_i],
-                   "after": {"sampled": score.get(arm, [0.2] * 3)[seed_i]},
-                   "vpt/loss_first": loss.get(arm, [0.7, 0.72, 0.0])[seed_i]}
-            ev = [{"step": t, "critic/explained_variance": 0.1 * t + seed_i, "eval/average": 0.3} for t in range(5)]
-            _fake_run(out, arm, seed, res, ev, [{"step": t, "vpt/grad_norm": 3.0} for t in range(3)])
-    rc = drv.main(["--seeds", "4", "5", "6", "--out", out, "--claims", "critic_grad_clip", "s3ac_vs_grpo_x",
-                   "value_head_init", "--reuse-only"])
+                continue  # that run is missing
+            vpt = {"vpt/clip_frac": clip.get(arm, [0.5] * 3)[i], "vpt/loss_first": loss[arm][i] if arm in loss else None}
+            metrics = [{"step": t, "critic/explained_variance": 0.1 * t} for t in range(5)]
+            metrics[-1]["eval/average"] = score.get(arm, [0.2] * 3)[i]
+            metrics[1]["eval/average"] = 0.9  # an earlier evaluation: the claim reads the last one
+            values.setdefault(arm, {})[seed] = {"vpt": vpt, "metrics": metrics,
+                                                "vpt_rows": [{"step": t, "vpt/value_loss": 1.0 - 0.1 * t} for t in range(4)]}
+    _fake_outputs(drv, jobs, values)
+    rc = drv.main(["--seeds", "4", "5", "6", "--out", out, "--claims", *names, "--reuse-only"])
     assert rc == 0
     claims = json.load(open(os.path.join(out, "claims.json")))
     validate_claims(claims)
     by = {c["name"]: c for c in claims}
     assert [c["name"] for c in claims] == ["value_head_init", "critic_grad_clip", "s3ac_vs_grpo_x"]
     assert by["critic_grad_clip"]["arms"]["s3ac"]["values"] == clip["s3ac"]
+    assert by["critic_grad_clip"]["arms"]["value_pretrain_clip_1"]["values"] == clip["value_pretrain_clip_1"]
     assert by["critic_grad_clip"]["verdict"] == "reproduced"  # clip 10 clips far fewer steps
     # differences -0.01, 0.03, -0.02: the interval contains 0
     assert by["s3ac_vs_grpo_x"]["verdict"] == "inconclusive"
@@ -124,24 +190,84 @@ def test_driver_on_synthetic_runs(tmp_path, capsys):
     assert by["value_head_init"]["arms"]["head_init_0.01"]["values"] == [0.7, 0.72, None]
     assert by["value_head_init"]["verdict"] == "reproduced" and "over 2 paired seeds" in by["value_head_init"]["rule"]
     report = open(os.path.join(out, "report.md")).read()
-    assert "critic_grad_clip" in report and "**reproduced**" in report
+    assert "critic_grad_clip" in report and "**reproduced**" in report and "head_init_0.01 seed 6 | failed" in report
     for c in claims:
         assert os.path.getsize(os.path.join(out, "plots", f"{c['name']}.png")) > 1000
     assert "critic_grad_clip" in capsys.readouterr().out
+    jobs_rec = json.load(open(os.path.join(out, "jobs.json")))
+    assert sum(j["status"] == "reused" for j in jobs_rec) == len(jobs) - 1
+
+
+def test_a_run_dir_made_by_other_settings_is_refused(tmp_path, capsys):
+    drv = _driver()
+    out = str(tmp_path)
+    jobs, _ = _plan(drv, out, ["s3ac_vs_grpo_x"])
+    _write(os.path.join(jobs[0].dirs.out, "claims_job.json"), {"overrides": jobs[0].overrides[:-1] + ["train.steps=3"]})
+    assert drv.main(["--seeds", "4", "5", "6", "--out", out, "--claims", "s3ac_vs_grpo_x", "--dry-run"]) == 2
+    assert "run with other settings" in capsys.readouterr().err
 
 
 def test_metric_readers(tmp_path):
     drv = _driver()
-    d = str(tmp_path)
-    _fake_run(str(tmp_path), "a", 1, {"vpt/loss_first": 0.5, "after": {"sampled": 0.25}},
-              [{"step": 2, "k": 3.0}, {"step": 0, "k": 1.0}, {"step": 1, "k": float("nan")}, {"step": 3, "k": 2.0}])
-    run = os.path.join(d, "runs", "a", "seed1")
+    run = drv.RunDirs(str(tmp_path / "out"), (("value_pretrain", str(tmp_path / "vpt")),))
+    _write(os.path.join(run.out, "metrics.jsonl"),
+           rows=[{"step": 2, "k": 3.0}, {"step": 0, "k": 1.0}, {"step": 1, "k": float("nan")}, {"step": 3, "k": 2.0}])
+    _write(str(tmp_path / "vpt" / "DONE.json"), {"result": {"vpt/loss_first": 0.5, "flag": True}})
+    _write(str(tmp_path / "vpt" / "value_pretrain.jsonl"), rows=[{"step": 0, "h": 0.9}, {"step": 1, "h": 0.7}])
     assert drv.series(run, "k") == [1.0, 3.0, 2.0]  # step order, NaN dropped
-    assert drv.first_mean("k", 2)(run) == 2.0
-    assert drv.drop_from_peak("k")(run) == 1.0
+    assert drv.first_mean("k", 2)(run) == 2.0 and drv.last_mean("k", 2)(run) == 2.5
+    assert drv.drop_from_peak("k")(run) == 1.0 and drv.last_value("k")(run) == 2.0
     assert drv.mean_over_run("k")(run) == 2.0
-    assert drv.result("after", "sampled")(run) == 0.25 and drv.result("nope")(run) is None
+    assert drv.first_mean("h", 1, "value_pretrain.jsonl")(run) == 0.9
+    assert drv.stage_result("value_pretrain", "vpt/loss_first")(run) == 0.5
+    assert drv.stage_result("value_pretrain", "flag")(run) is None and drv.stage_result("coverage", "x")(run) is None
     assert drv.first_mean("missing", 3)(run) is None
+
+
+FAKE_PIPELINE = r'''
+import json, os, sys, time
+args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+stages = [(k[len("pipeline."):-len("_dir")], v) for k, v in args.items() if k.startswith("pipeline.") and k.endswith("_dir")]
+fail = os.environ.get("FAKE_FAIL_STAGE")
+for stage, d in stages:
+    if os.path.exists(os.path.join(d, "DONE.json")):
+        continue
+    os.makedirs(d, exist_ok=True)
+    try:  # two jobs producing one stage at once would be a scheduling bug
+        os.close(os.open(os.path.join(d, "LOCK"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        sys.exit("CONFLICT " + d)
+    time.sleep(0.3)
+    if stage == fail and "seed4" in d:
+        sys.exit("failing " + stage)
+    json.dump({"stage": stage}, open(os.path.join(d, "DONE.json"), "w"))
+    os.remove(os.path.join(d, "LOCK"))
+out = args["train.out_dir"]
+json.dump({}, open(os.path.join(out, "pipeline.json"), "w"))
+'''
+
+
+@pytest.mark.parametrize("fail_stage", [None, "warmup"])
+def test_scheduler_never_runs_one_stage_twice_at_once(tmp_path, monkeypatch, fail_stage):
+    """Two jobs at a time against a stand-in pipeline that exits on a concurrent producer of one stage:
+    every job completes, dependents wait for the shared stages; when a seed's warm-up fails, the jobs
+    that need it fail without running and the other seeds complete."""
+    drv = _driver()
+    jobs, _ = _plan(drv, str(tmp_path), ["value_pretraining_explained_variance", "critic_grad_clip", "s3ac_vs_grpo_x"])
+    script = tmp_path / "fake_pipeline.py"
+    script.write_text(FAKE_PIPELINE)
+    monkeypatch.setattr(drv, "pipeline_cmd", lambda config, job, nproc: [sys.executable, str(script), *job.overrides])
+    if fail_stage:
+        monkeypatch.setenv("FAKE_FAIL_STAGE", fail_stage)
+    drv.run_jobs("cfg.yaml", jobs, nproc=1, max_jobs=2, timeout_s=60)
+    for j in jobs:
+        log = open(os.path.join(j.dirs.out, "log.txt")).read() if os.path.exists(os.path.join(j.dirs.out, "log.txt")) else ""
+        assert "CONFLICT" not in log
+        if fail_stage and j.seed == 4:
+            assert j.status == "failed"
+            assert (j.arm == "s3ac") == ("failing" in log)  # only the producer ran
+        else:
+            assert j.status == "ok", (j.name, log)
 
 
 def test_arm_the_trainer_cannot_run_is_reported_not_run():
