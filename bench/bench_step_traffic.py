@@ -121,11 +121,14 @@ def install(counter: Counter) -> None:
         counted._counted = True
         return counted
 
-    for name, rule in rules.items():
+    for name, rule in rules.items():  # one wrapper per function, in both namespaces (P2POp checks identity)
+        real = getattr(c10d, name, None) or getattr(dist, name, None)
+        if real is None or getattr(real, "_counted", False):
+            continue
+        counted = wrap(name, real, rule)
         for mod in (c10d, dist):
-            real = getattr(mod, name, None)
-            if real is not None and not getattr(real, "_counted", False):
-                setattr(mod, name, wrap(name, real, rule))
+            if getattr(mod, name, None) is real:
+                setattr(mod, name, counted)
     # batch_isend_irecv runs each P2POp's op: megatron builds them from torch.distributed.isend / irecv
     # at call time, i.e. the counted wrappers above (each op counted once there)
 

@@ -4,8 +4,8 @@
 (every rank runs the same code; rank 0 also hosts the engine):
 
   select_prompts   DAPS with the latest critic's V(s0), or a uniform draw from the seeded stream
-  rollout          rank 0 generates K responses per prompt and scores them -> all ranks (samples)
-  filter_groups    DAPO group filter (K > 1)                                  RolloutBatch -> rows
+  rollout          rank 0 generates K responses per prompt and scores them -> metadata to all ranks
+  filter_groups    DAPO group filter (K > 1) on the metadata; then distribute: each rank its own rows
   old_logprobs     actor forward: old log-probs, entropy (routes replayed under R3), R3 metrics
   advantages       the algorithm's registered estimator (critic values for S3AC), IS corrections
   update_actor     the registered policy loss over ``actor_minibatches`` x ``actor_epochs``
@@ -16,7 +16,8 @@ The rollout phases (select_prompts .. rollout_refilled) live in trainer.rollout_
 (sync_weights, sleep, idle-model offload, scoring) in trainer.engine_side, both mixins of Trainer.
 Construction lives in trainer.build, the mini-batch runner and forward pass in trainer.minibatch,
 per-micro-batch losses in trainer.losses, R3 in r3.glue, evaluation in eval.periodic. Parallelism:
-rows are sharded over each model's DP ranks in every pass; the critic may use its own layout
+each rank holds only the rows its models' DP ranks own (trainer.sharding) and computes their outputs,
+advantages and metric sums (trainer.shard_metrics); the critic may use its own layout
 (``critic_layout``), installed around every critic operation by ``model_scope("critic")``.
 """
 from __future__ import annotations

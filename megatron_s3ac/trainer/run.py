@@ -35,7 +35,7 @@ def train_loop(tr) -> None:
     while tr.step_idx < cfg.steps:
         m = tr.step()
         m.update(tr.periodic_eval())  # rank 0 only; after the step's weight sync
-        best = torch.tensor([float(m.get("eval/is_best", 0.0))])
+        best = torch.tensor([float(m.get("eval/is_best", 0.0))], device=tr.device)  # NCCL: a CUDA tensor
         if tr.world > 1:
             dist.broadcast(best, src=0)  # saving is collective: every rank must agree (eval runs on rank 0)
         if log is not None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.trainer.batch import collate, per_token
+from megatron_s3ac.trainer.device import trainer_device
 from megatron_s3ac.trainer.minibatch import run_minibatches, shuffled_minibatches
 
 
@@ -31,7 +32,7 @@ def _mp_grad_sq(model) -> tuple[float, float]:
 
     split = A.grad_norm_split(((n, p) for n, p in model.named_parameters()
                                if param_is_not_tensor_parallel_duplicate(p)), is_head=r"output_layer")
-    t = torch.tensor([split["head"] ** 2, split["backbone"] ** 2], dtype=torch.float64)
+    t = torch.tensor([split["head"] ** 2, split["backbone"] ** 2], dtype=torch.float64, device=trainer_device())
     if ps.get_model_parallel_group().size() > 1:
         dist.all_reduce(t, group=ps.get_model_parallel_group())
     return float(t[0]), float(t[1])
@@ -85,7 +86,7 @@ def _step_metrics(outputs: list, gn: float, head_sq: float, back_sq: float, clip
     """Loss and explained variance over every rank's tokens of one optimizer step (collective)."""
     from megatron.core import parallel_state as ps
 
-    t = torch.zeros(6, dtype=torch.float64)  # loss sum + the 5 sums (last pipeline stage only)
+    t = torch.zeros(6, dtype=torch.float64, device=trainer_device())  # loss sum + the 5 sums (last stage only)
     for o in outputs:
         t[0] += float(o["loss_sum"])
         t[1:] += o["sums"]

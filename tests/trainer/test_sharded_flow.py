@@ -134,3 +134,45 @@ def test_metadata_mask_and_shard_width_match_the_whole_batch():
     part = collate(samples[:1], width=int(meta.resp_len.max()))  # a shard keeps the whole batch's T
     assert part.mask.shape == (1, 4) and torch.equal(part.mask, whole.mask[:1])
     assert part.to("cpu").mask is part.mask
+
+
+def _algo_step(algo, out_dir):
+    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.trainer.loop import Trainer
+    from tests.trainer.test_trainer import SMALL, capture_batches
+
+    k = [] if algo == "grpo_x" else ["rollout.k=1", "algo.actor_minibatches=2"]
+    tr = Trainer(load_config(None, SMALL + ["actor_layout.ep=2", f"algo.name={algo}", "daps.enabled=false",
+                                            "algo.dynamic_sampling=false", "rollout.reward=test_char_parity",
+                                            f"train.out_dir={out_dir}"] + k))
+    seen = capture_batches(tr)
+    tr.step()
+    (b,) = seen
+    own = b.shard.owned["actor"]
+    return {"gid": b.shard.gid[own], "scores": b.scores[own], "mask": b.mask[own], "adv": b.adv[own],
+            "k": tr.cfg.rollout.k, "n": b.global_len()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo_x", "reinforce_pp"])
+def test_critic_free_advantages_of_a_shard_equal_the_whole_batch(algo, tmp_path):
+    """grpo_x needs groups (each rank owns whole groups); reinforce_pp normalises over the whole batch.
+    Reference: the algorithm's function on the whole batch assembled from the ranks' own rows."""
+    from megatron_s3ac.algorithms.advantages import grpo_advantages, reinforce_pp_advantages
+
+    res = run_distributed(_algo_step, 2, algo, str(tmp_path))
+    k, n = res[0]["k"], res[0]["n"]
+    gid = torch.cat([r["gid"] for r in res])
+    assert sorted(gid.tolist()) == list(range(n))  # every row owned by exactly one DP rank
+    assert all(0 < len(r["gid"]) < n for r in res)  # and each rank holds only its share
+    order = torch.argsort(gid)
+    scores, mask, adv = (torch.cat([r[key] for r in res])[order] for key in ("scores", "mask", "adv"))
+    if algo == "grpo_x":
+        for r in res:  # whole groups of K on one rank
+            groups = r["gid"] // k
+            assert all((groups == g).sum() == k for g in groups.unique())
+        ref = grpo_advantages(scores, k, normalize_std=True, mask=mask)
+    else:
+        ref = reinforce_pp_advantages(scores, mask)
+    assert scores.abs().sum() > 0 and ref.abs().sum() > 0
+    torch.testing.assert_close(adv * mask, ref * mask)

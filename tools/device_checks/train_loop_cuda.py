@@ -14,6 +14,11 @@ numeric first-step metric (bf16 vs fp32). Criterion: batch on cuda:0, old_logp /
 old_values float32, finite losses, actor/grad_norm and critic/value_loss within 5% of fp32 (same prompts;
 the samples differ where bf16 sampling does).
 
+CPU smoke of the trainer mode (``--tiny --steps 1 --mode both``, 2026-11-30): the step's shard on cpu,
+old_logp / adv / returns / old_values float32; bf16+recompute+offload_idle vs fp32 first step:
+actor/grad_norm 1.62299 vs 1.62271 (rel 1.7e-4), critic/value_loss_tok 0.37912 vs 0.37896 (rel 4.1e-4),
+engine vs trainer log-prob mean |diff| 3.4e-4 (bf16) / 7.1e-8 (fp32).
+
 models: the earlier models-level loop (below), kept as a reference for the trainer mode.
 
 What the models mode runs (one process, one GPU, no SGLang): the demo's Qwen3-MoE architecture scaled to ~0.55B
