@@ -178,8 +178,13 @@ def export_hf_weights(model_chunks, info: ModelInfo, bucket_bytes: int = 1 << 30
     leader = dist.get_global_rank(group, 0)
     for bucket, regions, by_rank in plan.buckets:
         if me != 0:
-            for ri, ov, pi in by_rank.get(me, ()):
-                dist.send(plan.piece_slice(ov, pi).contiguous(), dst=leader, group=group)
+            # every piece of the bucket posted at once (one wait per bucket, not a round trip per piece: on a busy
+            # host each blocking send waited for the leader to be scheduled again)
+            parts = [plan.piece_slice(ov, pi).contiguous() for ri, ov, pi in by_rank.get(me, ())]
+            works = [dist.isend(t, dst=leader, group=group) for t in parts]
+            for w in works:
+                w.wait()
+            del parts
             yield []
             continue
         yield _assemble(plan, bucket, regions, by_rank, group, into)
@@ -212,6 +217,9 @@ def _assemble(plan: _ExportPlan, bucket, regions, by_rank, group, into=None) -> 
             at += k
         assert at == full.numel(), f"{nm}: regions cover {at} of {full.numel()} elements"
         result.append((nm, full))
+    # Post every receive of the bucket first (in each sender's order: point-to-point messages between two ranks
+    # match in order), copy the local pieces while they arrive, then wait once.
+    works, staged, local = [], [], []
     for r, lst in sorted(by_rank.items()):
         for ri, ov, pi in lst:
             if dest[ri] is None:
@@ -219,11 +227,17 @@ def _assemble(plan: _ExportPlan, bucket, regions, by_rank, group, into=None) -> 
             off, buf = dest[ri]
             dst = buf[box_slices(*ov, off)]
             if r == 0:
-                dst.copy_(plan.piece_slice(ov, pi))
+                local.append((dst, ov, pi))
             elif dst.is_contiguous():
-                dist.recv(dst, src=dist.get_global_rank(group, r), group=group)
-            else:
+                works.append(dist.irecv(dst, src=dist.get_global_rank(group, r), group=group))
+            else:  # a column block of the HF tensor: received whole, then placed
                 tmp = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
-                dist.recv(tmp, src=dist.get_global_rank(group, r), group=group)
-                dst.copy_(tmp)
+                works.append(dist.irecv(tmp, src=dist.get_global_rank(group, r), group=group))
+                staged.append((dst, tmp))
+    for dst, ov, pi in local:
+        dst.copy_(plan.piece_slice(ov, pi))
+    for w in works:
+        w.wait()
+    for dst, tmp in staged:
+        dst.copy_(tmp)
     return result

@@ -408,7 +408,11 @@ class CPUEngine(RolloutEngine):
 
     # -- memory ---------------------------------------------------------------------------------
     def _is_asleep(self) -> bool:
-        return any(p.numel() == 0 and self._shapes[n][0].numel() > 0 for n, p in self._unique_params())
+        # sleep() empties every weight, so the first one tells (called per weight during a sync: walking all
+        # parameters each time cost ~0.15 s per sync of a 0.4 GB model)
+        for n, p in self._unique_params():
+            return p.numel() == 0 and self._shapes[n][0].numel() > 0
+        return False
 
     def sleep(self, keep_cpu_backup: bool = False) -> None:
         """Free every weight's storage (tied weights stay tied: each Parameter object is kept).

@@ -6,6 +6,24 @@ from __future__ import annotations
 from functools import partial
 
 
+def broadcast_sync(cfg) -> bool:
+    """SGLang engines on their own GPUs take the broadcast path (decided from the config: the same on every rank,
+    though only rank 0 holds the pool)."""
+    r = cfg.rollout
+    return str(getattr(r.engine, "value", r.engine)) == "sglang" and \
+        str(getattr(r.placement, "value", r.placement)) == "separate"
+
+
+def fp8_quantizer(cfg):
+    """rollout.weights_dtype=fp8: the stream quantizer every stage leader applies before the transfer; else None."""
+    if cfg.rollout.weights_dtype != "fp8":
+        return None
+    from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, quantize_stream
+
+    keep = cfg.rollout.fp8_keep
+    return partial(quantize_stream, keep=DEFAULT_KEEP if keep is None else tuple(keep))
+
+
 class EngineSide:
     def sync_weights(self):
         """The one weight path, actor -> engine. Collective: every rank joins the export.
@@ -18,7 +36,7 @@ class EngineSide:
         from megatron_s3ac.rollout.weight_sync import sync_weights
 
         chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
-        if self._broadcast_sync():
+        if broadcast_sync(self.cfg):
             return self._stage_broadcast(chunks)
         target, sessions, kw = self.engine, hasattr(self.engine, "begin_weight_update"), {}
         if sessions:
@@ -30,27 +48,12 @@ class EngineSide:
             # weights re-allocated but stale: the sync below must refill every one
             self.engine.wake(["weights"]) if sessions else self.engine.wake()
             self._engine_asleep = False
-        if self._fp8_quantizer() is not None:  # every rank: stage leaders quantize before the transfer
-            kw["quantize"] = self._fp8_quantizer()
+        if fp8_quantizer(self.cfg) is not None:  # every rank: stage leaders quantize before the transfer
+            kw["quantize"] = fp8_quantizer(self.cfg)
         stats = sync_weights(chunks, self.info, target, **kw)
         if woke and sessions:
             self.engine.wake(["kv_cache", "cuda_graph"])
         return stats
-
-    def _broadcast_sync(self) -> bool:
-        """SGLang engines on their own GPUs take the broadcast path (decided from the config: the same on every
-        rank, though only rank 0 holds the pool)."""
-        r = self.cfg.rollout
-        return str(getattr(r.engine, "value", r.engine)) == "sglang" and \
-            str(getattr(r.placement, "value", r.placement)) == "separate"
-
-    def _fp8_quantizer(self):
-        if self.cfg.rollout.weights_dtype != "fp8":
-            return None
-        from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, quantize_stream
-
-        keep = self.cfg.rollout.fp8_keep
-        return partial(quantize_stream, keep=DEFAULT_KEEP if keep is None else tuple(keep))
 
     def _stage_broadcast(self, chunks):
         """Every rank: the per-stage broadcast sync (connects the stage leaders and the engines on first use)."""
@@ -59,7 +62,7 @@ class EngineSide:
         sg = self.cfg.rollout.sglang
         if getattr(self, "_bsync", None) is None:
             self._bsync = StageBroadcastSync(self.engine, timeout_s=sg.timeout_s)
-        return self._bsync.sync(chunks, self.info, sg.bucket_bytes, quantize=self._fp8_quantizer())
+        return self._bsync.sync(chunks, self.info, sg.bucket_bytes, quantize=fp8_quantizer(self.cfg))
 
     def close_weight_sync(self) -> None:
         """Leave the broadcast groups (stage leaders and engines); before the engines shut down."""
