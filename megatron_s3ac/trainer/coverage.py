@@ -96,7 +96,8 @@ def resolve_policies(cfg, warmup_dir: str) -> list[str]:
 
 def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: CoverageSettings, *,
                       decode: Callable[[list], str], score: Callable[[list, list], Sequence[float]], out_path: str,
-                      log: Optional[Callable[[dict], None]] = None, after_policy: Optional[Callable[[int], None]] = None,
+                      log: Optional[Callable[[dict], None]] = None,
+                      after_policy: Optional[Callable[[int], None]] = None,
                       seeds: Optional[Sequence[int]] = None) -> dict:
     """Roll out every policy (an engine per HF dir, from the rollout factory) on ``prompts``
     (``trainer.data.Prompt``: .ids, .reference) with ``settings.k`` samples each; score the decoded
