@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_s3ac.console import silence_known_warnings
+
+    silence_known_warnings()  # before anything imports megatron
     args = _parser().parse_args(argv)
     from megatron_s3ac.convert.plan import ConversionError
     from megatron_s3ac.models.registry import UnsupportedModelError

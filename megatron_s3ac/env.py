@@ -335,6 +335,9 @@ def check_environment(require_gpu: bool, *, versions: Optional[Mapping[str, Opti
 
 
 def main(argv=None) -> int:
+    from megatron_s3ac.console import silence_known_warnings
+
+    silence_known_warnings()
     p = argparse.ArgumentParser(prog="s3ac-env", description=__doc__.splitlines()[0])
     p.add_argument("--no-gpu", action="store_true",
                    help="check package versions only; do not require CUDA/NCCL nor load compiled extensions")

@@ -172,6 +172,9 @@ def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from megatron_s3ac.console import silence_known_warnings
+
+    silence_known_warnings()  # before anything imports megatron
     args = parse_args(argv)
     try:
         return _run(args)

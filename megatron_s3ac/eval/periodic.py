@@ -109,6 +109,9 @@ class TrainerEvaluation:
                                            report_dir=report_dir, reward_pool=self.reward_pool,
                                            batch_size=e.batch_size, judge=self.judge)
         self.sets = self.evaluator.benchmarks  # loaded once (files validated at start-up)
+        if self.judge is not None and every_n_steps > 0 and any(
+                self.judge.applies(n, s.reward) for n, s in self.sets.items()):
+            self.judge.check()  # a down judge stops the run now, not at the first evaluation
 
     def params(self, greedy: bool) -> SamplingParams:
         e = self.cfg

@@ -382,6 +382,9 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> None:
+    from megatron_s3ac.console import silence_known_warnings
+
+    silence_known_warnings()
     try:
         rc = run(argv)
     except PlanInputError as e:

@@ -247,7 +247,8 @@ def _load_sub_optimizer(sub, state: dict) -> None:
     on the TE/Apex-free path (torch Adam keeps a per-param ``step`` tensor):
     - ``_set_main_param_and_optimizer_states`` (distrib_optimizer.py:936-940) copies *every* key of the
       Adam state, ``step`` included, from tensors the loaders built without ``step`` (they skip it,
-      e.g. :2101-2103): KeyError. ``step`` is held aside while the parameter state is copied in;
+      e.g. :2101-2103): KeyError. ``step`` is held aside while the parameter state is copied in
+      (under no_grad: ``load_parameter_state_from_dp_reshardable``, :1772, is not decorated with it);
     - the common half gives every param the *same* ``step`` tensor (:822-825), and torch Adam increments
       each param's step in place, so one shared tensor would advance once per param per update: each
       param gets its own copy."""
@@ -259,7 +260,8 @@ def _load_sub_optimizer(sub, state: dict) -> None:
     try:
         loader = {"fully_reshardable": sub.load_parameter_state_from_fully_reshardable,
                   "dp_reshardable": sub.load_parameter_state_from_dp_reshardable}[fmt]
-        loader(param_state)
+        with torch.no_grad():  # dp_reshardable's loader lacks fully_reshardable's @torch.no_grad: copy_ into
+            loader(param_state)  # the fp32 main params (views of leaves that require grad) would raise
     finally:
         for p, step in steps.items():
             inner.state[p]["step"] = step.detach().clone()

@@ -208,3 +208,25 @@ def test_cli_judge_down_exits_2_before_loading_the_model(tmp_path, capsys):
                "--judge", "llm", "--judge-url", dead_url(), "--judge-model", "m", "--out", str(out)])
     assert rc == 2 and not out.exists()
     assert "not reachable" in capsys.readouterr().err
+
+
+def test_trainer_evaluation_checks_the_judge_at_start_up(server, key, pool):
+    """s3ac-train's evaluation (eval.judge in the config): a down judge stops the run at start-up; a
+    set name the judge lists but the run does not evaluate is refused."""
+    from eval_fixtures import EXAMPLES
+    from megatron_s3ac.eval.periodic import TrainerEvaluation
+    from megatron_s3ac.trainer.config import EvalCfg, JudgeCfg
+
+    def build(judge, every=1):
+        e = EvalCfg(heldout=False, benchmarks={"minerva": f"{EXAMPLES}/minerva.jsonl"}, judge=judge)
+        return TrainerEvaluation(e, default_reward="math", default_max_new_tokens=4, heldout_rows=[],
+                                 every_n_steps=every, report_dir=None, reward_pool=lambda: pool)
+
+    with pytest.raises(JudgeError, match="not reachable"):
+        build(JudgeCfg(name="llm", url=dead_url(), model="judge-test", sets=["minerva"]))
+    build(JudgeCfg(name="llm", url=dead_url(), model="judge-test", sets=["minerva"]), every=0)  # eval off: no check
+    with pytest.raises(JudgeError, match=r"names no evaluation set: \['minerv'\]"):
+        build(JudgeCfg(name="llm", url=url(server), model="judge-test", api_key_env=KEY_ENV, sets=["minerv"]))
+    ev = build(JudgeCfg(name="llm", url=url(server), model="judge-test", api_key_env=KEY_ENV, sets=["minerva"]))
+    assert ev.judge.label == "llm:judge-test" and ev.evaluator.judge is ev.judge
+    assert build(JudgeCfg()).judge is None  # math_verify: today's path

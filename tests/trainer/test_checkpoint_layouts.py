@@ -94,6 +94,15 @@ def _save_side(out_dir):
     res["dist"] = save_checkpoint(tr, keep_last=3)
     tr.cfg.train.out_dir, tr.cfg.train.optimizer_checkpoint = f"{out_dir}/per_rank", "per_rank"
     res["per_rank"] = save_checkpoint(tr, keep_last=3)
+    tr.cfg.train.out_dir, tr.cfg.train.optimizer_checkpoint = f"{out_dir}/dp", "dp_reshardable"
+    res["dp"] = save_checkpoint(tr, keep_last=3)
+    # dp_reshardable round trip at the same layout, into cleared optimizers (so a no-op load would fail)
+    from megatron_s3ac.trainer.checkpoint import load_checkpoint
+
+    for opt in (tr.actor_opt, tr.critic_opt):
+        tr.reset_optimizer(opt, opt.param_groups[0]["lr"])
+    load_checkpoint(tr, res["dp"])
+    res["dp_moments"] = {m: full_moments(tr, m) for m in ("actor", "critic")}
     return res
 
 
@@ -105,10 +114,11 @@ def _load_side(saved):
     cfg = load_config(None, SMALL + ["actor_layout.ep=1", f"train.out_dir={os.path.dirname(saved['dist'])}/../../b"])
     tr = Trainer(cfg)
     res = {}
-    try:
-        load_checkpoint(tr, saved["per_rank"])
-    except CheckpointLayoutError as e:
-        res["per_rank_error"] = str(e)
+    for fmt in ("per_rank", "dp"):
+        try:
+            load_checkpoint(tr, saved[fmt])
+        except CheckpointLayoutError as e:
+            res[f"{fmt}_error"] = str(e)
     tr.cfg.train.resume_optimizer = False
     load_checkpoint(tr, saved["per_rank"])
     res["fresh_state"] = [len(o.optimizer.state) for o in tr.actor_opt.chained_optimizers]
@@ -133,9 +143,15 @@ def test_optimizer_state_resumes_at_another_layout(tmp_path):
                                                                    "critic": "fully_reshardable"}
     assert os.path.isfile(os.path.join(saved["dist"], "actor_optim", ".metadata"))  # torch_dist
 
-    loaded = run_distributed(_load_side, 2, saved)[0]
+    for m in ("actor", "critic"):  # dp_reshardable: same layout, into cleared optimizers
+        for n, (step, ma, va) in saved["moments"][m].items():
+            sb, mb, vb = saved["dp_moments"][m][n]
+            assert sb == step and torch.equal(mb, ma) and torch.equal(vb, va), n
+    paths = {k: saved[k] for k in ("dist", "per_rank", "dp")}  # tensors in the args would cost one fd each
+    loaded = run_distributed(_load_side, 2, paths)[0]
     err = loaded["per_rank_error"]
     assert "saved per rank" in err and "ep=2" in err and "ep=1" in err and "train.resume_optimizer=false" in err
+    assert "dp_reshardable" in loaded["dp_error"] and "reshards across data parallel only" in loaded["dp_error"]
     assert loaded["fresh_state"] == [0] * len(loaded["fresh_state"])
     for m in ("actor", "critic"):
         a, b = saved["moments"][m], loaded["moments"][m]

@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PKG = "megatron_s3ac"
 # floor of each subpackage (or top-level module); an import may go to the same or a lower floor.
 # testing/ holds tiny models and launch helpers next to models/ (used by convert.verify and tests).
-FLOORS = {"algorithms": 0, "models": 1, "testing": 1, "convert": 2, "rollout": 3, "r3": 4,
+# console (warning filters, pure python) sits at the bottom so every CLI and library module may use it.
+FLOORS = {"algorithms": 0, "console": 0, "models": 1, "testing": 1, "convert": 2, "rollout": 3, "r3": 4,
           "eval": 5, "trainer": 5, "plan": 5, "": 6, "env": 5}
 
 
