@@ -87,8 +87,11 @@ def _build_optimizer(name: str, ddp, **kw):
 
 
 def _to_device(module):
-    """The model on this rank's CUDA device when present (megatron already allocates there)."""
-    return module.cuda() if torch.cuda.is_available() else module
+    """The model on the trainer's device (``trainer.device.trainer_device``: CUDA unless absent or
+    S3AC_FORCE_CPU; megatron already allocates there)."""
+    from megatron_s3ac.trainer.device import trainer_device
+
+    return module.to(trainer_device())
 
 
 @dataclasses.dataclass

@@ -40,6 +40,9 @@ def _parse(argv):
 
 
 def main(argv=None) -> int:
+    from megatron_s3ac.console import silence_known_warnings
+
+    silence_known_warnings()  # before anything imports megatron: known library warnings, each justified there
     from megatron_s3ac.trainer.config import ConfigError, load_config, to_yaml
 
     args = list(sys.argv[1:] if argv is None else argv)

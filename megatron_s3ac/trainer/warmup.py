@@ -40,7 +40,7 @@ def supervised_warmup(tr, log, snapshot=None) -> dict:
         samples = [{"prompt_ids": tr.prompts[i].ids, "response_ids": tr.vocab.encode(tr.prompts[i].reference) + [EOS],
                     "logprobs": [0.0] * (len(tr.prompts[i].reference) + 1), "reward": 1.0, "pid": i}
                    for i in pids.tolist()]
-        batch = collate(samples, tr.pad_to)
+        batch = collate(samples, tr.pad_to).to(tr.device)  # on the models' device
         nll = []
         for r in run_minibatches(tr.actor_ddp, tr.actor_opt, batch, [(0, torch.arange(len(samples)))], loss_fn,
                                  tr.micro_batches):
