@@ -9,9 +9,9 @@ export alone (no engine) and ``update_weights`` alone (tensors already assembled
 sync the engine's and the trainer's log-probs of a token sequence are compared.
 
 The syncs first hand rank 1's pieces to rank 0 in shared memory (S3AC_EXPORT_SHM=1, convert/export.py; opt-in);
-the same syncs are then repeated with that off (S3AC_EXPORT_SHM=0: pieces as gloo messages). The gloo transport's own limit is
-measured in the same run (``_gloo_ceiling``): rank 1's main-replica bytes (what it
-must hand to rank 0) as one raw gloo message plus rank 0 copying its own pieces once, and a raw gloo all_gather of
+the same syncs are then repeated with that off (S3AC_EXPORT_SHM=0: pieces as gloo messages). The gloo
+transport's own limit is measured in the same run (``_gloo_ceiling``): rank 1's main-replica bytes (what it must hand
+to rank 0) as one raw gloo message plus rank 0 copying its own pieces once, and a raw gloo all_gather of
 the model's bytes. The report gives the steady sync against memcpy and against that ceiling, and the load average
 (the machine is shared: figures taken under load are not comparable with quiet ones).
 
