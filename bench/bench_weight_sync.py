@@ -8,8 +8,10 @@ next to a ``dst.copy_(src)`` of the same number of bytes on the same rank in the
 export alone (no engine) and ``update_weights`` alone (tensors already assembled). After the last
 sync the engine's and the trainer's log-probs of a token sequence are compared.
 
-The transport's own limit is measured in the same run (``_gloo_ceiling``): rank 1's main-replica bytes (what it
-must hand to rank 0) as one raw gloo message plus rank 0 copying its own pieces once, and a raw gloo all_gather of
+The syncs first hand rank 1's pieces to rank 0 in shared memory (S3AC_EXPORT_SHM=1, convert/export.py; opt-in);
+the same syncs are then repeated with that off (S3AC_EXPORT_SHM=0: pieces as gloo messages). The gloo
+transport's own limit is measured in the same run (``_gloo_ceiling``): rank 1's main-replica bytes (what it must hand
+to rank 0) as one raw gloo message plus rank 0 copying its own pieces once, and a raw gloo all_gather of
 the model's bytes. The report gives the steady sync against memcpy and against that ceiling, and the load average
 (the machine is shared: figures taken under load are not comparable with quiet ones).
 
@@ -86,7 +88,11 @@ def _gloo_ceiling(model, repeats):
 
 
 def _rank(a):
+    import os
+
     import torch.distributed as dist
+
+    os.environ["S3AC_EXPORT_SHM"] = "1"  # the shared-memory handoff (opt-in, convert/export.py); off below
 
     from megatron_s3ac.convert.export import export_hf_weights
     from megatron_s3ac.models.actor_critic import build_actor, build_transformer_config
@@ -142,6 +148,19 @@ def _rank(a):
         syncs.append((time.perf_counter() - t0, st.bytes))
         memcpy()
     out["syncs"] = syncs
+    # the same syncs with the CPU shared-memory handoff off (pieces as gloo messages), same run
+    os.environ["S3AC_EXPORT_SHM"] = "0"
+    model.__dict__.pop("_s3ac_export_plans")
+    gloo = []
+    for _ in range(a.repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        sync_weights([model], info, engine, bucket_bytes=bb)
+        dist.barrier()
+        gloo.append(time.perf_counter() - t0)
+        memcpy()
+    out["syncs_gloo"] = gloo
+    model.__dict__.pop("_s3ac_export_plans")
 
     if rank == 0:
         out["bytes"] = nbytes
@@ -196,9 +215,13 @@ def main():
     for i, (s, b) in enumerate(r["syncs"]):
         assert b == r["bytes"], (b, r["bytes"])
         rows.append((f"sync_weights #{i + 1}{' (builds the export plan)' if i == 0 else ''}", s))
+    for i, s in enumerate(r["syncs_gloo"]):
+        rows.append((f"sync_weights, pieces as gloo messages #{i + 1}{' (plan)' if i == 0 else ''}", s))
     steady = sum(s for s, _ in r["syncs"][1:]) / max(len(r["syncs"]) - 1, 1)
+    steady_gloo = sum(r["syncs_gloo"][1:]) / max(len(r["syncs_gloo"]) - 1, 1)
     print(f"steady-state sync (mean of #2..): {steady:.3f} s = {gb / steady / mem:5.3f}x memcpy; "
-          f"first sync / steady = {r['syncs'][0][0] / steady:.2f}")
+          f"first sync / steady = {r['syncs'][0][0] / steady:.2f} (first sync after the export plan was dropped; "
+          f"the engine's name map is built at construction, row above)")
     for what, s in rows:
         print(f"{what:48s} {s:7.3f} s = {gb / s:6.2f} GB/s = {gb / s / mem:5.3f}x memcpy")
     ceil = r["gloo_p2p_s"] + r["local_copy_s"]
@@ -208,8 +231,10 @@ def main():
           f"= {gb / ceil / mem:5.3f}x memcpy")
     print(f"raw gloo all_gather of the whole model's bytes (half per rank): {r['gloo_allgather_s']:.3f} s = "
           f"{gb / r['gloo_allgather_s']:.2f} GB/s = {gb / r['gloo_allgather_s'] / mem:5.3f}x memcpy")
-    print(f"steady-state sync / gloo ceiling: {ceil / steady:5.3f} (1.0 = the transport's limit); "
-          f"sync / memcpy: {gb / steady / mem:5.3f}")
+    print(f"steady-state sync with pieces as gloo messages (S3AC_EXPORT_SHM=0): {steady_gloo:.3f} s = "
+          f"{gb / steady_gloo / mem:5.3f}x memcpy = {ceil / steady_gloo:5.3f} of the gloo ceiling")
+    print(f"steady-state sync (shared-memory handoff, S3AC_EXPORT_SHM=1): {steady:.3f} s = {gb / steady / mem:5.3f}x "
+          f"memcpy (its floor: rank 0 copies every byte once = 1.0x memcpy)")
     import os
     print(f"load average at the end (1, 5, 15 min): {os.getloadavg()}")
     print(f"engine vs trainer max |log-prob diff| after sync: {r['lp_diff']:.2e}")

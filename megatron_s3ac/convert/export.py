@@ -80,6 +80,16 @@ def _buckets(plan: Plan, names: list[str], itemsize: dict, bucket_bytes: int) ->
     return out + ([cur] if cur else [])
 
 
+def _pad8(n: int) -> int:
+    return n + (-n % 8)
+
+
+def attach_shared(name: str, nbytes: int) -> torch.Tensor:
+    """Another process's POSIX shared-memory segment (multiprocessing.shared_memory name) as a uint8 tensor, mapped
+    shared (writes by its owner are seen), Linux /dev/shm."""
+    return torch.from_file(f"/dev/shm/{name.lstrip('/')}", shared=True, size=int(nbytes), dtype=torch.uint8)
+
+
 def _signature(model_chunks) -> tuple:
     """Identity of the parameters an export plan holds views of (a re-assigned ``p.data`` changes it)."""
     return tuple((id(p), p.data_ptr()) for m in model_chunks for p in m.parameters())
@@ -123,6 +133,7 @@ class _ExportPlan:
             by_rank = {r: [(ri, ov, pi) for (rr, ri, ov, pi) in transfers if rr == r] for r in range(n)}
             self.buckets.append((bucket, regions, by_rank))
         self.me = me
+        self._share(group, me, n)
         # gloo/NCCL open a point-to-point connection on first use: open them now (one tiny message
         # per sender), so the first sync does not pay it inside its transfers.
         leader = dist.get_global_rank(group, 0)
@@ -133,6 +144,68 @@ class _ExportPlan:
         elif me == 0:
             for r in senders:
                 dist.recv(ping, src=dist.get_global_rank(group, r), group=group)
+
+    def _share(self, group, me: int, n: int) -> None:
+        """CPU ranks on the leader's host hand their pieces over in shared memory: each writes a bucket's pieces into
+        a POSIX segment of its own (one copy) and sends a one-word "ready"; the leader copies them into place straight
+        from the segment (one copy) and acknowledges. No bytes cross a socket; on a shared, busy host gloo's loopback
+        transfers were the sync's largest cost. Opt-in (S3AC_EXPORT_SHM=1; bench/bench_weight_sync.py): the trainer's
+        3-step SGLang stand-in test saw an engine tensor 4e-4 off the export with it on, not yet explained; never on
+        CUDA or for ranks on other hosts."""
+        import os
+        import socket
+
+        self.shm, self.shm_buf, self.peers = None, None, {}
+        if self.device.type != "cpu" or n == 1 or os.environ.get("S3AC_EXPORT_SHM", "0") != "1":
+            return
+        need = 0
+        if me != 0:
+            need = max((sum(_pad8(math.prod(ov[1]) * self.pieces[pi][3].element_size()) for _, ov, pi in
+                            by_rank.get(me, ())) for _, _, by_rank in self.buckets), default=0)
+        if need:
+            from multiprocessing.shared_memory import SharedMemory
+
+            self.shm = SharedMemory(create=True, size=need)
+            self.shm_buf = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=need)
+        # (host, size, segment name) of every rank as one fixed-size tensor each (no object collective)
+        import zlib
+
+        mine = torch.zeros(64, dtype=torch.uint8)
+        mine[:16].view(torch.int64)[:] = torch.tensor([zlib.crc32(socket.gethostname().encode()), need])
+        name = (self.shm.name if self.shm else "").encode()
+        assert len(name) <= 48, name
+        mine[16:16 + len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8) if name else mine[16:16]
+        got = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(got, mine, group=group)
+        rows = [(int(g[:8].view(torch.int64)), int(g[8:16].view(torch.int64)),
+                 bytes(g[16:].numpy()).rstrip(b"\0").decode()) for g in got]
+        rows = [(h, nm or None, size) for h, size, nm in rows]
+        if me != 0 and self.shm is not None and rows[me][0] != rows[0][0]:
+            self._unshare()  # the leader is on another host: gloo messages
+        if me == 0:
+            for r, (host, name, size) in enumerate(rows):
+                if r and name and host == rows[0][0]:
+                    # mapped without multiprocessing's resource tracker (which would unlink it at exit): its owner does
+                    self.peers[r] = (name, attach_shared(name, size))
+        dist.barrier(group=group)
+        if self.shm is not None:  # mapped by the leader: the name can go now (nothing leaks if a rank is killed)
+            self.shm.unlink()
+
+    def _unshare(self) -> None:
+        if self.shm is not None:
+            self.shm_buf = None
+            try:
+                self.shm.close()
+                self.shm.unlink()
+            except (BufferError, FileNotFoundError):
+                pass
+            self.shm = None
+
+    def __del__(self):
+        try:
+            self._unshare()
+        except Exception:
+            pass
 
     def piece_slice(self, ov, pi) -> torch.Tensor:
         return self.pieces[pi][3][box_slices(*ov, self.pieces[pi][1])]
@@ -176,7 +249,22 @@ def export_hf_weights(model_chunks, info: ModelInfo, bucket_bytes: int = 1 << 30
     plan = _plan_for(list(model_chunks), info, bucket_bytes, group)
     me = plan.me
     leader = dist.get_global_rank(group, 0)
+    word = torch.ones(1, dtype=torch.int64, device=plan.device)
     for bucket, regions, by_rank in plan.buckets:
+        if me != 0 and plan.shm is not None:
+            at = 0
+            for ri, ov, pi in by_rank.get(me, ()):
+                src = plan.piece_slice(ov, pi)
+                nb = src.numel() * src.element_size()
+                plan.shm_buf[at:at + nb].view(src.dtype).view(src.shape).copy_(src)
+                at = _pad8(at + nb)
+            if by_rank.get(me):
+                dist.send(word, dst=leader, group=group)
+                # the leader has read the bucket out of the segment; taken before yielding, so this pair's
+                # messages never interleave with what the consumer exchanges between buckets (weight_sync)
+                dist.recv(word, src=leader, group=group)
+            yield []
+            continue
         if me != 0:
             # every piece of the bucket posted at once (one wait per bucket, not a round trip per piece: on a busy
             # host each blocking send waited for the leader to be scheduled again)
@@ -219,7 +307,7 @@ def _assemble(plan: _ExportPlan, bucket, regions, by_rank, group, into=None) -> 
         result.append((nm, full))
     # Post every receive of the bucket first (in each sender's order: point-to-point messages between two ranks
     # match in order), copy the local pieces while they arrive, then wait once.
-    works, staged, local = [], [], []
+    works, staged, local, shared = [], [], [], {}
     for r, lst in sorted(by_rank.items()):
         for ri, ov, pi in lst:
             if dest[ri] is None:
@@ -228,6 +316,8 @@ def _assemble(plan: _ExportPlan, bucket, regions, by_rank, group, into=None) -> 
             dst = buf[box_slices(*ov, off)]
             if r == 0:
                 local.append((dst, ov, pi))
+            elif r in plan.peers:  # read from that rank's shared memory once it says ready
+                shared.setdefault(r, []).append(dst)
             elif dst.is_contiguous():
                 works.append(dist.irecv(dst, src=dist.get_global_rank(group, r), group=group))
             else:  # a column block of the HF tensor: received whole, then placed
@@ -236,6 +326,16 @@ def _assemble(plan: _ExportPlan, bucket, regions, by_rank, group, into=None) -> 
                 staged.append((dst, tmp))
     for dst, ov, pi in local:
         dst.copy_(plan.piece_slice(ov, pi))
+    word = torch.ones(1, dtype=torch.int64, device=plan.device)
+    for r, dsts in shared.items():
+        src_rank = dist.get_global_rank(group, r)
+        dist.recv(word, src=src_rank, group=group)
+        seg, at = plan.peers[r][1], 0
+        for dst in dsts:  # the sender's order and offsets
+            nb = dst.numel() * dst.element_size()
+            dst.copy_(seg[at:at + nb].view(dst.dtype).view(dst.shape))
+            at = _pad8(at + nb)
+        dist.send(word, dst=src_rank, group=group)
     for w in works:
         w.wait()
     for dst, tmp in staged:

@@ -120,7 +120,7 @@ def _recv_bucket(src: int, dev: torch.device, views: "Optional[_SharedViews]" = 
     dist.recv(hbuf, src=src)
     header = json.loads(bytes(hbuf.cpu().numpy()).decode())
     if plen == _HANDOFF:
-        buf = views.open(header["shm"])
+        buf = views.open(header["shm"], header["size"])
         return [(name, buf[at:at + math.prod(shape) * getattr(torch, dt).itemsize].view(getattr(torch, dt)).view(shape))
                 for name, dt, shape, at in header["items"]]
     payload = torch.empty(plen, dtype=torch.uint8, device=dev)
@@ -154,6 +154,7 @@ class _SharedArena:
         self.shm = SharedMemory(create=True, size=n)
         self.buf = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=n)
         self.at, self.items = 0, []
+        self.linked = True  # unlinked once the engine rank has mapped it (its first acknowledgement)
 
     def reset(self) -> None:
         self.at, self.items = 0, []
@@ -177,11 +178,21 @@ class _SharedArena:
         return len(bucket) == len(self.items) and all(
             n == it[0] and t.data_ptr() == base + it[3] for (n, t), it in zip(bucket, self.items))
 
+    def mapped(self) -> None:
+        """The engine rank has mapped the segment: drop its name (nothing leaks if a rank is killed)."""
+        if self.linked:
+            self.shm.unlink()
+            self.linked = False
+
     def close(self) -> None:
         if self.shm is not None:
             self.buf = None
-            self.shm.close()
-            self.shm.unlink()
+            try:
+                self.shm.close()
+                if self.linked:
+                    self.shm.unlink()
+            except (BufferError, FileNotFoundError):
+                pass
             self.shm = None
 
 
@@ -191,25 +202,23 @@ class _SharedViews:
     def __init__(self):
         self.maps: dict = {}
 
-    def open(self, name: str):
+    def open(self, name: str, nbytes: int):
         if name not in self.maps:
-            from multiprocessing import resource_tracker
-            from multiprocessing.shared_memory import SharedMemory
+            from megatron_s3ac.convert.export import attach_shared
 
-            shm = SharedMemory(name=name)
-            # attaching registers the segment with this process's tracker (Python < 3.13), which would unlink it at
-            # exit; its owner does that
-            resource_tracker.unregister(shm._name, "shared_memory")
-            self.maps[name] = (shm, torch.frombuffer(shm.buf, dtype=torch.uint8))
-        return self.maps[name][1]
+            # not through multiprocessing.shared_memory: attaching would register the segment with this process's
+            # resource tracker (Python < 3.13), which unlinks it at exit; its owner does that
+            self.maps[name] = attach_shared(name, nbytes)
+        return self.maps[name]
 
 
 def _send_handoff(arena: _SharedArena, dst: int, dev: torch.device) -> int:
-    header = json.dumps({"shm": arena.shm.name, "items": arena.items}).encode()
+    header = json.dumps({"shm": arena.shm.name, "size": arena.buf.numel(), "items": arena.items}).encode()
     dist.send(torch.tensor([len(header), _HANDOFF], dtype=torch.int64, device=dev), dst=dst)
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev), dst=dst)
     ack = torch.empty(1, dtype=torch.int64, device=dev)
     dist.recv(ack, src=dst)  # the engine rank has read the bucket: the segment may be reused
+    arena.mapped()
     return sum(math.prod(sh) * getattr(torch, dt).itemsize for _, dt, sh, _ in arena.items)
 
 

@@ -42,7 +42,8 @@ class ProcessEnginePool:
         self._conns, self._procs = [], []
         for i in range(n):
             conn, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(child, i, n, hf_dir, served_shapes, factory, [HERE] + sys.path), daemon=True)
+            p = ctx.Process(target=_serve, args=(child, i, n, hf_dir, served_shapes, factory, [HERE] + sys.path),
+                            daemon=True)
             p.start()
             self._conns.append(conn)
             self._procs.append(p)
