@@ -20,6 +20,10 @@ MASTER_PORT=${MASTER_PORT:-29500}
 RAY_PORT=${RAY_PORT:-6379}
 RAY_JOIN_TIMEOUT=${RAY_JOIN_TIMEOUT:-300}
 export NNODES GPUS_PER_NODE MASTER_ADDR MASTER_PORT RAY_PORT RAY_JOIN_TIMEOUT
+# The Qwen2.5-Math examples serve 2,048 + 16,384 tokens (rollout.sglang.context_length 18432) on a model whose
+# config says 4,096 positions; sglang 0.5.23 accepts a longer context only with this set in the engines'
+# environment (sglang/srt/configs/model_config.py:1303-1315). Ray actors inherit it from the driver.
+export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=${SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN:-1}
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${SLURM_PROCID_SET:-}" ]; then
   export SLURM_PROCID_SET=1
   # one task per node runs this script again (the branch below): Ray + torchrun on every node

@@ -315,6 +315,7 @@ class Trainer(EngineSide, RolloutPhases):
         return {} if self.evaluation is None else self.evaluation.periodic(self.step_idx, self.engine, self.vocab)
 
     def close(self) -> None:
+        self.close_weight_sync()  # the weight-update groups / shared segments before the engines they feed
         if getattr(self, "reward_pool", None) is not None:
             self.reward_pool.close()
             self.reward_pool = None
