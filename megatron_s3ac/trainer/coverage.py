@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Callable, Optional, Sequence
 
 import torch
+
+
+_SNAPSHOT = re.compile(r"(?:^|/)policies/step_(\d+)$")
 
 
 @dataclasses.dataclass
@@ -25,7 +29,7 @@ class CoverageSettings:
     max_new_tokens: int = 1024  # rollout.max_new_tokens
     temperature: float = 1.0
     top_p: float = 1.0
-    seed: int = 0  # sampling seed of the i-th policy: seed + i
+    seed: int = 0  # sampling seed of the i-th policy: seed + i (unless generate_coverage gets seeds)
     dtype: torch.dtype = torch.float32  # cpu / hf engines: the transformers model's dtype
 
 
@@ -60,8 +64,12 @@ def build_coverage(cfg, policies: Sequence[str], prompts: Sequence, vocab, score
     ``train.seed + 5``, rolled out by every policy with ``coverage_settings(cfg)``; see generate_coverage."""
     n = cfg.pipeline.coverage_prompts or cfg.demo.coverage_prompts
     chosen = coverage_prompt_subset(prompts, n, cfg.train.seed + 5)
-    return generate_coverage(policies, chosen, coverage_settings(cfg), decode=decoder(vocab), score=score,
-                             out_path=out_path, log=log, after_policy=after_policy)
+    settings = coverage_settings(cfg)
+    # a warm-up snapshot (.../policies/step_N) samples with seed N, as the demo's coverage always did
+    seeds = [int(m[1]) if (m := _SNAPSHOT.search(os.path.normpath(str(p)))) else settings.seed + i
+             for i, p in enumerate(policies)]
+    return generate_coverage(policies, chosen, settings, decode=decoder(vocab), score=score,
+                             out_path=out_path, log=log, after_policy=after_policy, seeds=seeds)
 
 
 def resolve_policies(cfg, warmup_dir: str) -> list[str]:
@@ -88,14 +96,16 @@ def resolve_policies(cfg, warmup_dir: str) -> list[str]:
 
 def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: CoverageSettings, *,
                       decode: Callable[[list], str], score: Callable[[list, list], Sequence[float]], out_path: str,
-                      log: Optional[Callable[[dict], None]] = None, after_policy: Optional[Callable[[int], None]] = None,
-                      ) -> dict:
+                      log: Optional[Callable[[dict], None]] = None,
+                      after_policy: Optional[Callable[[int], None]] = None,
+                      seeds: Optional[Sequence[int]] = None) -> dict:
     """Roll out every policy (an engine per HF dir, from the rollout factory) on ``prompts``
     (``trainer.data.Prompt``: .ids, .reference) with ``settings.k`` samples each; score the decoded
     responses; write ``out_path`` (jsonl rows {prompt_ids, response_ids, reward, source}) atomically
     (a ``.tmp`` renamed at the end: a killed run leaves no partial file). Aborted samples are dropped.
     Returns {"trajectories", "pass_rate", "policies": [per policy: source, trajectories, pass_rate,
-    mean_response_len, truncated_frac, wall_s]}."""
+    mean_response_len, truncated_frac, wall_s]}. ``seeds``: the sampling seed per policy (default
+    ``settings.seed + i``)."""
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.factory import build_rollout_engine, make_engine_factory
     from megatron_s3ac.trainer.data import write_coverage
@@ -106,18 +116,21 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
     per, total, passed = [], 0, 0
     for i, policy in enumerate(policies):
         t0 = time.time()
+        seed = settings.seed + i if seeds is None else int(seeds[i])
         kind = settings.engine
         dev = {} if kind == "sglang" else {"dtype": settings.dtype,
                                            "device": "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"}
-        eng = build_rollout_engine(make_engine_factory(kind, model_dir=policy, settings=settings.sglang,
-                                                       seed=settings.seed + i, return_routed_experts=False, **dev))
-        try:
-            outs = eng.generate([list(p.ids) for p in prompts],
-                                SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
-                                               max_new_tokens=settings.max_new_tokens, seed=settings.seed + i),
-                                n_samples=settings.k)
-        finally:
-            getattr(eng, "close", eng.shutdown)()
+        # building a model draws from torch's global generator: the caller's (the trainer's) stream is kept
+        with torch.random.fork_rng(devices=[]):
+            eng = build_rollout_engine(make_engine_factory(kind, model_dir=policy, settings=settings.sglang,
+                                                           seed=seed, return_routed_experts=False, **dev))
+            try:
+                outs = eng.generate([list(p.ids) for p in prompts],
+                                    SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
+                                                   max_new_tokens=settings.max_new_tokens, seed=seed),
+                                    n_samples=settings.k)
+            finally:
+                getattr(eng, "close", eng.shutdown)()
         flat = [(p, s) for p, grp in zip(prompts, outs) for s in grp if s.finish_reason != "abort"]
         rewards = [float(r) for r in score([decode(s.response_ids) for _, s in flat], [p.reference for p, _ in flat])]
         # an empty response (EOS never sampled, nothing generated) still is a state: one pad token

@@ -52,7 +52,8 @@ def run_demo(cfg) -> dict:
     total = time.time() - t_start
     before, after = st["warmup"]["result"]["before"], st["rl"]["result"]["after"]
     vpt = {k: v for k, v in st["value_pretrain"]["result"].items() if k.startswith("vpt/")}
-    secs = {s: v["wall_s"] for s, v in st.items()}
+    # a skipped stage's time is the one recorded when it ran (this invocation only loaded its output)
+    secs = {s: v["wall_s"] if v["status"] != "skipped" else v.get("recorded_wall_s") or 0.0 for s, v in st.items()}
     e = cfg.eval
     res = {"before": before, "after": after, "wall_s": total, "warmup_s": secs["warmup"],
            "coverage_s": secs["coverage"], "value_pretrain_s": secs["value_pretrain"], "rl_s": secs["rl"],

@@ -286,6 +286,8 @@ class Pipeline:
             else:
                 if self.rank == 0:
                     print(f"pipeline: stage {stage} -> {self.dirs[stage]}", flush=True)
+                if stage == "rl":
+                    self._record_rl_config()
                 res = getattr(self, f"_run_{stage}")(t0)
                 self.results[stage] = {"status": "ran", "wall_s": time.time() - t0, "result": res}
             self._after_stage_state(stage)
@@ -319,8 +321,8 @@ class Pipeline:
             path = os.path.join(self.dirs["value_pretrain"], "critic")
             with tr.model_scope("critic"):
                 tr.critic.load_state_dict(dist_checkpointing.load(tr.critic.sharded_state_dict(), path))
-        elif stage == "rl":
-            pass  # the run is complete: its checkpoints / hf exports are in train.out_dir
+        elif stage == "rl":  # the run is complete: its checkpoints / hf exports are in train.out_dir
+            self._record_rl_config()
 
     # -- warmup
     def _run_warmup(self, t0: float) -> dict:
@@ -424,21 +426,25 @@ class Pipeline:
                                                "coverage_malformed": stats["malformed"]}, t0)
 
     # -- rl
-    def _run_rl(self, t0: float) -> dict:
+    def _record_rl_config(self) -> None:
+        """The RL stage is `s3ac-train train` started from the stages' outputs: {out_dir}/config.yaml names
+        them (model.actor_init / model.critic_init), so `s3ac-train train OUT/config.yaml` re-runs it alone."""
         from megatron_s3ac.trainer.config import to_yaml
-        from megatron_s3ac.trainer.run import train_loop
 
-        tr, cfg = self.tr, self.cfg
-        # the RL stage is `s3ac-train train` started from the stages' outputs: record them, so
-        # {out_dir}/config.yaml re-runs it standalone
+        cfg = self.cfg
         if self.plan["warmup"] == "run":
             cfg.model.actor_init = os.path.join(self.dirs["warmup"], "actor")
         if self.plan["value_pretrain"] == "run":
             cfg.model.critic_init = os.path.join(self.dirs["value_pretrain"], "critic")
-        os.makedirs(cfg.train.out_dir, exist_ok=True)
         if self.rank == 0:
+            os.makedirs(cfg.train.out_dir, exist_ok=True)
             with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
                 f.write(to_yaml(cfg))
+
+    def _run_rl(self, t0: float) -> dict:
+        from megatron_s3ac.trainer.run import train_loop
+
+        tr = self.tr
         train_loop(tr)
         res = {"steps": tr.step_idx}
         if self._bcast("heldout" in (tr.eval_sets or {})):  # the held-out split's final pass rates

@@ -61,7 +61,8 @@ def test_rollouts_at_the_configs_response_length(policies, tmp_path):
     # the RL length: nothing longer, and the random policies run into it (no EOS sampled)
     assert max(lens) == 9 and sum(n == 9 for n in lens) >= len(rows) // 2
     vocab = CharVocab()
-    train = {tuple(p.ids) for p in arithmetic_prompts(60, 99, 1, exclude={p.text for p in arithmetic_prompts(10, 99, 2)})}
+    held_out = {p.text for p in arithmetic_prompts(10, 99, 2)}
+    train = {tuple(p.ids) for p in arithmetic_prompts(60, 99, 1, exclude=held_out)}
     assert len({tuple(r["prompt_ids"]) for r in rows}) == 6 and {tuple(r["prompt_ids"]) for r in rows} <= train
     for r in rows:  # the reward of the decoded response, recomputed here
         text = vocab.decode([t for t in r["response_ids"] if t != EOS])
