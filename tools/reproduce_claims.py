@@ -65,7 +65,7 @@ class Size:
                 f"eval.k={self.eval_k}", "eval.greedy=false", *self.extra]
 
 
-FULL = Size(prompts_per_step=32, k=8, minibatches=4, steps=50, first=10, eval_every=10, eval_prompts=400, eval_k=4)
+FULL = Size(prompts_per_step=32, k=8, minibatches=4, steps=40, first=10, eval_every=8, eval_prompts=400, eval_k=4)
 QUICK = Size(prompts_per_step=32, k=8, minibatches=4, steps=8, first=4, eval_every=4, eval_prompts=200, eval_k=2,
              extra=("demo.warmup_eval_every=50", "demo.coverage_prompts=256"))
 
@@ -417,6 +417,17 @@ def run_jobs(config: str, jobs: list[Job], nproc: int, max_jobs: int, timeout_s:
     producer failed is failed without running (its log names the producer)."""
     pending = [j for j in jobs if j.status == "pending"]
     running: dict[int, tuple] = {}
+    try:
+        _schedule(config, pending, running, nproc, max_jobs, timeout_s, on_done)
+    finally:  # interrupted (Ctrl-C, an error): the jobs it started go with it, nothing else
+        for j, proc, log, _t0 in running.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+
+
+def _schedule(config, pending, running, nproc, max_jobs, timeout_s, on_done) -> None:
     failed_dirs: dict[str, str] = {}
     while pending or running:
         for key, (j, proc, log, t0) in list(running.items()):

@@ -229,6 +229,9 @@ import json, os, sys, time
 args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
 stages = [(k[len("pipeline."):-len("_dir")], v) for k, v in args.items() if k.startswith("pipeline.") and k.endswith("_dir")]
 fail = os.environ.get("FAKE_FAIL_STAGE")
+if os.environ.get("FAKE_HANG"):
+    open(os.environ["FAKE_HANG"], "w").write(str(os.getpid()))
+    time.sleep(120)
 for stage, d in stages:
     if os.path.exists(os.path.join(d, "DONE.json")):
         continue
@@ -277,3 +280,19 @@ def test_arm_the_trainer_cannot_run_is_reported_not_run():
                            {"head_init_0.01": "invalid config: Key 'value_head_init_std' not in 'ModelCfg'"})
     validate_claims([e])
     assert e["verdict"] == "inconclusive" and e["rule"].startswith("not run") and "value_head_init_std" in e["rule"]
+
+
+def test_a_job_over_its_timeout_is_killed_and_failed(tmp_path, monkeypatch):
+    drv = _driver()
+    jobs, _ = _plan(drv, str(tmp_path), ["critic_grad_clip"])
+    script = tmp_path / "fake_pipeline.py"
+    script.write_text(FAKE_PIPELINE)
+    monkeypatch.setattr(drv, "pipeline_cmd", lambda config, job, nproc: [sys.executable, str(script), *job.overrides])
+    monkeypatch.setenv("FAKE_HANG", str(tmp_path / "pid"))
+    job = jobs[0]
+    drv.run_jobs("cfg.yaml", [job], nproc=1, max_jobs=1, timeout_s=2)
+    assert job.status == "failed" and "exit -9" in job.note
+    assert "killed after 2 s" in open(os.path.join(job.dirs.out, "log.txt")).read()
+    pid = int(open(tmp_path / "pid").read())
+    with pytest.raises(ProcessLookupError):  # the job's process is gone
+        os.kill(pid, 0)
