@@ -58,6 +58,9 @@ def test_s3ac_train_check_accepts_example(path, hf, tmp_path, monkeypatch, capsy
     if "eval" in cfg:
         cfg["eval"]["benchmarks"] = {"math500": cfg["data"]["path"]}
         cfg["eval"].pop("k_for", None)
+        cfg["eval"].pop("judge", None)  # it names the file's own sets (checked in tests/eval/test_example_eval_sections.py)
+    if cfg.get("pipeline", {}).get("policies"):  # coverage policies: HF dirs the check looks for
+        cfg["pipeline"]["policies"] = [model_dir] * len(cfg["pipeline"]["policies"])
     if cfg.get("value_pretrain", {}).get("coverage_path"):
         cfg["value_pretrain"]["coverage_path"] = None
     out = tmp_path / "cfg.yaml"
