@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from megatron_s3ac.trainer import cli as train_cli
+from tests._examples import hf_stand_in, stand_in_policies
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 BENCH = os.path.join(ROOT, "examples", "benchmarks")
@@ -37,20 +38,14 @@ MODEL_DIRS = ("hf_config", "engine_hf_dir")
 
 def stand_in(cfg: dict, hf: str, tmp) -> dict:
     """The config with every path replaced by one that exists here."""
-    hf_dir = str(tmp / hf)  # the model's config with stand-in weights / tokenizer files (validation only looks)
-    os.makedirs(hf_dir)
-    shutil.copy(os.path.join(ROOT, "examples", "hf_configs", hf, "config.json"), hf_dir)
-    open(os.path.join(hf_dir, "model.safetensors"), "wb").close()
-    with open(os.path.join(hf_dir, "tokenizer.json"), "w") as f:
-        f.write("{}")
+    hf_dir = hf_stand_in(tmp, hf)
     for key, value in list(cfg.get("model", {}).items()):
         if key in MODEL_DIRS and value:
             cfg["model"][key] = hf_dir
         elif key.endswith("_init") and value:
             os.makedirs(tmp / key, exist_ok=True)
             cfg["model"][key] = str(tmp / key)
-    if cfg.get("pipeline", {}).get("policies"):  # coverage policies: HF dirs the check looks for
-        cfg["pipeline"]["policies"] = [hf_dir] * len(cfg["pipeline"]["policies"])
+    stand_in_policies(cfg, hf_dir)
     for section, key in (("data", "path"), ("value_pretrain", "coverage_path")):
         value = cfg.get(section, {}).get(key)
         if value:

@@ -6,17 +6,9 @@ import pytest
 import yaml
 
 from megatron_s3ac.plan import cli
+from tests._examples import EXAMPLES
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-EXAMPLES = [
-    ("examples/paper/qwen25_math_1p5b_k1.yaml", "qwen2_5_math_1_5b"),
-    ("examples/paper/qwen25_math_1p5b_k16.yaml", "qwen2_5_math_1_5b"),
-    ("examples/paper/r1_distill_1p5b_math1460.yaml", "r1_distill_qwen_1_5b"),
-    ("examples/paper/qwen3_30b_a3b_ep.yaml", "qwen3_30b_a3b"),
-    ("examples/paper/qwen3_30b_a3b_ep_grpo_x.yaml", "qwen3_30b_a3b"),
-    ("examples/qwen3_5/qwen3_5_35b_a3b.yaml", "qwen3_5_35b_a3b"),
-    pytest.param("examples/qwen3_5/qwen3_5_397b_layout.yaml", "qwen3_5_397b_a17b", marks=pytest.mark.slow),
-]
 
 
 @pytest.mark.parametrize("path,hf", EXAMPLES)
