@@ -8,8 +8,10 @@ next to a ``dst.copy_(src)`` of the same number of bytes on the same rank in the
 export alone (no engine) and ``update_weights`` alone (tensors already assembled). After the last
 sync the engine's and the trainer's log-probs of a token sequence are compared.
 
-The syncs first hand rank 1's pieces to rank 0 in shared memory (S3AC_EXPORT_SHM=1, convert/export.py; opt-in);
-the same syncs are then repeated with that off (S3AC_EXPORT_SHM=0: pieces as gloo messages). The gloo
+The syncs first hand rank 1's pieces to rank 0 in shared memory (``export_shm=True``, convert/export.py; the default
+unless S3AC_EXPORT_SHM=0); the same syncs are then repeated with that off (``export_shm=False``: pieces as gloo
+messages). Before each series ``prepare_weight_sync`` builds the export plan, connections and segments (start-up,
+timed on its own), so the first sync of a series is compared with the steady state honestly. The gloo
 transport's own limit is measured in the same run (``_gloo_ceiling``): rank 1's main-replica bytes (what it must hand
 to rank 0) as one raw gloo message plus rank 0 copying its own pieces once, and a raw gloo all_gather of
 the model's bytes. The report gives the steady sync against memcpy and against that ceiling, and the load average
@@ -88,7 +90,6 @@ def _gloo_ceiling(model, repeats):
 
 
 def _rank(a):
-    import os
 
     import torch.distributed as dist
 
@@ -241,9 +242,9 @@ def main():
           f"= {gb / ceil / mem:5.3f}x memcpy")
     print(f"raw gloo all_gather of the whole model's bytes (half per rank): {r['gloo_allgather_s']:.3f} s = "
           f"{gb / r['gloo_allgather_s']:.2f} GB/s = {gb / r['gloo_allgather_s'] / mem:5.3f}x memcpy")
-    print(f"steady-state sync with pieces as gloo messages (S3AC_EXPORT_SHM=0): {steady_gloo:.3f} s = "
+    print(f"steady-state sync with pieces as gloo messages (export_shm=False): {steady_gloo:.3f} s = "
           f"{gb / steady_gloo / mem:5.3f}x memcpy = {ceil / steady_gloo:5.3f} of the gloo ceiling")
-    print(f"steady-state sync (shared-memory handoff, S3AC_EXPORT_SHM=1): {steady:.3f} s = {gb / steady / mem:5.3f}x "
+    print(f"steady-state sync (shared-memory handoff, the default): {steady:.3f} s = {gb / steady / mem:5.3f}x "
           f"memcpy (its floor: rank 0 copies every byte once = 1.0x memcpy)")
     import os
     print(f"load average at the end (1, 5, 15 min): {os.getloadavg()}")

@@ -149,10 +149,9 @@ class _ExportPlan:
         """CPU ranks on the leader's host hand their pieces over in shared memory: each writes a bucket's pieces into
         a POSIX segment of its own (one copy) and sends a one-word "ready"; the leader copies them into place straight
         from the segment (one copy) and acknowledges. No bytes cross a socket; on a shared, busy host gloo's loopback
-        transfers were the sync's largest cost. Opt-in (S3AC_EXPORT_SHM=1; bench/bench_weight_sync.py): the trainer's
-        3-step SGLang stand-in test saw an engine tensor 4e-4 off the export with it on, not yet explained; never on
-        CUDA or for ranks on other hosts."""
-        import os
+        transfers were the sync's largest cost. On by default (``shm_default``; S3AC_EXPORT_SHM=0 turns it off); never
+        on CUDA or for ranks on other hosts. Each plan has its own segments, so every rank of the stage must run the
+        same plan (``_plan_for`` checks): a rank on another plan once left the leader reading a stale segment."""
         import socket
 
         self.shm, self.shm_buf, self.peers = None, None, {}
@@ -215,10 +214,11 @@ class _ExportPlan:
 
 
 def shm_default() -> bool:
-    """Whether exports hand TP/EP pieces over in shared memory when not told (env S3AC_EXPORT_SHM=0/1)."""
+    """Whether exports hand TP/EP pieces over in shared memory when not told: yes (CPU ranks on the leader's host
+    only; elsewhere it never applies), unless the environment says S3AC_EXPORT_SHM=0."""
     import os
 
-    return os.environ.get("S3AC_EXPORT_SHM", "0") == "1"
+    return os.environ.get("S3AC_EXPORT_SHM", "1") != "0"
 
 
 def _plan_for(model_chunks, info, bucket_bytes, group, shm: bool) -> _ExportPlan:

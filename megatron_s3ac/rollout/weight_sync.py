@@ -305,8 +305,8 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
 
     Collective over the whole default process group. ``model_chunks``: this rank's model chunks (one per
     virtual pipeline stage). ``bucket_bytes``: the engine rank's value is used on every rank (the engine's choice;
-    ranks of one stage must export with the same buckets). ``group``: the export group of this rank's pipeline stage (default: megatron's
-    tensor x data (x context) parallel group). ``quantize``: bucket [(name, tensor)] -> (name, tensor)
+    ranks of one stage must export with the same buckets). ``group``: the export group of this rank's pipeline
+    stage (default: megatron's tensor x data (x context) parallel group). ``quantize``: bucket [(name, tensor)] -> (name, tensor)
     stream, applied on the stage leader before the transfer (e.g. ``convert.fp8.quantize_stream``); the same
     on every rank. ``handoff``: other stages' leaders on the engine rank's host hand buckets over in shared
     memory (CPU) instead of sending their bytes. ``export_shm``: inside a stage, TP/EP ranks on the leader's host
