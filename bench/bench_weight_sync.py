@@ -8,8 +8,10 @@ next to a ``dst.copy_(src)`` of the same number of bytes on the same rank in the
 export alone (no engine) and ``update_weights`` alone (tensors already assembled). After the last
 sync the engine's and the trainer's log-probs of a token sequence are compared.
 
-The syncs first hand rank 1's pieces to rank 0 in shared memory (S3AC_EXPORT_SHM=1, convert/export.py; opt-in);
-the same syncs are then repeated with that off (S3AC_EXPORT_SHM=0: pieces as gloo messages). The gloo
+The syncs first hand rank 1's pieces to rank 0 in shared memory (``export_shm=True``, convert/export.py; the default
+unless S3AC_EXPORT_SHM=0); the same syncs are then repeated with that off (``export_shm=False``: pieces as gloo
+messages). Before each series ``prepare_weight_sync`` builds the export plan, connections and segments (start-up,
+timed on its own), so the first sync of a series is compared with the steady state honestly. The gloo
 transport's own limit is measured in the same run (``_gloo_ceiling``): rank 1's main-replica bytes (what it must hand
 to rank 0) as one raw gloo message plus rank 0 copying its own pieces once, and a raw gloo all_gather of
 the model's bytes. The report gives the steady sync against memcpy and against that ceiling, and the load average
@@ -88,11 +90,8 @@ def _gloo_ceiling(model, repeats):
 
 
 def _rank(a):
-    import os
 
     import torch.distributed as dist
-
-    os.environ["S3AC_EXPORT_SHM"] = "1"  # the shared-memory handoff (opt-in, convert/export.py); off below
 
     from megatron_s3ac.convert.export import export_hf_weights
     from megatron_s3ac.models.actor_critic import build_actor, build_transformer_config
@@ -100,7 +99,7 @@ def _rank(a):
     from megatron_s3ac.models.registry import model_info
     from megatron_s3ac.convert.verify import make_layout
     from megatron_s3ac.rollout.cpu_engine import CPUEngine
-    from megatron_s3ac.rollout.weight_sync import sync_weights
+    from megatron_s3ac.rollout.weight_sync import prepare_weight_sync, sync_weights
 
     cfg = _config(a)
     info = model_info(cfg.to_dict())
@@ -118,11 +117,11 @@ def _rank(a):
         dist.barrier()
         t0 = time.perf_counter()
         nbytes = 0
-        for bucket in export_hf_weights([model], info, bb):
+        for bucket in export_hf_weights([model], info, bb, shm=True):
             nbytes += sum(t.nbytes for _, t in bucket)
         dist.barrier()
         out[key] = time.perf_counter() - t0
-    model.__dict__.pop("_s3ac_export_plans")  # so sync #1 is a true first sync (plan + name map)
+    model.__dict__.pop("_s3ac_export_plans")  # built again below, by prepare_weight_sync
 
     # memcpy of the same bytes, timed next to every sync (the machine is shared: the best of all samples is the
     # quiet-moment figure, so the ratio is conservative)
@@ -139,23 +138,32 @@ def _rank(a):
             dst.copy_(src)
             copies.append(time.perf_counter() - t0)
 
+    # start-up: the export plan, segments and connections (timed on its own: nothing hidden from the first sync's
+    # ratio, it is what the trainer pays once before step 0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    prepare_weight_sync([model], info, engine, bucket_bytes=bb, export_shm=True)
+    out["prepare_s"] = time.perf_counter() - t0
     syncs = []
     for _ in range(a.repeats + 1):
         dist.barrier()
         t0 = time.perf_counter()
-        st = sync_weights([model], info, engine, bucket_bytes=bb)
+        st = sync_weights([model], info, engine, bucket_bytes=bb, export_shm=True)
         dist.barrier()
         syncs.append((time.perf_counter() - t0, st.bytes))
         memcpy()
     out["syncs"] = syncs
     # the same syncs with the CPU shared-memory handoff off (pieces as gloo messages), same run
-    os.environ["S3AC_EXPORT_SHM"] = "0"
     model.__dict__.pop("_s3ac_export_plans")
+    dist.barrier()
+    t0 = time.perf_counter()
+    prepare_weight_sync([model], info, engine, bucket_bytes=bb, export_shm=False)
+    out["prepare_gloo_s"] = time.perf_counter() - t0
     gloo = []
     for _ in range(a.repeats + 1):
         dist.barrier()
         t0 = time.perf_counter()
-        sync_weights([model], info, engine, bucket_bytes=bb)
+        sync_weights([model], info, engine, bucket_bytes=bb, export_shm=False)
         dist.barrier()
         gloo.append(time.perf_counter() - t0)
         memcpy()
@@ -209,19 +217,22 @@ def main():
     print(f"memcpy (torch copy_, same bytes, rank 0, best of {len(r['memcpy_samples'])} taken next to the syncs; "
           f"worst {max(r['memcpy_samples']):.3f} s): {r['memcpy_s']:.3f} s = {mem:.2f} GB/s")
     print(f"engine construction (model + name map): {r['engine_build_s']:.3f} s")
+    print(f"prepare_weight_sync at start-up (export plan, connections, shared segments + page touch): "
+          f"{r['prepare_s']:.3f} s (shared memory), {r['prepare_gloo_s']:.3f} s (gloo messages)")
     rows = [("export only, first (builds the export plan)", r["export_first_s"]),
             ("export only (TP gather + HF assembly)", r["export_s"]),
             ("update_weights only (engine copy-in)", r["update_s"])]
     for i, (s, b) in enumerate(r["syncs"]):
         assert b == r["bytes"], (b, r["bytes"])
-        rows.append((f"sync_weights #{i + 1}{' (builds the export plan)' if i == 0 else ''}", s))
+        rows.append((f"sync_weights #{i + 1}{' (first, after prepare)' if i == 0 else ''}", s))
     for i, s in enumerate(r["syncs_gloo"]):
-        rows.append((f"sync_weights, pieces as gloo messages #{i + 1}{' (plan)' if i == 0 else ''}", s))
+        rows.append((f"sync_weights, pieces as gloo messages #{i + 1}{' (first)' if i == 0 else ''}", s))
     steady = sum(s for s, _ in r["syncs"][1:]) / max(len(r["syncs"]) - 1, 1)
     steady_gloo = sum(r["syncs_gloo"][1:]) / max(len(r["syncs_gloo"]) - 1, 1)
     print(f"steady-state sync (mean of #2..): {steady:.3f} s = {gb / steady / mem:5.3f}x memcpy; "
-          f"first sync / steady = {r['syncs'][0][0] / steady:.2f} (first sync after the export plan was dropped; "
-          f"the engine's name map is built at construction, row above)")
+          f"first sync / steady = {r['syncs'][0][0] / steady:.2f} (shared memory), "
+          f"{r['syncs_gloo'][0] / steady_gloo:.2f} (gloo messages); the first sync follows prepare_weight_sync, "
+          f"timed above")
     for what, s in rows:
         print(f"{what:48s} {s:7.3f} s = {gb / s:6.2f} GB/s = {gb / s / mem:5.3f}x memcpy")
     ceil = r["gloo_p2p_s"] + r["local_copy_s"]
@@ -231,9 +242,9 @@ def main():
           f"= {gb / ceil / mem:5.3f}x memcpy")
     print(f"raw gloo all_gather of the whole model's bytes (half per rank): {r['gloo_allgather_s']:.3f} s = "
           f"{gb / r['gloo_allgather_s']:.2f} GB/s = {gb / r['gloo_allgather_s'] / mem:5.3f}x memcpy")
-    print(f"steady-state sync with pieces as gloo messages (S3AC_EXPORT_SHM=0): {steady_gloo:.3f} s = "
+    print(f"steady-state sync with pieces as gloo messages (export_shm=False): {steady_gloo:.3f} s = "
           f"{gb / steady_gloo / mem:5.3f}x memcpy = {ceil / steady_gloo:5.3f} of the gloo ceiling")
-    print(f"steady-state sync (shared-memory handoff, S3AC_EXPORT_SHM=1): {steady:.3f} s = {gb / steady / mem:5.3f}x "
+    print(f"steady-state sync (shared-memory handoff, the default): {steady:.3f} s = {gb / steady / mem:5.3f}x "
           f"memcpy (its floor: rank 0 copies every byte once = 1.0x memcpy)")
     import os
     print(f"load average at the end (1, 5, 15 min): {os.getloadavg()}")

@@ -102,7 +102,7 @@ class _ExportPlan:
     tensors (``_signature``): an optimizer step updates them in place, so later syncs skip
     ``sharded_state_dict`` and the metadata exchange."""
 
-    def __init__(self, model_chunks, info: ModelInfo, bucket_bytes: int, group):
+    def __init__(self, model_chunks, info: ModelInfo, bucket_bytes: int, group, shm: bool = False):
         self.signature = _signature(model_chunks)
         me, n = dist.get_rank(group), dist.get_world_size(group)
         plan = build_plan(info)
@@ -133,7 +133,7 @@ class _ExportPlan:
             by_rank = {r: [(ri, ov, pi) for (rr, ri, ov, pi) in transfers if rr == r] for r in range(n)}
             self.buckets.append((bucket, regions, by_rank))
         self.me = me
-        self._share(group, me, n)
+        self._share(group, me, n, shm)
         # gloo/NCCL open a point-to-point connection on first use: open them now (one tiny message
         # per sender), so the first sync does not pay it inside its transfers.
         leader = dist.get_global_rank(group, 0)
@@ -145,18 +145,17 @@ class _ExportPlan:
             for r in senders:
                 dist.recv(ping, src=dist.get_global_rank(group, r), group=group)
 
-    def _share(self, group, me: int, n: int) -> None:
+    def _share(self, group, me: int, n: int, shm: bool) -> None:
         """CPU ranks on the leader's host hand their pieces over in shared memory: each writes a bucket's pieces into
         a POSIX segment of its own (one copy) and sends a one-word "ready"; the leader copies them into place straight
         from the segment (one copy) and acknowledges. No bytes cross a socket; on a shared, busy host gloo's loopback
-        transfers were the sync's largest cost. Opt-in (S3AC_EXPORT_SHM=1; bench/bench_weight_sync.py): the trainer's
-        3-step SGLang stand-in test saw an engine tensor 4e-4 off the export with it on, not yet explained; never on
-        CUDA or for ranks on other hosts."""
-        import os
+        transfers were the sync's largest cost. On by default (``shm_default``; S3AC_EXPORT_SHM=0 turns it off); never
+        on CUDA or for ranks on other hosts. Each plan has its own segments, so every rank of the stage must run the
+        same plan (``_plan_for`` checks): a rank on another plan once left the leader reading a stale segment."""
         import socket
 
         self.shm, self.shm_buf, self.peers = None, None, {}
-        if self.device.type != "cpu" or n == 1 or os.environ.get("S3AC_EXPORT_SHM", "0") != "1":
+        if self.device.type != "cpu" or n == 1 or not shm:
             return
         need = 0
         if me != 0:
@@ -167,6 +166,7 @@ class _ExportPlan:
 
             self.shm = SharedMemory(create=True, size=need)
             self.shm_buf = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=need)
+            self.shm_buf.zero_()  # allocate every page now (plan build), not on the first sync's writes
         # (host, size, segment name) of every rank as one fixed-size tensor each (no object collective)
         import zlib
 
@@ -187,6 +187,8 @@ class _ExportPlan:
                 if r and name and host == rows[0][0]:
                     # mapped without multiprocessing's resource tracker (which would unlink it at exit): its owner does
                     self.peers[r] = (name, attach_shared(name, size))
+        for _, seg in self.peers.values():  # its owner allocated the pages before the all_gather: map them now
+            int(seg[::4096].sum())
         dist.barrier(group=group)
         if self.shm is not None:  # mapped by the leader: the name can go now (nothing leaks if a rank is killed)
             self.shm.unlink()
@@ -211,23 +213,50 @@ class _ExportPlan:
         return self.pieces[pi][3][box_slices(*ov, self.pieces[pi][1])]
 
 
-def _plan_for(model_chunks, info, bucket_bytes, group) -> _ExportPlan:
+def shm_default() -> bool:
+    """Whether exports hand TP/EP pieces over in shared memory when not told: yes (CPU ranks on the leader's host
+    only; elsewhere it never applies), unless the environment says S3AC_EXPORT_SHM=0."""
+    import os
+
+    return os.environ.get("S3AC_EXPORT_SHM", "1") != "0"
+
+
+def _plan_for(model_chunks, info, bucket_bytes, group, shm: bool) -> _ExportPlan:
     """The cached plan of these chunks, rebuilt (collectively) when any rank's parameters changed."""
     cache = model_chunks[0].__dict__.setdefault("_s3ac_export_plans", {})
-    key = (bucket_bytes, id(group), len(model_chunks), info.model_type)
+    key = (bucket_bytes, id(group), len(model_chunks), info.model_type, bool(shm))
     plan = cache.get(key)
-    stale = torch.tensor([plan is None or not plan.reusable or plan.signature != _signature(model_chunks)],
-                         dtype=torch.int64)
+    # stale anywhere -> rebuilt everywhere; and every rank must ask for the same plan: a rank exporting with other
+    # buckets would pair its pieces with the wrong transfers (with the shared-memory handoff: a stale segment read)
+    ask = (int(bucket_bytes), int(bool(shm)), len(model_chunks))
+    stale = torch.tensor([plan is None or not plan.reusable or plan.signature != _signature(model_chunks),
+                          *ask, *(-x for x in ask)], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
         stale = stale.cuda()
     dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=group)
-    if int(stale.item()):
-        plan = cache[key] = _ExportPlan(model_chunks, info, bucket_bytes, group)
+    hi, lo = stale[1:4].tolist(), [-x for x in stale[4:7].tolist()]
+    if hi != lo:
+        raise ValueError(f"export_hf_weights: the ranks of a pipeline stage disagree on (bucket_bytes, shm, model "
+                         f"chunks): from {tuple(lo)} to {tuple(hi)}; rank {dist.get_rank()} asked for {ask}")
+    if int(stale[0].item()):
+        plan = cache[key] = _ExportPlan(model_chunks, info, bucket_bytes, group, shm)
     return plan
 
 
+def prepare_export(model_chunks, info: ModelInfo, bucket_bytes: int = 1 << 30, group=None,
+                   shm: bool | None = None) -> None:
+    """Build (collectively) the export plan ``export_hf_weights`` with the same arguments would build on its first
+    call: pieces, metadata exchange, buckets, point-to-point connections and shared-memory segments (pages touched).
+    Call it at start-up so the first sync costs what the later ones do."""
+    from megatron.core import parallel_state as ps
+
+    if group is None:
+        group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    _plan_for(list(model_chunks), info, bucket_bytes, group, shm_default() if shm is None else shm)
+
+
 def export_hf_weights(model_chunks, info: ModelInfo, bucket_bytes: int = 1 << 30,
-                      group=None, into=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                      group=None, into=None, shm: bool | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets (each at most ``bucket_bytes``, or one tensor) of ``(hf_name, tensor)``.
 
     ``model_chunks``: this rank's model chunks (a list, one per virtual pipeline stage). The leader of
@@ -246,7 +275,7 @@ def export_hf_weights(model_chunks, info: ModelInfo, bucket_bytes: int = 1 << 30
 
     if group is None:
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    plan = _plan_for(list(model_chunks), info, bucket_bytes, group)
+    plan = _plan_for(list(model_chunks), info, bucket_bytes, group, shm_default() if shm is None else shm)
     me = plan.me
     leader = dist.get_global_rank(group, 0)
     word = torch.ones(1, dtype=torch.int64, device=plan.device)

@@ -234,15 +234,16 @@ def _host_id() -> int:
     return zlib.crc32(socket.gethostname().encode())
 
 
-def _roles_hosts(has_engine: bool, group):
-    """_roles + {global rank: host id} (ranks on one host share memory)."""
+def _roles_hosts(has_engine: bool, group, bucket_bytes: int = 0):
+    """_roles + {global rank: host id} (ranks on one host share memory) + the engine rank's ``bucket_bytes``."""
     from megatron.core import parallel_state as ps
 
     me = dist.get_rank()
     stage = ps.get_pipeline_model_parallel_rank()
     leader = dist.get_global_rank(group, 0)
     dev = _comm_device()
-    mine = torch.tensor([1 if has_engine else 0, stage, leader, _host_id()], dtype=torch.int64, device=dev)
+    mine = torch.tensor([1 if has_engine else 0, stage, leader, _host_id(), int(bucket_bytes)], dtype=torch.int64,
+                        device=dev)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
     rows = [r.tolist() for r in rows]
@@ -253,32 +254,76 @@ def _roles_hosts(has_engine: bool, group):
     leaders = {}
     for row in rows:
         leaders.setdefault(row[1], row[2])
-    return engines[0], leaders, stage, leader, {r: row[3] for r, row in enumerate(rows)}
+    return engines[0], leaders, stage, leader, {r: row[3] for r, row in enumerate(rows)}, rows[engines[0]][4]
+
+
+def _handing(leaders: dict, hosts: dict, engine_rank: int, handoff: bool) -> set:
+    """The stage leaders that hand their buckets over in shared memory (CPU, same host as the engine rank)."""
+    return {src for src in leaders.values() if handoff and _comm_device().type == "cpu"
+            and src != engine_rank and hosts[src] == hosts[engine_rank]}
+
+
+def _arena_for(model_chunks, bucket_bytes: int) -> _SharedArena:
+    arena = model_chunks[0].__dict__.get("_s3ac_shared_arena")
+    if arena is None:
+        arena = model_chunks[0].__dict__["_s3ac_shared_arena"] = _SharedArena(bucket_bytes)
+        arena.buf.zero_()  # its pages allocated now, not on the first sync's writes
+    return arena
+
+
+@torch.no_grad()
+def prepare_weight_sync(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20, group=None,
+                        quantize: Optional[Callable[[list], Iterable]] = None, handoff: bool = True,
+                        export_shm: Optional[bool] = None) -> float:
+    """Build, at start-up, what the first ``sync_weights`` with the same arguments would otherwise build inside
+    itself: the export plan of every stage (``convert.export.prepare_export``: pieces, metadata exchange, buckets,
+    connections, shared-memory segments with their pages touched), the stage leaders' hand-over arenas, and the
+    engine's name map. Collective over the whole default process group, like the sync. Returns its seconds."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_s3ac.convert.export import prepare_export
+
+    t0 = time.perf_counter()
+    if group is None:
+        group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    engine_rank, leaders, _, leader, hosts, bucket_bytes = _roles_hosts(engine is not None, group, bucket_bytes)
+    prepare_export(model_chunks, info, bucket_bytes, group=group, shm=export_shm)
+    if dist.get_rank() == leader and leader in _handing(leaders, hosts, engine_rank, handoff and quantize is None):
+        _arena_for(model_chunks, bucket_bytes)
+    names = getattr(engine, "hf_weight_names", None)
+    if callable(names):
+        names()  # CPUEngine: its checkpoint-name -> parameter map
+    dist.barrier()
+    return time.perf_counter() - t0
 
 
 @torch.no_grad()
 def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20, group=None,
-                 quantize: Optional[Callable[[list], Iterable]] = None, handoff: bool = True) -> SyncStats:
+                 quantize: Optional[Callable[[list], Iterable]] = None, handoff: bool = True,
+                 export_shm: Optional[bool] = None) -> SyncStats:
     """Copy the live sharded actor's weights into ``engine`` (held by exactly one rank; ``None`` elsewhere).
 
     Collective over the whole default process group. ``model_chunks``: this rank's model chunks (one per
-    virtual pipeline stage). ``group``: the export group of this rank's pipeline stage (default: megatron's
-    tensor x data (x context) parallel group). ``quantize``: bucket [(name, tensor)] -> (name, tensor)
+    virtual pipeline stage). ``bucket_bytes``: the engine rank's value is used on every rank (the engine's choice;
+    ranks of one stage must export with the same buckets). ``group``: the export group of this rank's pipeline
+    stage (default: megatron's tensor x data (x context) parallel group). ``quantize``: bucket [(name, tensor)] -> (name, tensor)
     stream, applied on the stage leader before the transfer (e.g. ``convert.fp8.quantize_stream``); the same
     on every rank. ``handoff``: other stages' leaders on the engine rank's host hand buckets over in shared
-    memory (CPU) instead of sending their bytes. Returns this rank's ``SyncStats``.
+    memory (CPU) instead of sending their bytes. ``export_shm``: inside a stage, TP/EP ranks on the leader's host
+    hand their pieces over in shared memory (``export_hf_weights(shm=)``; None: its default). Returns this rank's
+    ``SyncStats``.
     """
     from megatron.core import parallel_state as ps
 
     if group is None:
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
     t0 = time.perf_counter()
-    engine_rank, leaders, stage, leader, hosts = _roles_hosts(engine is not None, group)
+    # the engine rank's bucket size on every rank (it is the engine's choice: a session engine sets it there), so
+    # every rank of a stage runs the same export plan
+    engine_rank, leaders, stage, leader, hosts, bucket_bytes = _roles_hosts(engine is not None, group, bucket_bytes)
     me, dev = dist.get_rank(), _comm_device()
     stats = SyncStats(engine_rank=engine_rank)
-    # which stage leaders hand their buckets over in shared memory (CPU, same host as the engine rank)
-    handing = {src for src in leaders.values() if handoff and dev.type == "cpu" and quantize is None
-               and src != engine_rank and hosts[src] == hosts[engine_rank]}
+    handing = _handing(leaders, hosts, engine_rank, handoff and quantize is None)
     views = None
     if me == engine_rank and handing:
         views = model_chunks[0].__dict__.setdefault("_s3ac_shared_views", _SharedViews())
@@ -295,13 +340,10 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
     into = getattr(engine, "weight_buffer", None) if (engine is not None and me == leader) else None
     arena = None
     if me in handing and me == leader:
-        arena = model_chunks[0].__dict__.get("_s3ac_shared_arena")
-        if arena is None:
-            arena = model_chunks[0].__dict__["_s3ac_shared_arena"] = _SharedArena(bucket_bytes)
-        into = arena
+        into = arena = _arena_for(model_chunks, bucket_bytes)
     if quantize is not None:
         into = None  # the quantized pairs must reach the engine through update_weights
-    for bucket in export_hf_weights(model_chunks, info, bucket_bytes, group=group, into=into):
+    for bucket in export_hf_weights(model_chunks, info, bucket_bytes, group=group, into=into, shm=export_shm):
         if me == leader:
             if quantize is not None:  # before the transfer: fp8 + scales cross ranks, not the trainer's dtype
                 bucket = list(quantize(bucket))

@@ -107,3 +107,31 @@ def test_fp8_quantized_before_the_transfer(ckpts):
                 want += fp8_nbytes(t.shape) if will_quantize(k, t.shape, t.dtype) else t.nbytes
     assert plain.bytes == total and sent.bytes == want < total
     assert sent.engine_rank == 1 and sent.tensors > plain.tensors
+
+
+@pytest.mark.parametrize("case", ["tp2", "ep2"])
+def test_shared_memory_export_stress(ckpts, case):
+    """Many syncs of changing weights with the export's shared-memory handoff of TP/EP pieces: after every one, each
+    engine tensor equals (exactly) a separate export over gloo messages alone, and so does an export with the handoff.
+    Buckets are small (many handoffs per sync, the segment reused for each), every other round the bucket is assembled
+    outside the engine, and rank 1 passes another bucket size to sync_weights than the engine rank (the trainer's
+    non-engine ranks did: with a plan per rank, the leader read a segment rank 1 no longer wrote, one step stale)."""
+    from weight_sync_ranks import sync_stress_rank
+
+    name, tp, ep = ("qwen3", 2, 1) if case == "tp2" else ("qwen3_moe", 1, 2)
+    hf, mc = ckpts[name]
+    # small buckets (each sync many handoffs) alternating with ones that hold the whole (tiny) model, where rank 1
+    # asks for larger ones (with different small buckets the old code deadlocked rather than read stale data)
+    rounds = run_distributed(sync_stress_rank, 2, hf, mc, tp, 1, ep, [(4_000, None), (1 << 22, 1 << 28)] * 4, True)[0]
+    assert len(rounds) == 8
+    for i, (n, bad, bad_handed) in enumerate(rounds):
+        assert n > 10 and bad == [], f"round {i}: {len(bad)} of {n} engine tensors differ from the export: {bad[:5]}"
+        assert bad_handed == [], f"round {i}: the handoff export differs from the gloo one in {bad_handed[:5]}"
+
+
+def test_export_refuses_ranks_asking_for_different_buckets(ckpts):
+    from weight_sync_ranks import export_mismatch_rank
+
+    hf, mc = ckpts["qwen3"]
+    for msg in run_distributed(export_mismatch_rank, 2, hf, mc):
+        assert msg is not None and "disagree on (bucket_bytes, shm, model chunks)" in msg and "4000" in msg

@@ -82,3 +82,81 @@ def sync_fp8_rank(hf_dir, ckpt_dir, tp, pp, ep, engine_rank, bucket_bytes):
         out["before"] = {n: p.detach().clone() for n, p in pre.model.state_dict().items()}
         out["after"] = {n: p.detach().clone() for n, p in post.model.state_dict().items()}
     return out
+
+
+class _NoBuffer:
+    """An engine that only takes ``update_weights`` (like SGLang's session adapter): the export assembles each
+    bucket in fresh tensors instead of the engine's memory."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def update_weights(self, bucket):
+        self.engine.update_weights(bucket)
+
+    def flush_cache(self):
+        self.engine.flush_cache()
+
+
+def engine_tensor(engine, name, like):
+    """The engine's copy of checkpoint tensor ``name`` (its parameter memory, or a fresh copy of a fused part)."""
+    buf = engine.weight_buffer(name, like.shape, like.dtype)
+    if buf is not None:
+        return buf
+    return engine.model.state_dict()[engine._get_weight_map().resolve(name)]
+
+
+def sync_stress_rank(hf_dir, ckpt_dir, tp, pp, ep, rounds, shm):
+    """Per round ``(bucket_bytes, other_bucket_bytes)`` of ``rounds``: change every weight (a different amount each
+    round, in place), sync into a CPU engine on rank 0 with the export's shared-memory handoff ``shm`` (odd rounds
+    without the engine's weight_buffer; ranks other than 0 pass ``other_bucket_bytes`` if not None, as the trainer's
+    non-engine ranks did), then export twice with ``bucket_bytes`` on every rank: with the same handoff (the trainer
+    test's check) and over gloo messages only (shm=False, its own plan: the reference). Returns, on rank 0, per round
+    (tensors compared, names whose engine copy differs from the reference at all, names whose handoff export differs
+    from it)."""
+    import torch.distributed as dist
+
+    from megatron_s3ac.convert.export import export_hf_weights
+    from megatron_s3ac.convert.verify import load_actor, make_layout
+    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.weight_sync import sync_weights
+
+    info, model = load_actor(hf_dir, ckpt_dir, make_layout(tp, pp, ep))
+    rank0 = dist.get_rank() == 0
+    engine = CPUEngine.from_pretrained(hf_dir, tokenizer=None) if rank0 else None
+
+    def export(use_shm, bucket_bytes):
+        got = {}
+        for bucket in export_hf_weights([model], info, bucket_bytes, shm=use_shm):
+            got.update({n: t.clone() for n, t in bucket})
+        return got
+
+    out = []
+    for i, (bucket_bytes, other) in enumerate(rounds):
+        mine = bucket_bytes if rank0 or other is None else other
+        with torch.no_grad():
+            for p in model.parameters():  # elementwise in the value: replicas stay equal
+                p.add_((1e-3 * (i + 1)) * torch.sin(1000.0 * p + i))
+        target = engine if (engine is None or i % 2 == 0) else _NoBuffer(engine)
+        sync_weights([model], info, target, bucket_bytes=mine, export_shm=shm)
+        handed, ref = export(shm, bucket_bytes), export(False, bucket_bytes)
+        if rank0:
+            bad = sorted(n for n, t in ref.items() if not torch.equal(engine_tensor(engine, n, t), t))
+            out.append((len(ref), bad, sorted(n for n, t in ref.items() if not torch.equal(handed[n], t))))
+    return out if rank0 else None
+
+
+def export_mismatch_rank(hf_dir, ckpt_dir):
+    """Rank 1 asks for other buckets than rank 0: the export must refuse on every rank (returns the message)."""
+    import torch.distributed as dist
+
+    from megatron_s3ac.convert.export import export_hf_weights
+    from megatron_s3ac.convert.verify import load_actor, make_layout
+
+    info, model = load_actor(hf_dir, ckpt_dir, make_layout(2, 1, 1))
+    try:
+        for _ in export_hf_weights([model], info, 4_000 if dist.get_rank() == 0 else 1 << 20, shm=True):
+            pass
+    except ValueError as e:
+        return str(e)
+    return None
