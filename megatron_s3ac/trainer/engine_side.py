@@ -39,10 +39,11 @@ class EngineSide:
         if broadcast_sync(self.cfg):
             return self._stage_broadcast(chunks)
         target, sessions, kw = self.engine, hasattr(self.engine, "begin_weight_update"), {}
+        sg = self.cfg.rollout.sglang
+        if str(getattr(self.cfg.rollout.engine, "value", self.cfg.rollout.engine)) == "sglang":
+            kw["bucket_bytes"] = sg.bucket_bytes  # every rank: the ranks of a stage export with one plan
         if sessions:
-            sg = self.cfg.rollout.sglang
             target = SessionSync(self.engine, require_complete=True, flattened=sg.flattened_buckets)
-            kw["bucket_bytes"] = sg.bucket_bytes
         woke = self.engine is not None and self._engine_asleep
         if woke:
             # weights re-allocated but stale: the sync below must refill every one
