@@ -21,6 +21,9 @@
   engine), then ``finish_sync`` (session end + cache flush) on every engine. ``sync_colocated`` wraps it in
   the colocated order wake(["weights"]) -> sync -> wake(["kv_cache", "cuda_graph"]).
   Separate GPUs: ``broadcast.WeightBroadcaster(pool)`` + ``begin_weight_update`` / ``finish_sync``.
+* Colocated hand-over (rollout/ipc.py): ``device_keys()`` says which device each engine's TP ranks use;
+  ``submit(e, "load_serialized_bucket", payloads, names, shapes[, dtypes])`` loads one bucket from per-TP-rank
+  payloads inside engine e's open session (SGLangEngine.load_serialized_bucket).
 * Ray: connects to a running cluster (``ray.init(address="auto")``) when RAY_ADDRESS is set (the launch scripts
   start one on every node), else starts a local one; the pool never shuts Ray down.
 """
@@ -74,8 +77,11 @@ class EngineWorker:
         self.engine = factory(slot)
 
     def ready(self) -> dict:
+        config = getattr(self.engine, "config", None)
         return {"pid": os.getpid(), "node": socket.gethostname(), "engine": type(self.engine).__name__,
-                "tp_size": int(getattr(getattr(self.engine, "config", None), "tp_size", 1) or 1)}
+                "tp_size": int(getattr(config, "tp_size", 1) or 1),
+                "base_gpu_id": int(getattr(config, "base_gpu_id", 0) or 0),
+                "gpu_id_step": int((getattr(config, "extra", None) or {}).get("gpu_id_step", 1))}
 
     @staticmethod
     def address() -> str:
@@ -164,6 +170,7 @@ class EnginePool(RolloutEngine):
         gpus_per_bundle = gpus_per_engine // self.nnodes if gpus_per_engine else 0
         bundle = {"CPU": cpus_per_engine, **({"GPU": gpus_per_bundle} if gpus_per_bundle else {})}
         self.placement_groups, self.actors, self.followers, self.info = [], [], [], []
+        self._bundle_devices: dict[int, list[dict]] = {}  # engine -> visible_devices() per bundle (nnodes > 1)
         try:
             for e in range(num_engines):
                 pg = placement_group([dict(bundle) for _ in range(self.nnodes)],
@@ -176,12 +183,20 @@ class EnginePool(RolloutEngine):
             opts = lambda pg, b: dict(num_cpus=cpus_per_engine, num_gpus=gpus_per_bundle, max_restarts=0,
                                       max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                                           placement_group=pg, placement_group_bundle_index=b))
+            # a task takes max_retries (Ray refuses the actor-only max_restarts / max_task_retries for tasks)
+            task_opts = lambda pg, b: {**{k: v for k, v in opts(pg, b).items()
+                                          if k not in ("max_restarts", "max_task_retries")}, "max_retries": 0}
             remote = ray.remote(EngineWorker)
             for e, pg in enumerate(self.placement_groups):
                 addr = None
                 if self.nnodes > 1:  # node 0's address, found by a probe in its bundle
-                    probe = ray.remote(EngineWorker.address).options(**opts(pg, 0))
+                    probe = ray.remote(EngineWorker.address).options(**task_opts(pg, 0))
                     addr = f"{ray.get(probe.remote(), timeout=start_timeout_s)}:{_free_port()}"
+                    # the devices each bundle gives its actor (same bundle, same GPUs), probed before the actors
+                    # hold the bundles: followers block inside sglang and can never answer device_keys()
+                    self._bundle_devices[e] = ray.get(
+                        [ray.remote(visible_devices).options(**task_opts(pg, r)).remote() for r in range(self.nnodes)],
+                        timeout=start_timeout_s)
                 for r in range(1, self.nnodes):  # non-zero node ranks: sglang blocks in them; never awaited
                     self.followers.append(remote.options(**opts(pg, r)).remote(
                         factory, EngineSlot(e, num_engines, r, self.nnodes, addr)))
@@ -351,6 +366,17 @@ class EnginePool(RolloutEngine):
         self._check()
         self.wait([self.submit(e, "flush_cache") for e in range(self.num_engines)], "flush_cache()")
 
+    def device_keys(self) -> list[list[str]]:
+        """Per engine, the ipc.device_key of each TP rank in TP-rank order (match them with the trainer ranks'
+        ipc.device_key() to find who shares a GPU with whom). A single-node engine answers itself
+        (SGLangEngine.device_keys); an engine spanning nodes is mapped from the per-bundle probe taken at start:
+        TP rank r -> bundle r // tp_per_node, visible device base_gpu_id + (r % tp_per_node) * gpu_id_step."""
+        self._check()
+        if self.nnodes == 1:
+            return self.wait([self.submit(e, "device_keys") for e in range(self.num_engines)], "device_keys()")
+        return [tp_device_keys(self._bundle_devices[e], self.info[e]["tp_size"], self.info[e]["base_gpu_id"],
+                               self.info[e]["gpu_id_step"], what=self.label(e)) for e in range(self.num_engines)]
+
     def call_all(self, method: str, *args, **kwargs) -> list:
         """engine.method(*args, **kwargs) on every engine, results in engine order."""
         self._check()
@@ -385,6 +411,37 @@ class EnginePool(RolloutEngine):
 
     def shutdown(self) -> None:
         self.close()
+
+
+def visible_devices() -> dict:
+    """What a process placed in a bundle sees: {"host", "cuda": [ipc.device_key(i) per visible GPU]} (Ray task body)."""
+    import torch
+
+    from megatron_s3ac.rollout import ipc
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"host": socket.gethostname(), "cuda": [ipc.device_key(i) for i in range(n)]}
+
+
+def tp_device_keys(bundles: Sequence[dict], tp_size: int, base_gpu_id: int = 0, gpu_id_step: int = 1,
+                   what: str = "the engine") -> list[str]:
+    """Device key of each TP rank of an engine spanning len(bundles) nodes (one bundle, one node_rank each): sglang
+    puts TP rank r on node r // tp_per_node, visible GPU base_gpu_id + (r % tp_per_node) * gpu_id_step
+    (entrypoints/engine.py:928-939, 2047-2077). A bundle without GPUs gives ipc.device_key's CPU form."""
+    nnodes = len(bundles)
+    if nnodes < 1 or tp_size % nnodes:
+        raise EnginePoolError(f"{what}: tp_size={tp_size} is not a multiple of its {nnodes} nodes")
+    per_node, keys = tp_size // nnodes, []
+    for r in range(tp_size):
+        b, i = bundles[r // per_node], int(base_gpu_id) + (r % per_node) * int(gpu_id_step)
+        if not b["cuda"]:
+            keys.append(f"{b['host']}:cpu{i}")  # ipc.device_key(i) on a host without CUDA
+        elif i < len(b["cuda"]):
+            keys.append(b["cuda"][i])
+        else:
+            raise EnginePoolError(f"{what}: TP rank {r} would run on visible GPU {i} of node rank {r // per_node} "
+                                  f"({b['host']}), which shows only {len(b['cuda'])} GPUs")
+    return keys
 
 
 def _free_port() -> int:

@@ -28,6 +28,12 @@ checks them against the pinned wheel. The 0.5.23 behaviours this wrapper handles
 * Qwen3-MoE makes every layer sparse (models/qwen3_moe.py:878), ignoring ``mlp_only_layers`` /
   ``decoder_sparse_step``: such a checkpoint's dense MLPs would be skipped silently. -> refused
   (``UnservableModelError``) by ``check_servable``.
+* ``update_weights_from_tensor(load_format="flattened_bucket")`` takes one *serialized* payload per TP rank
+  (str/bytes, else TypeError in the caller: entrypoints/engine.py:1743-1759, utils/common.py:3109-3131); TP rank r
+  deserializes only ``payloads[r]`` (managers/tp_worker.py:194-201: too few kill the scheduler with IndexError) with
+  ``SafeUnpickler``, which kills it on any global outside its allowlist (utils/common.py:3144-3372). -> payloads
+  are built by rollout/ipc.py (SimpleNamespace metadata, one serialization per TP rank) and counted before the
+  call (``load_serialized_bucket``); an exception from the engine becomes ``WeightUpdateError`` naming it.
 
 Parallelism: GPUs per engine = tp_size (attention DP and EP live inside the TP group: tp_size %
 attn_dp_size == 0, arg_groups/parallel_hook.py:162,326; fields/parallel.py:81-90); one engine per data-
@@ -292,47 +298,30 @@ def _config_weight_shapes(model_path: str) -> Optional[dict[str, tuple[int, ...]
         return None
 
 
-def _flat_bucket(bucket: Sequence[tuple[str, Any]]) -> dict:
-    """sglang's flattened bucket (weight_sync/tensor_bucket.py:19-80): one uint8 tensor with every tensor's
-    bytes back to back + per-tensor metadata. One CUDA IPC handle per bucket when serialised on GPU."""
+def flatten_bucket(bucket: Sequence[tuple[str, Any]]) -> dict:
+    """sglang's flattened bucket (weight_sync/tensor_bucket.py:19-80) of (name, tensor) pairs: one uint8 tensor with
+    every tensor's bytes back to back (on the tensors' device) + one ``SimpleNamespace`` of metadata per tensor
+    (ipc.flat_payload: the only metadata form sglang's SafeUnpickler lets through besides its own class,
+    utils/common.py:3144-3372). Serialized once per TP rank (ipc.serialize): one CUDA IPC handle per bucket."""
     import torch
 
-    metadata, parts, at = [], [], 0
-    for name, tensor in bucket:
-        t = torch.as_tensor(tensor).detach().contiguous()
-        if at % t.element_size():
-            raise ValueError(f"flattened bucket: {name} ({t.dtype}) would start at unaligned byte {at}; "
-                             f"order tensors by decreasing element size")
-        flat = t.reshape(-1).view(torch.uint8)
-        n = flat.numel()
-        metadata.append(FlatTensorMeta(name=name, shape=tuple(t.shape), dtype=t.dtype, start_idx=at,
-                                       end_idx=at + n, numel=n))
-        parts.append(flat)
-        at += n
-    return {"flattened_tensor": torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8),
-            "metadata": metadata}
+    from megatron_s3ac.rollout import ipc
+
+    tensors = [torch.as_tensor(t).detach().contiguous() for _, t in bucket]
+    flat = (torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors
+            else torch.empty(0, dtype=torch.uint8))
+    try:
+        return ipc.flat_payload(flat, [n for n, _ in bucket], [t.dtype for t in tensors], [t.shape for t in tensors])
+    except ValueError as err:
+        raise ValueError(f"{err}; order tensors by decreasing element size") from None
 
 
-@dataclasses.dataclass
-class FlatTensorMeta:
-    """Field-for-field sglang's FlattenedTensorMetadata (weight_sync/tensor_bucket.py:8-16)."""
-
-    name: str
-    shape: tuple
-    dtype: Any
-    start_idx: int
-    end_idx: int
-    numel: int
+_flat_bucket = flatten_bucket  # tests/rollout/test_sglang_smoke_script.py checks alignment through this name
 
 
-def _default_serializer(engine: Any) -> Callable[[dict], Any]:
-    """Per-TP-rank payload of a flattened bucket: sglang's MultiprocessingSerializer (CUDA IPC handle of the
-    one flat tensor) for a real Engine; the dict itself for an injected stand-in."""
-    if type(engine).__module__.startswith("sglang."):
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        return MultiprocessingSerializer.serialize
-    return lambda bucket: bucket
+def _is_payload(x: Any) -> bool:
+    """What sglang accepts as one TP rank's serialized payload (utils/common.py:3109-3131): str or bytes-like."""
+    return isinstance(x, (str, bytes, bytearray, memoryview))
 
 
 class SGLangEngine(RolloutEngine):
@@ -381,7 +370,6 @@ class SGLangEngine(RolloutEngine):
             self.engine = engine
         else:
             self.engine = (engine_cls or self._launch)(**config.server_args())
-        self._serialize = _default_serializer(self.engine)
 
     @staticmethod
     def _launch(**server_args):
@@ -489,7 +477,13 @@ class SGLangEngine(RolloutEngine):
             yield name, tensor
 
     def _call_checked(self, method: str, what: str, **kwargs) -> str:
-        ok, msg = result_status(getattr(self.engine, method)(**kwargs))
+        try:
+            result = getattr(self.engine, method)(**kwargs)
+        except SGLangError:
+            raise
+        except Exception as err:  # e.g. the scheduler died on the payload (scheduler.py:6370-6373)
+            raise WeightUpdateError(f"{self.name}: {method} raised for {what}: {type(err).__name__}: {err}") from err
+        ok, msg = result_status(result)
         if not ok:
             raise WeightUpdateError(f"{self.name}: {method} failed for {what}: {msg}")
         return msg
@@ -543,15 +537,74 @@ class SGLangEngine(RolloutEngine):
         stats = self.last_sync
         what = f"bucket {stats.get('buckets', 0)} ({bucket[0][0]} .. {bucket[-1][0]}, {len(bucket)} tensors)"
         if flattened:
-            payload = self._serialize(_flat_bucket(bucket))
-            self._call_checked("update_weights_from_tensor", what, named_tensors=[payload] * self.config.tp_size,
+            # One serialization per TP rank: each rank deserializes only payloads[tp_rank] (managers/tp_worker.py:
+            # 194-201; entrypoints/engine.py:1743-1759), and CUDA-IPC refcounts expect one consumer per serialization.
+            # `payload` (the flat tensor) stays referenced until the engine has answered.
+            payload = flatten_bucket(bucket)
+            from megatron_s3ac.rollout import ipc
+
+            self._call_checked("update_weights_from_tensor", what,
+                               named_tensors=[ipc.serialize(payload) for _ in range(int(self.config.tp_size))],
                                load_format="flattened_bucket", flush_cache=False)
+            del payload
         else:
             self._call_checked("update_weights_from_tensor", what, named_tensors=list(bucket),
                                load_format=None, flush_cache=False)
         stats["buckets"] = stats.get("buckets", 0) + 1
         stats["tensors"] = stats.get("tensors", 0) + len(bucket)
         stats["bytes"] = stats.get("bytes", 0) + sum(int(t.numel()) * int(t.element_size()) for _, t in bucket)
+
+    def load_serialized_bucket(self, payloads: Sequence[bytes], names: Sequence[str], shapes: Sequence[Sequence[int]],
+                               dtypes: Optional[Sequence[Any]] = None, nbytes: Optional[int] = None) -> int:
+        """Load one flattened bucket that another process serialized (the colocated path, see rollout/ipc.py) inside
+        the open session: ``payloads[r]`` is TP rank r's own serialization (ipc.serialize of ipc.flat_payload) of the
+        bucket holding ``names`` with ``shapes``. Names and shapes are checked against the served checkpoint before
+        the engine is called; the producer must keep the memory alive until this returns.
+
+        The byte count (added to ``last_sync["bytes"]`` and returned) is ``nbytes`` if given, else computed from
+        ``dtypes`` (torch dtypes or their names) and ``shapes``; with neither it is 0 (unknown here: the payload's
+        own metadata is only read by the engine's TP ranks)."""
+        if not self._session_open:
+            raise WeightUpdateError(f"{self.name}: weights sent outside a weight-update session; call "
+                                    f"begin_weight_update() first (sglang would load nothing and return success=False)")
+        payloads, names, shapes = list(payloads), list(names), [list(s) for s in shapes]
+        tp = int(self.config.tp_size)
+        stats = self.last_sync
+        what = (f"bucket {stats.get('buckets', 0)} ({names[0]} .. {names[-1]}, {len(names)} tensors)" if names
+                else f"bucket {stats.get('buckets', 0)} (empty)")
+        if len(payloads) != tp:
+            # sglang indexes payloads[tp_rank] in every TP rank's scheduler: too few kill the engine (IndexError),
+            # extra ones are ignored silently (managers/tp_worker.py:194-201)
+            raise WeightUpdateError(f"{self.name}: {len(payloads)} serialized payloads for {what}; the engine has "
+                                    f"tp_size={tp} and needs exactly one per TP rank")
+        bad = [i for i, p in enumerate(payloads) if not _is_payload(p)]
+        if bad:  # sglang raises TypeError in the caller (utils/common.py:3109-3131)
+            raise TypeError(f"{self.name}: payload {bad[0]} of {what} is a {type(payloads[bad[0]]).__name__}; sglang "
+                            f"takes serialized payloads only (bytes or base64 str, one ipc.serialize per TP rank)")
+        if len(shapes) != len(names) or (dtypes is not None and len(dtypes) != len(names)):
+            raise WeightUpdateError(f"{self.name}: {what}: {len(names)} names, {len(shapes)} shapes"
+                                    + (f", {len(dtypes)} dtypes" if dtypes is not None else ""))
+        self.check_weights(names, shapes)
+        if nbytes is None and dtypes is not None:
+            nbytes = sum(int(np.prod(s, dtype=np.int64)) * _itemsize(d) for s, d in zip(shapes, dtypes))
+        self._call_checked("update_weights_from_tensor", what, named_tensors=payloads,
+                           load_format="flattened_bucket", flush_cache=False)
+        stats["buckets"] = stats.get("buckets", 0) + 1
+        stats["tensors"] = stats.get("tensors", 0) + len(names)
+        stats["bytes"] = stats.get("bytes", 0) + int(nbytes or 0)
+        return int(nbytes or 0)
+
+    def device_keys(self) -> list[str]:
+        """ipc.device_key of this engine's TP ranks on THIS node, in TP-rank order: sglang puts TP rank r on visible
+        GPU base_gpu_id + (r % tp_per_node) * gpu_id_step (entrypoints/engine.py:928-939, 2047-2077). For an engine
+        spanning nodes (nnodes > 1) that is ranks node_rank * tp_per_node .. (node_rank + 1) * tp_per_node - 1 only;
+        EnginePool.device_keys() covers every node. On CPU: "<host>:cpu<base_gpu_id + r>"."""
+        from megatron_s3ac.rollout import ipc
+
+        c = self.config
+        keys = ipc.engine_device_keys(int(c.tp_size), int(c.base_gpu_id), int(c.extra.get("gpu_id_step", 1)),
+                                      int(c.nnodes), int(c.node_rank))
+        return [keys[r] for r in sorted(keys)]
 
     def _abandon_session(self):
         try:
@@ -658,6 +711,12 @@ class SGLangEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _itemsize(dtype: Any) -> int:
+    import torch
+
+    return (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
 
 
 def _context_from_message(msg: str) -> Optional[int]:

@@ -40,17 +40,38 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
    until all members join), ``update_weights_from_distributed`` receives with ``broadcast(src=0)``, one
    broadcast per tensor, or one flat uint8 broadcast per bucket with load_format="flattened_bucket"
    (model_executor/model_runner_components/weight_updater.py:100-144, 260-310; weight_sync/tensor_bucket.py:86-112).
-   ``update_weights_from_tensor(load_format="flattened_bucket")`` takes one payload per TP rank, each a
-   {"flattened_tensor", "metadata"} bucket (weight_updater.py:383-413; entrypoints/engine.py:1743-1759); the CUDA
-   IPC handle of a real payload is modelled by the bucket itself.
+   ``update_weights_from_tensor(named_tensors=payloads, load_format="flattened_bucket")``:
+   a. In the caller (entrypoints/engine.py:1743-1759 -> utils/common.py:3109-3131): each payload is normalized to
+      bytes: a str is base64-decoded, bytes-like is kept (base64-decoded if it does not start like a pickle),
+      anything else raises TypeError("serialized_named_tensors entries must be base64 strings or bytes-like
+      payloads, got <type>") to the caller; nothing reached the scheduler, the engine stays alive.
+   b. Session / released-weights checks as in 1 and 4 (weight_updater.py:232-238).
+   c. Each TP rank r takes ``payloads[r]`` (managers/tp_worker.py:194-201: too few -> IndexError in that rank's
+      scheduler -> dead) and deserializes it with ``SafeUnpickler`` (utils/common.py:3144-3372, modelled by
+      ``SafeUnpicklerModel`` below: any global outside the allowlist -> RuntimeError("Blocked unsafe global
+      (<module>.<name>) during pickle deserialization") -> dead), then reconstructs the tensors from the
+      ``flattened_tensor`` and each metadata entry's six attributes (model_runner_components/weight_updater.py:
+      383-413, weight_sync/tensor_bucket.py:118-135). TP rank 0's tensors are loaded as in 2. Real TP ranks each
+      narrow their own shard from their own payload, so a rank whose tensors differ from rank 0's would serve an
+      inconsistent shard without an error: the stand-in records it (``debug_payload_log``) instead of failing.
+      The payloads are real handles: on CPU, ForkingPickler with the ``file_system`` strategy names a shared-memory
+      segment ``/torch_<producer pid>_...`` that this process maps (the counterpart of a CUDA IPC handle); the
+      producer pid parsed from it is logged per bucket and TP rank. References to the deserialized tensors are
+      dropped after loading (the producer's segment refcount).
 
 Hooks for tests (not part of sglang's API, prefixed ``debug_``): read the served tensors back under their
-checkpoint names. ``calls`` records every Engine call in order.
+checkpoint names; ``debug_payload_log`` (one dict per flattened bucket and TP rank: bucket, tp_rank, producer_pid,
+names, matches_rank0). ``calls`` records every Engine call in order.
 """
 from __future__ import annotations
 
+import binascii
+import base64
 import dataclasses
+import io
 import os
+import pickle
+import re
 from typing import Optional
 
 import numpy as np
@@ -81,7 +102,7 @@ def _checkpoint_names(model) -> dict[str, tuple[int, ...]]:
 
 class FakeSGLangEngine:
     # Test-only hooks, excluded from the signature contract check.
-    TEST_HOOKS = ("debug_checkpoint_tensor", "debug_checkpoint_state_dict")
+    TEST_HOOKS = ("debug_checkpoint_tensor", "debug_checkpoint_state_dict", "debug_payload_log")
 
     def __init__(self, model_path: str, tp_size: int = 1, context_length: Optional[int] = None,
                  enable_return_routed_experts: bool = False, enable_memory_saver: bool = False,
@@ -106,6 +127,8 @@ class FakeSGLangEngine:
         self.abort_after = 1
         self.dead: Optional[str] = None
         self._groups: dict = {}
+        self.debug_payload_log: list[dict] = []
+        self._flat_buckets = 0
         self._rng = np.random.default_rng(random_seed)
         config = AutoConfig.from_pretrained(model_path)
         if getattr(config, "model_type", None) == "qwen3_moe":  # qwen3_moe.py:878: every layer sparse
@@ -218,23 +241,47 @@ class FakeSGLangEngine:
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self._alive("update_weights_from_tensor")
+        if load_format == "flattened_bucket":  # engine.py:1690, 1751-1754: normalized in the caller, before any check
+            payloads = [normalize_serialized_named_tensor_payload(p) for p in named_tensors]  # TypeError: alive
         if self.session is None:
             return False, SESSION_REQUIRED.format("update_weights_from_tensor")
         if self.offload_tags & {"weights"}:
             self._die("update_weights_from_tensor into released weights (illegal memory access)")
         if load_format == "flattened_bucket":
-            if len(named_tensors) != self.tp_size:
-                self._die(f"{len(named_tensors)} flattened payloads for tp_size={self.tp_size}")
-            named = _reconstruct(named_tensors[0])  # TP rank 0's payload (each rank reads its own)
-        elif load_format is None:
-            named = list(named_tensors)
-        else:
+            self._load_flattened(payloads)
+            return self._after_update(flush_cache, "tensor")
+        if load_format is not None:
             self._die(f"NotImplementedError: Unknown load_format={load_format}")
         try:
-            self._load(named)
+            self._load(list(named_tensors))
         except AssertionError as err:  # uncaught on the tensor path: the scheduler dies
             self._die(f"Scheduler hit an exception: {err}")
         return self._after_update(flush_cache, "tensor")
+
+    def _load_flattened(self, payloads: list) -> None:
+        """Every TP rank's scheduler: its own payload (tp_worker.py:194-201), SafeUnpickler, reconstruct
+        (weight_updater.py:383-413); rank 0's tensors go into the model."""
+        bucket, self._flat_buckets = self._flat_buckets, self._flat_buckets + 1
+        ranks = []
+        for r in range(self.tp_size):
+            try:
+                data = payloads[r]  # IndexError with too few payloads
+                named = _reconstruct(SafeUnpicklerModel(io.BytesIO(data)).load())
+            except Exception as err:  # scheduler.py:6370-6373: the scheduler dies, the engine with it
+                self._die(f"Scheduler hit an exception (TP rank {r}): {type(err).__name__}: {err}")
+            pid = _PRODUCER_PID.search(data)
+            ranks.append((r, int(pid.group(1)) if pid else None, named))
+        try:
+            self._load(ranks[0][2])
+        except AssertionError as err:  # uncaught on the tensor path: the scheduler dies
+            self._die(f"Scheduler hit an exception: {err}")
+        ref = ranks[0][2]
+        for r, pid, named in ranks:
+            same = [n for n, _ in named] == [n for n, _ in ref] and all(
+                t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u) for (_, t), (_, u) in zip(named, ref))
+            self.debug_payload_log.append({"bucket": bucket, "tp_rank": r, "producer_pid": pid,
+                                           "names": [n for n, _ in named], "matches_rank0": bool(same)})
+        del ranks, ref, named  # drop the mapped tensors: the producer's segment/IPC refcount goes back down
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
                                   backend="nccl"):
@@ -345,11 +392,104 @@ class FakeSGLangEngine:
 
 
 def _reconstruct(payload) -> list:
-    """tensor_bucket.py:118-140: views of the flat tensor by metadata."""
+    """model_runner_components/weight_updater.py:383-413 (the six metadata attributes) + tensor_bucket.py:118-135
+    (views of the flat tensor by metadata)."""
     flat, out = payload["flattened_tensor"], []
     for m in payload["metadata"]:
+        m = FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                    end_idx=m.end_idx, numel=m.numel)
         out.append((m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)))
     return out
+
+
+@dataclasses.dataclass
+class FlattenedTensorMetadata:  # weight_sync/tensor_bucket.py:7-16 (built on the engine side only)
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+# the shared-memory segment a CPU payload names (torch's file_system strategy: "/torch_<pid>_<random>_<counter>")
+_PRODUCER_PID = re.compile(rb"/torch_(\d+)_")
+
+
+def normalize_serialized_named_tensor_payload(data) -> bytes:
+    """utils/common.py:3109-3131, verbatim in behaviour."""
+    if isinstance(data, str):
+        return base64.b64decode(data, validate=True)
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        data = bytes(data)
+        if len(data) >= 2 and data[0] == 0x80 and data[1] <= pickle.HIGHEST_PROTOCOL:  # _looks_like_pickle_payload, common.py:3105-3106
+            return data
+        try:
+            return base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            return data
+    raise TypeError("serialized_named_tensors entries must be base64 strings or bytes-like "
+                    f"payloads, got {type(data).__name__}")
+
+
+# utils/common.py:3148-3357 SafeUnpickler.ALLOWED_GLOBALS: the entries a tensor / storage / dtype / SimpleNamespace
+# payload can need (Python types, torch's tensor and storage rebuild functions incl. the multiprocessing ones,
+# dtypes, sglang's patched CUDA rebuild and its weight-sync containers). Left out: legacy torch.*Tensor /
+# *Storage classes, sparse and quantized layouts, NPU, and sglang's request/multimodal classes.
+_TORCH_DTYPES = (
+    "bcomplex32 bfloat16 bit bits16 bits1x8 bits2x4 bits4x2 bits8 bool cdouble cfloat chalf complex128 complex32 "
+    "complex64 double float float16 float32 float4_e2m1fn_x2 float64 float8_e4m3fn float8_e4m3fnuz float8_e5m2 "
+    "float8_e5m2fnuz float8_e8m0fnu half int int1 int16 int2 int3 int32 int4 int5 int6 int64 int7 int8 long qint32 "
+    "qint8 quint2x4 quint4x2 quint8 short uint1 uint16 uint2 uint3 uint32 uint4 uint5 uint6 uint64 uint7 uint8"
+).split()  # common.py:3223-3279
+SAFE_UNPICKLER_ALLOWED = frozenset({
+    *(("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int",
+                                "list", "range", "set", "slice", "str", "tuple")),  # common.py:3150-3163
+    ("collections", "OrderedDict"), ("collections", "defaultdict"), ("collections", "deque"),
+    ("collections", "Counter"), ("copyreg", "__newobj__"), ("copyreg", "__newobj_ex__"),
+    ("functools", "partial"), ("itertools", "chain"), ("itertools", "repeat"),
+    ("multiprocessing.reduction", "_rebuild_partial"), ("multiprocessing.reduction", "_rebuild_socket"),
+    ("multiprocessing.resource_sharer", "DupFd"), ("types", "SimpleNamespace"), ("_codecs", "encode"),  # common.py:3164-3177
+    ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch", "dtype"),  # common.py:3181, 3220-3222
+    *(("torch", n) for n in _TORCH_DTYPES),
+    ("torch.nn.parameter", "Parameter"), ("torch.serialization", "_get_layout"),  # common.py:3280-3293
+    *(("torch._utils", n) for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3",
+                                    "_rebuild_parameter", "_rebuild_parameter_with_state", "_rebuild_qtensor",
+                                    "_rebuild_sparse_tensor", "_rebuild_meta_tensor_no_storage",
+                                    "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_numpy",
+                                    "_rebuild_device_tensor_from_cpu_tensor")),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "_UntypedStorage"), ("torch.storage", "TypedStorage"),
+    ("torch", "UntypedStorage"),  # common.py:3294-3297
+    *(("torch.multiprocessing.reductions", n) for n in (  # common.py:3327-3340
+        "rebuild_tensor", "rebuild_meta_tensor", "rebuild_cuda_tensor", "rebuild_nested_tensor",
+        "rebuild_sparse_coo_tensor", "rebuild_sparse_compressed_tensor", "rebuild_storage_fd",
+        "rebuild_storage_filename", "rebuild_storage_empty", "rebuild_typed_storage", "rebuild_typed_storage_child")),
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),  # common.py:3330
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),  # common.py:3352-3357
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"),
+    ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"),
+    ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"),
+})
+
+
+def _safe_load_torch_storage(data: bytes):  # common.py:3135-3141
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
+        raise pickle.UnpicklingError(f"Expected a Torch storage, got {type(storage).__name__}")
+    return storage
+
+
+class SafeUnpicklerModel(pickle.Unpickler):
+    """sglang's SafeUnpickler (utils/common.py:3144-3372) over SAFE_UNPICKLER_ALLOWED. The sglang entries resolve
+    only where sglang is importable (not on CPU test machines: ModuleNotFoundError, which kills the scheduler too)."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):  # common.py:3362-3364
+            return _safe_load_torch_storage
+        if (module, name) in SAFE_UNPICKLER_ALLOWED:
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
 def save_tiny_qwen3_moe(path, seed: int = 0, **overrides) -> str:

@@ -10,7 +10,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _serve(conn, index, n, hf_dir, served_shapes, factory, path):
+def _serve(conn, index, n, hf_dir, served_shapes, factory, path, tp_size=1, base_gpu_id=0):
     sys.path[:0] = path
     import torch
 
@@ -22,8 +22,8 @@ def _serve(conn, index, n, hf_dir, served_shapes, factory, path):
     if factory is not None:  # e.g. rollout.factory.make_engine_factory(..., engine_cls=FakeSGLangEngine)
         engine = factory(EngineSlot(index, n))
     else:
-        engine = SGLangEngine(SGLangConfig(model_path=hf_dir), engine_cls=FakeSGLangEngine,
-                              served_shapes=served_shapes, name=f"sglang engine {index}")
+        engine = SGLangEngine(SGLangConfig(model_path=hf_dir, tp_size=tp_size, base_gpu_id=base_gpu_id),
+                              engine_cls=FakeSGLangEngine, served_shapes=served_shapes, name=f"sglang engine {index}")
     conn.send(int(engine.config.tp_size))
     while (msg := conn.recv()) is not None:
         cid, method, args, kwargs = msg
@@ -37,13 +37,19 @@ def _serve(conn, index, n, hf_dir, served_shapes, factory, path):
 
 
 class ProcessEnginePool:
-    def __init__(self, hf_dir, n, served_shapes=None, factory=None):
+    """tp_size: per engine (int or list); engine e's TP ranks sit on device slots base_gpu_ids[e] .. + tp_size - 1
+    (default: back to back, engine e from the sum of the earlier engines' tp_size), as separate sglang engines on
+    one node are given disjoint base_gpu_id."""
+
+    def __init__(self, hf_dir, n, served_shapes=None, factory=None, tp_size=1, base_gpu_ids=None):
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
+        tps = list(tp_size) if isinstance(tp_size, (list, tuple)) else [int(tp_size)] * n
+        bases = list(base_gpu_ids) if base_gpu_ids is not None else [sum(tps[:i]) for i in range(n)]
         for i in range(n):
             conn, child = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(child, i, n, hf_dir, served_shapes, factory, [HERE] + sys.path),
-                            daemon=True)
+            p = ctx.Process(target=_serve, args=(child, i, n, hf_dir, served_shapes, factory, [HERE] + sys.path,
+                                                 tps[i], bases[i]), daemon=True)
             p.start()
             self._conns.append(conn)
             self._procs.append(p)
@@ -82,10 +88,22 @@ class ProcessEnginePool:
     def finish_sync(self, names, require_complete=False):
         self._all("finish_sync", list(names), bool(require_complete))
 
+    def device_keys(self):
+        """Per engine, its TP ranks' device keys (SGLangEngine.device_keys), like EnginePool.device_keys."""
+        return self.wait([self.submit(e, "device_keys") for e in range(self.num_engines)], "device_keys")
+
     def close(self):
+        """Stop every engine process (idempotent; an engine that does not stop within 30 s is killed)."""
         for c, p in zip(self._conns, self._procs):
-            c.send(None)
+            try:
+                c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
             p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self._conns, self._procs = [], []
 
 
 class TrainerTestPool(ProcessEnginePool):
