@@ -174,8 +174,8 @@ class ColocatedIPCSync:
                 for e, tp, p in row:
                     payloads[e][tp] = p
             pool = self.pool
-            refs = [pool.submit(e, "load_serialized_bucket", payloads[e], list(names), [list(s) for s in shapes])
-                    for e in range(len(payloads))]
+            refs = [pool.submit(e, "load_serialized_bucket", payloads[e], list(names), [list(s) for s in shapes],
+                                dtypes=list(dtypes), nbytes=int(nbytes)) for e in range(len(payloads))]
             pool.wait(refs, f"update_weights_from_tensor (bucket {names[0]} .. {names[-1]}, {len(names)} tensors)",
                       self.timeout_s)
         except BaseException as err:

@@ -1,24 +1,13 @@
 """Rank bodies for tests/rollout/test_colocated_sync.py (module-level: the spawned ranks import them by name)."""
-import functools
 import os
 
 
-def make_engine(hf_dir, tp_size, base_gpu_ids, served_shapes, slot):
-    """Engine ``slot.index``: the 0.5.23 stand-in behind SGLangEngine with ``tp_size`` TP ranks on CPU slots
-    base_gpu_ids[index] .. + tp_size - 1 (the device keys sglang's GPU numbering gives them)."""
-    from fake_sglang import FakeSGLangEngine
-    from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
-
-    cfg = SGLangConfig(model_path=hf_dir, tp_size=tp_size, base_gpu_id=base_gpu_ids[slot.index])
-    return SGLangEngine(cfg, engine_cls=FakeSGLangEngine, served_shapes=served_shapes,
-                        name=f"sglang engine {slot.index}")
-
-
 def engines(hf_dir, tp_size, base_gpu_ids, served_shapes=None):
+    """Stand-in engines, each in its own process: engine e's TP ranks on CPU slots base_gpu_ids[e] .. + tp_size - 1
+    (the device keys sglang's GPU numbering gives them)."""
     from process_engine_pool import ProcessEnginePool
 
-    factory = functools.partial(make_engine, hf_dir, tp_size, list(base_gpu_ids), served_shapes)
-    return ProcessEnginePool(hf_dir, len(base_gpu_ids), factory=factory)
+    return ProcessEnginePool(hf_dir, len(base_gpu_ids), served_shapes, tp_size=tp_size, base_gpu_ids=base_gpu_ids)
 
 
 def colocated_rank(hf_dir, ckpt_dir, tp, pp, ep, tp_size, base_gpu_ids, bucket_bytes):

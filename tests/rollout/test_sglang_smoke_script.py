@@ -1,5 +1,6 @@
 """tools/device_checks/sglang_smoke.py cannot run here (no GPU, no sglang): its model preparation and its
 comparison helpers are checked on CPU, and the script imports without sglang."""
+import pytest
 import importlib.util
 import json
 from pathlib import Path
@@ -96,3 +97,25 @@ def test_prepare_fp8_writes_servable_block_fp8(tmp_path):
     w = teacher.model.layers[1].self_attn.k_proj.weight
     name = "model.layers.1.self_attn.k_proj.weight"
     assert torch.equal(w, dequantize_blockwise(out[name], out[name + SCALE_SUFFIX]).to(torch.bfloat16))
+
+
+@pytest.mark.slow  # torchrun, 2 gloo ranks + the stand-in: ~30 s
+def test_colocated_script_dry_run_on_the_stand_in(tmp_path):
+    """tools/device_checks/sglang_colocated.py --stand-in on 2 CPU ranks: every check passes (plan by device, the
+    engine follows two syncs of perturbed weights exactly as transformers on the export does)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+           os.path.join(root, "tools", "device_checks", "sglang_colocated.py"), str(tmp_path / "c"), "--stand-in"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    checks = {x["check"]: x for x in lines if "check" in x}
+    assert set(checks) == {"plan", "sync", "again"} and all(c["pass"] for c in checks.values())
+    assert checks["sync"]["changed"] and checks["sync"]["max_dlogprob"] < 1e-4
+    assert lines[-1]["all_pass"] is True

@@ -1,7 +1,9 @@
 """The trainer with rollout.engine=sglang against the sglang 0.5.23 stand-in (a real transformers model behind it):
-3 steps on 2 gloo ranks (EP=2); after every sync the engine's tensors equal the trainer's export exactly, the
-step's train/rollout KL is ~0 (the engine samples from the synced weights), and aborted samples are counted
-(their groups dropped) without crashing the step. Plus `s3ac-train check` on sglang configs."""
+3 steps on 2 gloo ranks (EP=2), one colocated engine with tp_size=2 whose TP ranks sit on the two ranks' devices;
+after every sync the engine's tensors equal the trainer's export exactly and each TP rank's payloads were produced
+by the trainer rank on its device (rollout.colocated), the step's train/rollout KL is ~0 (the engine samples from
+the synced weights), and aborted samples are counted (their groups dropped) without crashing the step. Plus
+`s3ac-train check` on sglang configs."""
 import os
 import sys
 
@@ -39,6 +41,9 @@ def sglang_overrides(path):
             "rollout.sglang.bucket_mb=1"]
 
 
+COLOCATED_TP2 = ["rollout.sglang.tp_size=2", "rollout.sglang.gpus_per_engine=2"]
+
+
 def _three_steps(path, out_dir):
     import torch
     from megatron.core import parallel_state as ps
@@ -50,7 +55,7 @@ def _three_steps(path, out_dir):
     from megatron_s3ac.trainer.loop import Trainer
 
     F.SGLANG_ENGINE_CLS = FakeSGLangEngine
-    tr = Trainer(load_config(None, BASE + sglang_overrides(path) + [f"train.out_dir={out_dir}"]))
+    tr = Trainer(load_config(None, BASE + sglang_overrides(path) + COLOCATED_TP2 + [f"train.out_dir={out_dir}"]))
     rank0 = tr.engine is not None
 
     def verify():
@@ -75,6 +80,8 @@ def _three_steps(path, out_dir):
         out["trained"] = any(not torch.equal(a, b) for a, b in zip(before, tr.actor.parameters()))
         out["checks"].append(verify())
     out["calls"] = list(tr.engine.engine.calls) if rank0 else None
+    out["payloads"] = list(tr.engine.engine.debug_payload_log) if rank0 else None
+    out["pid"] = os.getpid()
     tr.close()
     return out
 
@@ -91,6 +98,9 @@ def test_three_steps_with_the_sglang_stand_in(arith_dir, tmp_path):
         assert abs(m["mismatch/train_rollout_kl"]) < 1e-5  # rollouts came from the synced weights
         assert m["actor/opt_steps"] >= 1
     assert r0["trained"]
+    log = r0["payloads"]  # every bucket of every sync: TP rank t read the handle of trainer rank t (its device)
+    assert len(log) >= 2 * 4 and {e["tp_rank"] for e in log} == {0, 1}
+    assert all(e["producer_pid"] == [r0["pid"], r1["pid"]][e["tp_rank"]] and e["matches_rank0"] for e in log)
     calls = r0["calls"]
     # colocated: release all, then per sync: wake weights, one session, flush, wake kv_cache + cuda_graph
     syncs = [i for i, c in enumerate(calls) if c == "begin_weight_update"]
