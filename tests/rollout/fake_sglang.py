@@ -271,8 +271,8 @@ class FakeSGLangEngine:
                 self._die(f"Scheduler hit an exception (TP rank {r}): {type(err).__name__}: {err}")
             pid = _PRODUCER_PID.search(data)
             ranks.append((r, int(pid.group(1)) if pid else None, named))
-        try:
-            self._load(ranks[0][2])
+        try:  # sglang's weight loaders copy into the model's own parameters: nothing keeps the producer's memory
+            self._load([(n, t.clone()) for n, t in ranks[0][2]])
         except AssertionError as err:  # uncaught on the tensor path: the scheduler dies
             self._die(f"Scheduler hit an exception: {err}")
         ref = ranks[0][2]
