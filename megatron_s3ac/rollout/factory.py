@@ -57,7 +57,6 @@ class SGLangSettings:
     deterministic_inference: bool = True  # per-request seeds honoured (sglang ignores them otherwise)
     cuda_graphs: bool = True
     bucket_mb: int = 512  # weight-sync bucket (MiB)
-    flattened_buckets: bool = True  # one flat tensor (one CUDA IPC handle / one broadcast) per bucket
     weights_cpu_backup: bool = False
     context_length: Optional[int] = None
     gpus_per_node: int = 8

@@ -14,6 +14,13 @@ def broadcast_sync(cfg) -> bool:
         str(getattr(r.placement, "value", r.placement)) == "separate"
 
 
+def colocated_sglang(cfg) -> bool:
+    """SGLang engines on the trainer's GPUs take the per-GPU handle path (``rollout.colocated``)."""
+    r = cfg.rollout
+    return str(getattr(r.engine, "value", r.engine)) == "sglang" and \
+        str(getattr(r.placement, "value", r.placement)) == "colocated"
+
+
 def fp8_quantizer(cfg):
     """rollout.weights_dtype=fp8: the stream quantizer every stage leader applies before the transfer; else None."""
     if cfg.rollout.weights_dtype != "fp8":
@@ -28,33 +35,24 @@ class EngineSide:
     def sync_weights(self):
         """The one weight path, actor -> engine. Collective: every rank joins the export.
         SGLang engines on their own GPUs (``rollout.placement: separate``): each pipeline stage's leader broadcasts
-        its own stage to the engines (``rollout.broadcast.StageBroadcastSync``; rank 0 only drives the engines).
-        Otherwise rank 0's engine receives every pipeline stage's tensors (rollout.weight_sync gathers them).
-        SGLang engines (sessions): the whole sync is one weight-update session (``SessionSync``), checked
-        complete, and a colocated engine wakes in sglang's order: weights -> sync -> kv_cache + cuda_graph."""
-        from megatron_s3ac.rollout.sglang_engine import SessionSync
+        its own stage to the engines (``rollout.broadcast.StageBroadcastSync``). SGLang engines on the trainer's GPUs
+        (``colocated``): every rank hands the engine TP rank on its GPU a handle to each bucket
+        (``rollout.colocated.ColocatedIPCSync``). In both, rank 0 only drives the engines and each sync is one
+        weight-update session per engine, checked complete. CPU / hf engine: rank 0's engine receives every pipeline
+        stage's tensors (``rollout.weight_sync``). A colocated engine wakes in sglang's order: weights -> sync ->
+        kv_cache + cuda_graph."""
         from megatron_s3ac.rollout.weight_sync import sync_weights
 
         chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
         if broadcast_sync(self.cfg):
             return self._stage_broadcast(chunks)
-        target, sessions, kw = self.engine, hasattr(self.engine, "begin_weight_update"), {}
-        sg = self.cfg.rollout.sglang
-        if str(getattr(self.cfg.rollout.engine, "value", self.cfg.rollout.engine)) == "sglang":
-            kw["bucket_bytes"] = sg.bucket_bytes  # every rank: the ranks of a stage export with one plan
-        if sessions:
-            target = SessionSync(self.engine, require_complete=True, flattened=sg.flattened_buckets)
-        woke = self.engine is not None and self._engine_asleep
-        if woke:
-            # weights re-allocated but stale: the sync below must refill every one
-            self.engine.wake(["weights"]) if sessions else self.engine.wake()
+        if colocated_sglang(self.cfg):
+            return self._colocated_sync(chunks)
+        if self.engine is not None and self._engine_asleep:
+            self.engine.wake()  # weights re-allocated but stale: the sync below refills every one
             self._engine_asleep = False
-        if fp8_quantizer(self.cfg) is not None:  # every rank: stage leaders quantize before the transfer
-            kw["quantize"] = fp8_quantizer(self.cfg)
-        stats = sync_weights(chunks, self.info, target, **kw)
-        if woke and sessions:
-            self.engine.wake(["kv_cache", "cuda_graph"])
-        return stats
+        q = fp8_quantizer(self.cfg)  # every rank: stage leaders quantize before the transfer
+        return sync_weights(chunks, self.info, self.engine, **({} if q is None else {"quantize": q}))
 
     def _stage_broadcast(self, chunks):
         """Every rank: the per-stage broadcast sync (connects the stage leaders and the engines on first use)."""
@@ -65,11 +63,30 @@ class EngineSide:
             self._bsync = StageBroadcastSync(self.engine, timeout_s=sg.timeout_s)
         return self._bsync.sync(chunks, self.info, sg.bucket_bytes, quantize=fp8_quantizer(self.cfg))
 
+    def _colocated_sync(self, chunks):
+        """Every rank: the colocated SGLang sync, between wake(["weights"]) and wake(["kv_cache", "cuda_graph"])."""
+        from megatron_s3ac.rollout.colocated import ColocatedIPCSync
+
+        sg = self.cfg.rollout.sglang
+        if getattr(self, "_isync", None) is None:
+            self._isync = ColocatedIPCSync(self.engine, timeout_s=sg.timeout_s)
+        woke = self.engine is not None and self._engine_asleep
+        if woke:  # weights re-allocated but stale: the sync below refills every one
+            self.engine.wake(["weights"])
+            self._engine_asleep = False
+        stats = self._isync.sync(chunks, self.info, sg.bucket_bytes, quantize=fp8_quantizer(self.cfg))
+        if woke:
+            self.engine.wake(["kv_cache", "cuda_graph"])
+        return stats
+
     def close_weight_sync(self) -> None:
         """Leave the broadcast groups (stage leaders and engines); before the engines shut down."""
         if getattr(self, "_bsync", None) is not None:
             self._bsync.close()
             self._bsync = None
+        if getattr(self, "_isync", None) is not None:
+            self._isync.close()
+            self._isync = None
 
     # ---- idle-model offload (train.offload_idle) -------------------------------------------------
     def _place(self, m: dict, on=(), off=()) -> None:
