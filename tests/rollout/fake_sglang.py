@@ -60,8 +60,9 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
       dropped after loading (the producer's segment refcount).
 
 Hooks for tests (not part of sglang's API, prefixed ``debug_``): read the served tensors back under their
-checkpoint names; ``debug_payload_log`` (one dict per flattened bucket and TP rank: bucket, tp_rank, producer_pid,
-names, matches_rank0). ``calls`` records every Engine call in order.
+checkpoint names; ``debug_payload_log`` (one dict per flattened bucket: bucket, names, and per TP rank
+``producers`` (the pid in its payload's segment name, None if none) and ``matches_rank0`` (its tensors equal rank
+0's)). ``calls`` records every Engine call in order.
 """
 from __future__ import annotations
 
@@ -276,11 +277,11 @@ class FakeSGLangEngine:
         except AssertionError as err:  # uncaught on the tensor path: the scheduler dies
             self._die(f"Scheduler hit an exception: {err}")
         ref = ranks[0][2]
-        for r, pid, named in ranks:
-            same = [n for n, _ in named] == [n for n, _ in ref] and all(
-                t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u) for (_, t), (_, u) in zip(named, ref))
-            self.debug_payload_log.append({"bucket": bucket, "tp_rank": r, "producer_pid": pid,
-                                           "names": [n for n, _ in named], "matches_rank0": bool(same)})
+        same = [[n for n, _ in named] == [n for n, _ in ref] and all(
+            t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u) for (_, t), (_, u) in zip(named, ref))
+            for _, _, named in ranks]
+        self.debug_payload_log.append({"bucket": bucket, "names": [n for n, _ in ref],
+                                       "producers": [pid for _, pid, _ in ranks], "matches_rank0": same})
         del ranks, ref, named  # drop the mapped tensors: the producer's segment/IPC refcount goes back down
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
