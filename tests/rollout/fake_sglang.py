@@ -423,7 +423,8 @@ def normalize_serialized_named_tensor_payload(data) -> bytes:
         return base64.b64decode(data, validate=True)
     if isinstance(data, (bytes, bytearray, memoryview)):
         data = bytes(data)
-        if len(data) >= 2 and data[0] == 0x80 and data[1] <= pickle.HIGHEST_PROTOCOL:  # _looks_like_pickle_payload, common.py:3105-3106
+        # _looks_like_pickle_payload, common.py:3105-3106
+        if len(data) >= 2 and data[0] == 0x80 and data[1] <= pickle.HIGHEST_PROTOCOL:
             return data
         try:
             return base64.b64decode(data, validate=True)
@@ -450,7 +451,8 @@ SAFE_UNPICKLER_ALLOWED = frozenset({
     ("collections", "Counter"), ("copyreg", "__newobj__"), ("copyreg", "__newobj_ex__"),
     ("functools", "partial"), ("itertools", "chain"), ("itertools", "repeat"),
     ("multiprocessing.reduction", "_rebuild_partial"), ("multiprocessing.reduction", "_rebuild_socket"),
-    ("multiprocessing.resource_sharer", "DupFd"), ("types", "SimpleNamespace"), ("_codecs", "encode"),  # common.py:3164-3177
+    ("multiprocessing.resource_sharer", "DupFd"), ("types", "SimpleNamespace"),
+    ("_codecs", "encode"),  # common.py:3164-3177
     ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch", "dtype"),  # common.py:3181, 3220-3222
     *(("torch", n) for n in _TORCH_DTYPES),
     ("torch.nn.parameter", "Parameter"), ("torch.serialization", "_get_layout"),  # common.py:3280-3293

@@ -230,7 +230,7 @@ def test_device_keys(ckpt):
     engine.config = cfg
     assert engine.device_keys() == [ipc.device_key(1), ipc.device_key(2)]
     # the pool maps bundle probes: TP rank r -> bundle r // tp_per_node, visible base + (r % tp_per_node) * step
-    gpus = [{"host": "a", "cuda": ["GPU-a0", "GPU-a1", "GPU-a2"]}, {"host": "b", "cuda": ["GPU-b0", "GPU-b1", "GPU-b2"]}]
+    gpus = [{"host": h, "cuda": [f"GPU-{h}{i}" for i in range(3)]} for h in ("a", "b")]
     assert tp_device_keys(gpus, 4, base_gpu_id=1) == ["GPU-a1", "GPU-a2", "GPU-b1", "GPU-b2"]
     assert tp_device_keys(gpus, 2, base_gpu_id=0, gpu_id_step=2) == ["GPU-a0", "GPU-b0"]
     assert tp_device_keys([{"host": "a", "cuda": []}, {"host": "b", "cuda": []}], 4) == ["a:cpu0", "a:cpu1",
