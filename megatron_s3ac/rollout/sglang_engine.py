@@ -510,7 +510,8 @@ class SGLangEngine(RolloutEngine):
         sent in buckets of <= bucket_bytes inside ONE weight-update session; then the cache is flushed (retried).
 
         flattened: send each bucket as sglang's flattened bucket (load_format="flattened_bucket"): one flat
-            tensor + metadata per TP rank, i.e. one CUDA IPC handle per bucket instead of one per tensor.
+            tensor + SimpleNamespace metadata (flatten_bucket), serialized once per TP rank (rollout/ipc.py): one
+            CUDA IPC handle (CPU: shared-memory segment) per bucket and rank instead of one per tensor.
         require_complete: raise if some served tensor was not sent (a full sync must cover the checkpoint).
         """
         cap = int(bucket_bytes or self.bucket_bytes)

@@ -60,8 +60,9 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
       dropped after loading (the producer's segment refcount).
 
 Hooks for tests (not part of sglang's API, prefixed ``debug_``): read the served tensors back under their
-checkpoint names; ``debug_payload_log`` (one dict per flattened bucket and TP rank: bucket, tp_rank, producer_pid,
-names, matches_rank0). ``calls`` records every Engine call in order.
+checkpoint names; ``debug_payload_log`` (one dict per flattened bucket: bucket, names, and per TP rank
+``producers`` (the pid in its payload's segment name, None if none) and ``matches_rank0`` (its tensors equal rank
+0's)). ``calls`` records every Engine call in order.
 """
 from __future__ import annotations
 
@@ -271,16 +272,16 @@ class FakeSGLangEngine:
                 self._die(f"Scheduler hit an exception (TP rank {r}): {type(err).__name__}: {err}")
             pid = _PRODUCER_PID.search(data)
             ranks.append((r, int(pid.group(1)) if pid else None, named))
-        try:
-            self._load(ranks[0][2])
+        try:  # sglang's weight loaders copy into the model's own parameters: nothing keeps the producer's memory
+            self._load([(n, t.clone()) for n, t in ranks[0][2]])
         except AssertionError as err:  # uncaught on the tensor path: the scheduler dies
             self._die(f"Scheduler hit an exception: {err}")
         ref = ranks[0][2]
-        for r, pid, named in ranks:
-            same = [n for n, _ in named] == [n for n, _ in ref] and all(
-                t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u) for (_, t), (_, u) in zip(named, ref))
-            self.debug_payload_log.append({"bucket": bucket, "tp_rank": r, "producer_pid": pid,
-                                           "names": [n for n, _ in named], "matches_rank0": bool(same)})
+        same = [[n for n, _ in named] == [n for n, _ in ref] and all(
+            t.dtype == u.dtype and t.shape == u.shape and torch.equal(t, u) for (_, t), (_, u) in zip(named, ref))
+            for _, _, named in ranks]
+        self.debug_payload_log.append({"bucket": bucket, "names": [n for n, _ in ref],
+                                       "producers": [pid for _, pid, _ in ranks], "matches_rank0": same})
         del ranks, ref, named  # drop the mapped tensors: the producer's segment/IPC refcount goes back down
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
@@ -422,7 +423,8 @@ def normalize_serialized_named_tensor_payload(data) -> bytes:
         return base64.b64decode(data, validate=True)
     if isinstance(data, (bytes, bytearray, memoryview)):
         data = bytes(data)
-        if len(data) >= 2 and data[0] == 0x80 and data[1] <= pickle.HIGHEST_PROTOCOL:  # _looks_like_pickle_payload, common.py:3105-3106
+        # _looks_like_pickle_payload, common.py:3105-3106
+        if len(data) >= 2 and data[0] == 0x80 and data[1] <= pickle.HIGHEST_PROTOCOL:
             return data
         try:
             return base64.b64decode(data, validate=True)
@@ -449,7 +451,8 @@ SAFE_UNPICKLER_ALLOWED = frozenset({
     ("collections", "Counter"), ("copyreg", "__newobj__"), ("copyreg", "__newobj_ex__"),
     ("functools", "partial"), ("itertools", "chain"), ("itertools", "repeat"),
     ("multiprocessing.reduction", "_rebuild_partial"), ("multiprocessing.reduction", "_rebuild_socket"),
-    ("multiprocessing.resource_sharer", "DupFd"), ("types", "SimpleNamespace"), ("_codecs", "encode"),  # common.py:3164-3177
+    ("multiprocessing.resource_sharer", "DupFd"), ("types", "SimpleNamespace"),
+    ("_codecs", "encode"),  # common.py:3164-3177
     ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch", "dtype"),  # common.py:3181, 3220-3222
     *(("torch", n) for n in _TORCH_DTYPES),
     ("torch.nn.parameter", "Parameter"), ("torch.serialization", "_get_layout"),  # common.py:3280-3293

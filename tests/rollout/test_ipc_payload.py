@@ -82,10 +82,9 @@ def test_bucket_from_another_process_loads_exactly_per_tp_rank(ckpt, other):
         assert engine.last_sync["tensors"] == 4 and engine.last_sync["buckets"] == 1
         for name, v in values.items():
             torch.testing.assert_close(fake.debug_checkpoint_tensor(name), torch.from_numpy(v), rtol=0, atol=0)
-        log = fake.debug_payload_log
-        assert [(e["tp_rank"], e["producer_pid"], e["matches_rank0"]) for e in log] == [(0, proc.pid, True),
-                                                                                         (1, proc.pid, True)]
-        assert log[0]["names"] == names
+        (entry,) = fake.debug_payload_log
+        assert entry["producers"] == [proc.pid, proc.pid] and entry["matches_rank0"] == [True, True]
+        assert entry["names"] == names and entry["bucket"] == 0
     finally:
         parent.send(None)
         _reap(proc)
@@ -119,8 +118,8 @@ def test_in_process_flattened_path_serializes_once_per_tp_rank(ckpt, other):
     for payloads in sent:  # one serialization per TP rank, never one object for all
         assert len(payloads) == 2 and all(isinstance(p, bytes) for p in payloads) and payloads[0] is not payloads[1]
     log = fake.debug_payload_log
-    assert len(log) == 2 * len(sent) and [e["tp_rank"] for e in log] == [0, 1] * len(sent)
-    assert all(e["matches_rank0"] and e["producer_pid"] == os.getpid() for e in log)
+    assert [e["bucket"] for e in log] == list(range(len(sent)))
+    assert all(e["matches_rank0"] == [True, True] and e["producers"] == [os.getpid()] * 2 for e in log)
     for name, t in weights.items():
         torch.testing.assert_close(fake.debug_checkpoint_tensor(name), t, rtol=0, atol=0)
 
@@ -135,7 +134,7 @@ def test_inconsistent_tp_payloads_are_recorded(ckpt, other):
     engine.begin_weight_update()
     engine.load_serialized_bucket([p0, p1], names, shapes)
     engine.end_weight_update()
-    assert [e["matches_rank0"] for e in fake.debug_payload_log] == [True, False]
+    assert [e["matches_rank0"] for e in fake.debug_payload_log] == [[True, False]]
     torch.testing.assert_close(fake.debug_checkpoint_tensor(names[0]), bucket[0][1], rtol=0, atol=0)
 
 
@@ -231,7 +230,7 @@ def test_device_keys(ckpt):
     engine.config = cfg
     assert engine.device_keys() == [ipc.device_key(1), ipc.device_key(2)]
     # the pool maps bundle probes: TP rank r -> bundle r // tp_per_node, visible base + (r % tp_per_node) * step
-    gpus = [{"host": "a", "cuda": ["GPU-a0", "GPU-a1", "GPU-a2"]}, {"host": "b", "cuda": ["GPU-b0", "GPU-b1", "GPU-b2"]}]
+    gpus = [{"host": h, "cuda": [f"GPU-{h}{i}" for i in range(3)]} for h in ("a", "b")]
     assert tp_device_keys(gpus, 4, base_gpu_id=1) == ["GPU-a1", "GPU-a2", "GPU-b1", "GPU-b2"]
     assert tp_device_keys(gpus, 2, base_gpu_id=0, gpu_id_step=2) == ["GPU-a0", "GPU-b0"]
     assert tp_device_keys([{"host": "a", "cuda": []}, {"host": "b", "cuda": []}], 4) == ["a:cpu0", "a:cpu1",
@@ -240,3 +239,120 @@ def test_device_keys(ckpt):
         tp_device_keys(gpus, 4, base_gpu_id=2)
     with pytest.raises(EnginePoolError, match="tp_size=3 is not a multiple of its 2 nodes"):
         tp_device_keys(gpus, 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the device keys")
+def test_process_pool_device_keys_and_hand_over(ckpt, other):
+    """Two engines (tp_size 2) in their own processes, on device slots 0-1 and 2-3; this process produces the
+    payloads (one per TP rank), each engine maps the segments of this process and loads them."""
+    from process_engine_pool import ProcessEnginePool
+
+    host = socket.gethostname()
+    pool = ProcessEnginePool(ckpt, 2, tp_size=2)
+    try:
+        assert pool.device_keys() == [[f"{host}:cpu0", f"{host}:cpu1"], [f"{host}:cpu2", f"{host}:cpu3"]]
+        bucket = [(k, t * 3 + 1) for k, t in layer_bucket(other)]
+        names, shapes = [k for k, _ in bucket], [list(t.shape) for _, t in bucket]
+        payload = flatten_bucket(bucket)  # kept alive (referenced) until both engines answered
+        pool.begin_weight_update()
+        got = pool.wait([pool.submit(e, "load_serialized_bucket", [ipc.serialize(payload) for _ in range(2)], names,
+                                     shapes, nbytes=payload["flattened_tensor"].numel()) for e in range(2)], "load")
+        pool.finish_sync(names)
+        assert got == [payload["flattened_tensor"].numel()] * 2
+        for e in range(2):
+            (entry,) = pool.wait([pool.submit(e, "engine.debug_payload_log.copy")], "log")[0]
+            assert entry["producers"] == [os.getpid()] * 2 and entry["matches_rank0"] == [True, True]
+            served = pool.wait([pool.submit(e, "engine.debug_checkpoint_state_dict")], "read back")[0]
+            for name, t in bucket:
+                torch.testing.assert_close(served[name], t, rtol=0, atol=0)
+    finally:
+        pool.close()
+
+
+class _NodeEngine:
+    """What EnginePool needs of one node's engine for device_keys(): its SGLangConfig (an engine spanning nodes
+    builds one per node; sglang's followers block, so only node 0's answers and the pool maps bundle probes)."""
+
+    def __init__(self, slot):
+        self.config = SGLangConfig(model_path="unused", tp_size=2, base_gpu_id=0, nnodes=slot.nnodes,
+                                   node_rank=slot.node_rank, dist_init_addr=slot.dist_init_addr)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU Ray cluster with declared GPUs")
+def test_engine_pool_device_keys_of_an_engine_spanning_two_nodes():
+    """A two-node Ray cluster on this host (1 declared GPU each): one engine of 2 GPUs spans both nodes (STRICT_SPREAD
+    bundles); device_keys() comes from probes taken in each bundle before the actors start."""
+    import sys
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from megatron_s3ac.rollout.engine_pool import EnginePool
+
+    if ray.is_initialized():
+        pytest.skip("needs its own Ray cluster")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1})
+    pool = None
+    try:
+        cluster.add_node(num_cpus=1, num_gpus=1)
+        ray.init(address=cluster.address, log_to_driver=False)
+        pool = EnginePool(_NodeEngine, 1, gpus_per_engine=2, gpus_per_node=1, cpus_per_engine=0.5,
+                          timeout_s=60, start_timeout_s=120)
+        host = socket.gethostname()
+        assert pool.nnodes == 2 and pool.device_keys() == [[f"{host}:cpu0", f"{host}:cpu0"]]
+        addr = pool.wait([pool.submit(0, "config.server_args")], "addr")[0]["dist_init_addr"]
+        assert addr and addr.rsplit(":", 1)[1].isdigit()  # node 0's address, from the (now valid) address probe
+    finally:
+        if pool is not None:
+            pool.close()
+        ray.shutdown()
+        cluster.shutdown()
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in on CPU")
+def test_engine_pool_hand_over_through_submit(ckpt, other):
+    """EnginePool (a Ray actor, the stand-in with tp_size 2): device_keys() asks the engine; a bucket this process
+    serialized per TP rank reaches it through submit(e, "load_serialized_bucket", ...) inside its session."""
+    import ray
+
+    import fake_sglang
+    import rollout_fixtures
+    from megatron_s3ac.rollout.engine_pool import EnginePool
+    from megatron_s3ac.rollout.factory import SGLangSettings, make_engine_factory
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    for m in (fake_sglang, rollout_fixtures):
+        ray.cloudpickle.register_pickle_by_value(m)
+    pool = None
+    try:
+        factory = make_engine_factory("sglang", model_dir=ckpt, settings=SGLangSettings(tp_size=2, gpus_per_engine=2),
+                                      engine_cls=FakeSGLangEngine, torch_threads=1)
+        pool = EnginePool(factory, 1, cpus_per_engine=0.5, timeout_s=120, start_timeout_s=300)
+        host = socket.gethostname()
+        assert pool.device_keys() == [[f"{host}:cpu0", f"{host}:cpu1"]]
+        bucket = [(k, t * 3 + 1) for k, t in layer_bucket(other)]
+        names, shapes = [k for k, _ in bucket], [list(t.shape) for _, t in bucket]
+        payload = flatten_bucket(bucket)
+        pool.begin_weight_update()
+        n = pool.wait([pool.submit(0, "load_serialized_bucket", [ipc.serialize(payload) for _ in range(2)], names,
+                                   shapes, [str(t.dtype).split(".")[1] for _, t in bucket])], "load")[0]
+        pool.finish_sync(names)
+        assert n == payload["flattened_tensor"].numel()
+        (entry,) = pool.wait([pool.submit(0, "engine.debug_payload_log.copy")], "log")[0]
+        assert entry["producers"] == [os.getpid()] * 2 and entry["matches_rank0"] == [True, True]
+        served = pool.wait([pool.submit(0, "engine.debug_checkpoint_state_dict")], "read back")[0]
+        for name, t in bucket:
+            torch.testing.assert_close(served[name], t, rtol=0, atol=0)
+    finally:
+        if pool is not None:
+            pool.close()
+        for m in (fake_sglang, rollout_fixtures):
+            ray.cloudpickle.unregister_pickle_by_value(m)
+        if started:
+            ray.shutdown()
