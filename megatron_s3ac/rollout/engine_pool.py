@@ -21,8 +21,8 @@
   engine), then ``finish_sync`` (session end + cache flush) on every engine. ``sync_colocated`` wraps it in
   the colocated order wake(["weights"]) -> sync -> wake(["kv_cache", "cuda_graph"]).
   Separate GPUs: ``broadcast.WeightBroadcaster(pool)`` + ``begin_weight_update`` / ``finish_sync``.
-* Ray: connects to a running cluster (``ray.init(address="auto")``) when RAY_ADDRESS is set (the launch scripts
-  start one on every node), else starts a local one; the pool never shuts Ray down.
+* Ray (``ray_init.init_ray``): connects to a running cluster (``ray.init(address="auto")``) when RAY_ADDRESS is
+  set (the launch scripts start one on every node), else starts a local one; the pool never shuts Ray down.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import socket
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets
+from megatron_s3ac.rollout.ray_init import init_ray
 from megatron_s3ac.rollout.remote import _death_cause, pack_bucket, unpack_bucket
 
 
@@ -152,15 +153,7 @@ class EnginePool(RolloutEngine):
         self.num_engines, self.timeout_s, self.max_inflight = int(num_engines), float(timeout_s), int(max_inflight)
         self.bucket_bytes = int(bucket_bytes)
         self._failure: Optional[EnginePoolError] = None
-        if not ray.is_initialized():
-            if os.environ.get("RAY_ADDRESS"):
-                ray.init(address="auto", **(ray_init_kwargs or {}))
-            else:
-                kwargs = dict(num_cpus=max(1, int(num_engines * cpus_per_engine * self.nnodes)), include_dashboard=False)
-                if not gpus_per_engine:
-                    kwargs["num_gpus"] = 0
-                kwargs.update(ray_init_kwargs or {})
-                ray.init(**kwargs)
+        init_ray(num_engines * cpus_per_engine * self.nnodes, gpus_per_engine, ray_init_kwargs)  # RAY_ADDRESS: join
         gpus_per_bundle = gpus_per_engine // self.nnodes if gpus_per_engine else 0
         bundle = {"CPU": cpus_per_engine, **({"GPU": gpus_per_bundle} if gpus_per_bundle else {})}
         self.placement_groups, self.actors, self.followers, self.info = [], [], [], []
