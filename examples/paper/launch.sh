@@ -8,7 +8,8 @@
 # Ray (the SGLang rollout engines are Ray actors, docs/rollout.md): on every node, before torchrun, node 0 starts
 # the Ray head (RAY_PORT, default 6379) and the other nodes join it; RAY_ADDRESS is exported so the trainer
 # connects (ray.init(address="auto")) instead of starting a local Ray. Each node stops its Ray at exit (also on
-# failure or Ctrl-C). With RAY_ADDRESS already set (an existing cluster), nothing is started or stopped.
+# failure or Ctrl-C). With RAY_ADDRESS already set (an existing cluster), nothing is started or stopped (a cluster
+# with token authentication then needs RAY_AUTH_MODE=token too).
 set -euo pipefail
 # The repository: S3AC_ROOT if set; else, under `sbatch` ($0 is then Slurm's spool copy of this script, which exists
 # on the first node only), the submit directory; else this script's own checkout. Every node runs the repo's copy.
@@ -60,6 +61,14 @@ fi
 ray_up() {  # start (node 0) or join (others) the job's Ray cluster; stop it at exit
   if [ -n "${RAY_ADDRESS:-}" ]; then echo "launch.sh: using the Ray cluster at $RAY_ADDRESS"; return; fi
   trap 'ray stop --force >/dev/null 2>&1 || true' EXIT INT TERM
+  # Ray 2.60: `ray start` turns token auth on when a token exists (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+  # ~/.ray/auth_token, which any local ray.init() writes), but a driver given RAY_ADDRESS never does (it then fails
+  # with "Authentication token is missing"): decide once, here, for Ray on every node and for the trainer
+  if [ -z "${RAY_AUTH_MODE:-}" ]; then
+    RAY_AUTH_MODE=disabled
+    if [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -s "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; then RAY_AUTH_MODE=token; fi
+    export RAY_AUTH_MODE
+  fi
   if [ "$NODE_RANK" = 0 ]; then
     ray start --head --port "$RAY_PORT" --num-gpus "$GPUS_PER_NODE" --disable-usage-stats --include-dashboard false
   else

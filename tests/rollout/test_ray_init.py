@@ -2,6 +2,7 @@
 instead of calling ray.init(num_cpus=..., num_gpus=...), which Ray 2.x refuses against an existing cluster.
 A real head is started with `ray start --head` (own ports, own temp dir, own process group: stopped by its id)."""
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,9 +32,9 @@ def _free_ports(n):
 
 @pytest.fixture
 def ray_head():
-    """A one-CPU Ray head with a marker resource; yields its address. `--block` keeps `ray start` in the
-    foreground so every daemon shares its process group, which is killed at the end (never `ray stop`: that
-    stops every Ray on the machine)."""
+    """A one-CPU Ray head with a marker resource and token authentication on; yields (address, HOME holding the
+    token). `--block` keeps `ray start` in the foreground so every daemon shares its process group, which is killed
+    at the end (never `ray stop`: that stops every Ray on the machine)."""
     port, client, dash, agent, grpc, metrics, rt = _free_ports(7)
     temp = tempfile.mkdtemp(prefix="s3ray", dir="/tmp")  # short: raylet socket paths are length-limited
     cmd = [str(RAY), "start", "--head", "--block", "--port", str(port), "--num-cpus", "1",
@@ -43,7 +44,11 @@ def ray_head():
            "--metrics-export-port", str(metrics), "--runtime-env-agent-port", str(rt), "--temp-dir", temp]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # workers import megatron_s3ac
-    env["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60's `ray start` turns token auth on if ~/.ray/auth_token exists
+    # as on a node where a local ray.init() once wrote ~/.ray/auth_token: Ray 2.60's `ray start` turns token auth on
+    home = Path(temp) / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("s3ac0test0token0" * 4)
+    env["HOME"] = str(home)
     log = open(Path(temp) / "start.log", "w+")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -51,7 +56,8 @@ def ray_head():
         while "Ray runtime started" not in (Path(temp) / "start.log").read_text():
             assert proc.poll() is None and time.time() < deadline, (Path(temp) / "start.log").read_text()
             time.sleep(0.5)
-        yield f"127.0.0.1:{port}"
+        assert "Token authentication is enabled" in (Path(temp) / "start.log").read_text()
+        yield f"127.0.0.1:{port}", str(home)
     finally:
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
             try:
@@ -63,6 +69,7 @@ def ray_head():
             except subprocess.TimeoutExpired:
                 pass
         log.close()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 DRIVER = textwrap.dedent("""
@@ -100,7 +107,9 @@ DRIVER = textwrap.dedent("""
 
 def test_remote_engine_and_pool_join_the_cluster_at_ray_address(ray_head, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAY_ADDRESS=ray_head, RAY_AUTH_MODE="disabled", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    address, home = ray_head
+    # what examples/paper/launch.sh exports: RAY_ADDRESS, and RAY_AUTH_MODE=token since the node has a token
+    env.update(RAY_ADDRESS=address, RAY_AUTH_MODE="token", HOME=home, PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, "-c", DRIVER], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]

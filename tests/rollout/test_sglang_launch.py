@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STUB = """#!/usr/bin/env bash
-echo "$(basename "$0") $* RAY_ADDRESS=${RAY_ADDRESS:-}" >> "$LOG"
+echo "$(basename "$0") $* RAY_ADDRESS=${RAY_ADDRESS:-} RAY_AUTH_MODE=${RAY_AUTH_MODE:-}" >> "$LOG"
 [ "$(basename "$0")" = torchrun ] && exit "${TORCHRUN_RC:-0}"
 exit 0
 """
@@ -155,3 +155,21 @@ def test_gpus_per_node_defaults_to_nvidia_smi_count(tmp_path):
     (bin_dir / "nvidia-smi").chmod(stat.S_IRWXU)
     rc, lines = run(tmp_path, 0, RAY_ADDRESS="10.9.9.9:6379", GPUS_PER_NODE="")
     assert rc == 0 and "--nproc-per-node 2 " in lines[0]
+
+
+@pytest.mark.parametrize("token", [True, False])
+def test_ray_auth_mode_is_decided_once_for_every_node_and_the_trainer(tmp_path, token):
+    """Ray 2.60's `ray start` enables token auth when ~/.ray/auth_token exists, a driver given RAY_ADDRESS never
+    does: the script exports one RAY_AUTH_MODE to `ray start` and to torchrun (the trainer's ray.init)."""
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    if token:
+        (home / ".ray" / "auth_token").write_text("0123456789abcdef")
+    for rank in (0, 1):
+        rc, lines = run(tmp_path, rank, HOME=str(home), RAY_AUTH_MODE="")
+        mode = "token" if token else "disabled"
+        assert rc == 0 and lines[0].startswith("ray start") and lines[1].startswith("torchrun")
+        assert all(line.endswith(f"RAY_AUTH_MODE={mode}") for line in lines[:2]), lines
+    (tmp_path / "own").mkdir()
+    rc, lines = run(tmp_path / "own", 0, HOME=str(home), RAY_AUTH_MODE="disabled")  # the user's choice is kept
+    assert lines[0].endswith("RAY_AUTH_MODE=disabled") and lines[1].endswith("RAY_AUTH_MODE=disabled")
