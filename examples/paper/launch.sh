@@ -1,20 +1,46 @@
 #!/usr/bin/env bash
 # Multi-node launcher for the paper settings. Node count / addresses / GPUs come from SLURM or env:
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE (defaults: SLURM_* or 1 node, all GPUs).
+#   S3AC_ROOT: the checkout (default: this script's, or SLURM_SUBMIT_DIR under sbatch: submit from the repo root).
 #   sbatch -N 4 --gpus-per-node 8 examples/paper/launch.sh [SUBCOMMAND] examples/paper/qwen25_math_1p5b_k16.yaml [key=value ...]
 # SUBCOMMAND: an s3ac-train subcommand, default `pipeline` (coverage data -> value pretraining -> RL, each stage
 # resumable; docs/trainer.md "Pipeline"); `train` runs RL alone (set model.critic_init for S3AC), `value-pretrain`.
 # Ray (the SGLang rollout engines are Ray actors, docs/rollout.md): on every node, before torchrun, node 0 starts
 # the Ray head (RAY_PORT, default 6379) and the other nodes join it; RAY_ADDRESS is exported so the trainer
 # connects (ray.init(address="auto")) instead of starting a local Ray. Each node stops its Ray at exit (also on
-# failure or Ctrl-C). With RAY_ADDRESS already set (an existing cluster), nothing is started or stopped.
+# failure or Ctrl-C). With RAY_ADDRESS already set (an existing cluster), nothing is started or stopped (a cluster
+# with token authentication then needs RAY_AUTH_MODE=token too).
 set -euo pipefail
+# The repository: S3AC_ROOT if set; else, under `sbatch` ($0 is then Slurm's spool copy of this script, which exists
+# on the first node only), the submit directory; else this script's own checkout. Every node runs the repo's copy.
+SELF_REL=examples/paper/launch.sh
+OWN_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." 2>/dev/null && pwd || true)
+if [ -n "${S3AC_ROOT:-}" ]; then
+  [ -f "$S3AC_ROOT/$SELF_REL" ] || { echo "launch.sh: S3AC_ROOT=$S3AC_ROOT has no $SELF_REL; set S3AC_ROOT to the" \
+    "megatron_s3ac checkout" >&2; exit 2; }
+elif [ -n "${SLURM_JOB_ID:-}" ] && [ ! -f "$OWN_ROOT/$SELF_REL" ]; then  # a Slurm batch script's spool copy
+  S3AC_ROOT=${SLURM_SUBMIT_DIR:-}
+  [ -n "$S3AC_ROOT" ] && [ -f "$S3AC_ROOT/$SELF_REL" ] || { echo "launch.sh: running from Slurm's copy of the" \
+    "script ($0) and the submit directory '${SLURM_SUBMIT_DIR:-}' has no $SELF_REL: set S3AC_ROOT to the" \
+    "megatron_s3ac checkout (on a filesystem every node sees), e.g. sbatch --export=ALL,S3AC_ROOT=/path/to/repo" >&2
+    exit 2; }
+else
+  S3AC_ROOT=$OWN_ROOT
+fi
+export S3AC_ROOT
 CMD=pipeline
 case "${1:-}" in pipeline|train|value-pretrain|demo) CMD=$1; shift ;; esac
 CFG=${1:?usage: launch.sh [pipeline|train|value-pretrain] CONFIG.yaml [key=value ...]}; shift
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
-GPUS_PER_NODE=${GPUS_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+if [ -z "${GPUS_PER_NODE:-}" ]; then  # count "GPU i: ..." lines; no nvidia-smi (or no GPU) -> say what to set
+  GPUS_PER_NODE=$( { nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU ' || true)
+  if [ "${GPUS_PER_NODE:-0}" -lt 1 ]; then
+    echo "launch.sh: cannot count this node's GPUs (nvidia-smi -L is missing or lists none); set GPUS_PER_NODE" \
+      "to the number of GPUs per node, e.g. GPUS_PER_NODE=8" >&2
+    exit 2
+  fi
+fi
 MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n1 || echo localhost)}
 MASTER_PORT=${MASTER_PORT:-29500}
 RAY_PORT=${RAY_PORT:-6379}
@@ -27,12 +53,22 @@ export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=${SGLANG_ALLOW_OVERWRITE_LONGER
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${SLURM_PROCID_SET:-}" ]; then
   export SLURM_PROCID_SET=1
   # one task per node runs this script again (the branch below): Ray + torchrun on every node
-  exec srun --ntasks-per-node 1 bash -c "NODE_RANK=\$SLURM_NODEID exec \"$0\" \"\$@\"" bash "$CMD" "$CFG" "$@"
+  # (the repository's copy: Slurm's spool copy, $0 under sbatch, is on the first node only)
+  exec srun --ntasks-per-node 1 bash -c 'NODE_RANK=$SLURM_NODEID exec bash "$0" "$@"' "$S3AC_ROOT/$SELF_REL" \
+    "$CMD" "$CFG" "$@"
 fi
 
 ray_up() {  # start (node 0) or join (others) the job's Ray cluster; stop it at exit
   if [ -n "${RAY_ADDRESS:-}" ]; then echo "launch.sh: using the Ray cluster at $RAY_ADDRESS"; return; fi
   trap 'ray stop --force >/dev/null 2>&1 || true' EXIT INT TERM
+  # Ray 2.60: `ray start` turns token auth on when a token exists (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+  # ~/.ray/auth_token, which any local ray.init() writes), but a driver given RAY_ADDRESS never does (it then fails
+  # with "Authentication token is missing"): decide once, here, for Ray on every node and for the trainer
+  if [ -z "${RAY_AUTH_MODE:-}" ]; then
+    RAY_AUTH_MODE=disabled
+    if [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -s "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; then RAY_AUTH_MODE=token; fi
+    export RAY_AUTH_MODE
+  fi
   if [ "$NODE_RANK" = 0 ]; then
     ray start --head --port "$RAY_PORT" --num-gpus "$GPUS_PER_NODE" --disable-usage-stats --include-dashboard false
   else

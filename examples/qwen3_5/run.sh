@@ -12,7 +12,23 @@ set -euo pipefail
 CMD=pipeline
 case "${1:-}" in pipeline|train|value-pretrain|demo) CMD=$1; shift ;; esac
 CFG=${1:?usage: run.sh [pipeline|train|value-pretrain] CONFIG.yaml [key=value ...]}; shift
-HERE=$(cd "$(dirname "$0")" && pwd)
+# The repository (where examples/paper/launch.sh is): S3AC_ROOT if set; else, under `sbatch` ($0 is then Slurm's
+# spool copy of this script, not in the checkout), the submit directory; else this script's own checkout.
+LAUNCH_REL=examples/paper/launch.sh
+OWN_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." 2>/dev/null && pwd || true)
+if [ -n "${S3AC_ROOT:-}" ]; then
+  [ -f "$S3AC_ROOT/$LAUNCH_REL" ] || { echo "run.sh: S3AC_ROOT=$S3AC_ROOT has no $LAUNCH_REL; set S3AC_ROOT to the" \
+    "megatron_s3ac checkout" >&2; exit 2; }
+elif [ -n "${SLURM_JOB_ID:-}" ] && [ ! -f "$OWN_ROOT/$LAUNCH_REL" ]; then  # a Slurm batch script's spool copy
+  S3AC_ROOT=${SLURM_SUBMIT_DIR:-}
+  [ -n "$S3AC_ROOT" ] && [ -f "$S3AC_ROOT/$LAUNCH_REL" ] || { echo "run.sh: running from Slurm's copy of the" \
+    "script ($0) and the submit directory '${SLURM_SUBMIT_DIR:-}' has no $LAUNCH_REL: set S3AC_ROOT to the" \
+    "megatron_s3ac checkout (on a filesystem every node sees), e.g. sbatch --export=ALL,S3AC_ROOT=/path/to/repo" >&2
+    exit 2; }
+else
+  S3AC_ROOT=$OWN_ROOT
+fi
+export S3AC_ROOT
 read -r HF MCORE < <(python - "$CFG" <<'PY'
 import sys, yaml
 m = yaml.safe_load(open(sys.argv[1]))["model"]
@@ -23,4 +39,4 @@ NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 if [ -z "${SKIP_CONVERT:-}" ] && [ "$NODE_RANK" = 0 ] && [ ! -e "$MCORE/.metadata" ]; then
   python -m checkpoints_convert hf-to-mcore --hf "$HF" --out "$MCORE" --workers "${CONVERT_WORKERS:-16}"
 fi
-exec "$HERE/../paper/launch.sh" "$CMD" "$CFG" "$@"
+exec bash "$S3AC_ROOT/$LAUNCH_REL" "$CMD" "$CFG" "$@"

@@ -252,6 +252,10 @@ class ColocatedIPCSync:
                 except Exception:
                     pass
             raise
+        finally:
+            # the engines have answered (loaded or failed): the buffers behind the handles go back to the trainer
+            # (on GPUs, bucket_mb per rank that the engine's KV cache needs next)
+            self._buf, self._arena = None, None
         stats.seconds = time.perf_counter() - t0
         return stats
 

@@ -11,21 +11,23 @@
 * ``factory(slot: EngineSlot) -> RolloutEngine`` runs inside the actor (picklable; e.g. factory.make_engine_factory).
 * ``generate`` splits the prompts into contiguous, balanced chunks (one per engine), runs them concurrently and
   returns the samples in prompt order. With ``params.seed`` set, chunk e gets ``seed + (first prompt) x n_samples``,
-  so request k of the whole batch carries seed + k on whichever engine runs it.
+  so request k of the whole batch carries seed + k on whichever engine runs it. A prompt that cannot fit
+  prompt + max_new_tokens in its engine's context (``ready()["context_length"]``) is refused before any engine runs
+  (``PromptTooLongError`` naming its index in the whole batch, not in the engine's chunk).
 * Every wait has a per-engine timeout (``timeout_s``): an engine that does not answer in time is killed and
   ``EngineTimeout`` names it; an engine whose process died raises ``EngineDied`` naming it (index, node, pid) and
   the cause; the pool is unusable afterwards (restart it). An engine's own exception (e.g. WeightUpdateError)
   propagates with its type and message.
-* Weight sync through the object store (colocated on CPU, or whenever no broadcast group is used):
+* Weight sync through the object store (tools and tests; the trainer uses the colocated hand-over or the broadcast):
   ``update_weights`` opens one weight-update session per engine, streams buckets (each put once, read by every
   engine), then ``finish_sync`` (session end + cache flush) on every engine. ``sync_colocated`` wraps it in
   the colocated order wake(["weights"]) -> sync -> wake(["kv_cache", "cuda_graph"]).
   Separate GPUs: ``broadcast.WeightBroadcaster(pool)`` + ``begin_weight_update`` / ``finish_sync``.
-* Colocated hand-over (rollout/ipc.py): ``device_keys()`` says which device each engine's TP ranks use;
-  ``submit(e, "load_serialized_bucket", payloads, names, shapes[, dtypes])`` loads one bucket from per-TP-rank
-  payloads inside engine e's open session (SGLangEngine.load_serialized_bucket).
-* Ray: connects to a running cluster (``ray.init(address="auto")``) when RAY_ADDRESS is set (the launch scripts
-  start one on every node), else starts a local one; the pool never shuts Ray down.
+* Colocated hand-over (rollout/ipc.py, rollout/colocated.py): ``device_keys()`` says which device each engine's TP
+  ranks use; ``submit(e, "load_serialized_bucket", payloads, names, shapes[, dtypes])`` loads one bucket from
+  per-TP-rank payloads inside engine e's open session (SGLangEngine.load_serialized_bucket).
+* Ray (``ray_init.init_ray``): connects to a running cluster (``ray.init(address="auto")``) when RAY_ADDRESS is
+  set (the launch scripts start one on every node), else starts a local one; the pool never shuts Ray down.
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ import socket
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets
+from megatron_s3ac.rollout.ray_init import init_ray
 from megatron_s3ac.rollout.remote import _death_cause, pack_bucket, unpack_bucket
+from megatron_s3ac.rollout.sglang_engine import PromptTooLongError
 
 
 class EnginePoolError(RuntimeError):
@@ -64,6 +68,23 @@ class EngineSlot:
     dist_init_addr: Optional[str] = None
 
 
+def check_prompt_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                         chunks: Iterable[tuple[int, int, int]], contexts: dict, label: Callable[[int], str]) -> None:
+    """Raise PromptTooLongError for the first prompt that cannot fit prompt + max_new_tokens in the context of the
+    engine it goes to (sglang refuses the whole batch then, tokenizer_manager.py:1338-1375). chunks: (engine, lo, hi)
+    prompt ranges; contexts: engine -> context length in tokens (None: unknown, not checked); the message names the
+    prompt's index in ``prompts`` (the whole batch) and label(engine)."""
+    for e, lo, hi in chunks:
+        ctx = contexts.get(e)
+        for i in range(lo, hi) if ctx else ():
+            need = len(prompts[i]) + max_new_tokens
+            if need > ctx:
+                raise PromptTooLongError(
+                    f"{label(e)}: prompt {i} has {len(prompts[i])} tokens; with max_new_tokens={max_new_tokens} it "
+                    f"needs {need} > the context length {ctx}. Shorten or filter the prompt (data.max_prompt_tokens) "
+                    f"or lower max_new_tokens")
+
+
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of n items over `parts` chunks, sizes differing by at most one, in order."""
     return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
@@ -78,10 +99,12 @@ class EngineWorker:
 
     def ready(self) -> dict:
         config = getattr(self.engine, "config", None)
+        ctx = getattr(self.engine, "context_length", None)  # tokens (prompt + response); None: unknown
         return {"pid": os.getpid(), "node": socket.gethostname(), "engine": type(self.engine).__name__,
                 "tp_size": int(getattr(config, "tp_size", 1) or 1),
                 "base_gpu_id": int(getattr(config, "base_gpu_id", 0) or 0),
-                "gpu_id_step": int((getattr(config, "extra", None) or {}).get("gpu_id_step", 1))}
+                "gpu_id_step": int((getattr(config, "extra", None) or {}).get("gpu_id_step", 1)),
+                "context_length": int(ctx) if ctx else None}
 
     @staticmethod
     def address() -> str:
@@ -158,15 +181,7 @@ class EnginePool(RolloutEngine):
         self.num_engines, self.timeout_s, self.max_inflight = int(num_engines), float(timeout_s), int(max_inflight)
         self.bucket_bytes = int(bucket_bytes)
         self._failure: Optional[EnginePoolError] = None
-        if not ray.is_initialized():
-            if os.environ.get("RAY_ADDRESS"):
-                ray.init(address="auto", **(ray_init_kwargs or {}))
-            else:
-                kwargs = dict(num_cpus=max(1, int(num_engines * cpus_per_engine * self.nnodes)), include_dashboard=False)
-                if not gpus_per_engine:
-                    kwargs["num_gpus"] = 0
-                kwargs.update(ray_init_kwargs or {})
-                ray.init(**kwargs)
+        init_ray(num_engines * cpus_per_engine * self.nnodes, gpus_per_engine, ray_init_kwargs)  # RAY_ADDRESS: join
         gpus_per_bundle = gpus_per_engine // self.nnodes if gpus_per_engine else 0
         bundle = {"CPU": cpus_per_engine, **({"GPU": gpus_per_bundle} if gpus_per_bundle else {})}
         self.placement_groups, self.actors, self.followers, self.info = [], [], [], []
@@ -280,16 +295,26 @@ class EnginePool(RolloutEngine):
                  return_routed_experts: bool = False) -> list[list[Sample]]:
         self._check()
         prompts = [[int(t) for t in p] for p in prompt_ids]
+        chunks = [(e, lo, hi) for e, (lo, hi) in enumerate(split_evenly(len(prompts), self.num_engines)) if lo < hi]
+        # an engine numbers the prompts of its own chunk: check here, naming the prompt's index in the whole batch
+        contexts = {e: self.info[e].get("context_length") for e, _, _ in chunks}
+        check_prompt_lengths(prompts, params.max_new_tokens, chunks, contexts, self.label)
         refs, spans = [], []
-        for e, (lo, hi) in enumerate(split_evenly(len(prompts), self.num_engines)):
-            if lo == hi:
-                continue
+        for e, lo, hi in chunks:
             p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + lo * n_samples)
             refs.append((e, self.actors[e].generate.remote(prompts[lo:hi], p, int(n_samples),
                                                            bool(return_routed_experts))))
             spans.append((lo, hi))
+        try:
+            results = self.wait(refs, "generate")
+        except PromptTooLongError:
+            # the context was unknown up front and an engine learnt it from sglang's refusal: name the global index
+            infos = self.wait([(e, self.actors[e].ready.remote()) for e, _, _ in chunks], "ready()")
+            check_prompt_lengths(prompts, params.max_new_tokens, chunks,
+                                 {e: i.get("context_length") for (e, _, _), i in zip(chunks, infos)}, self.label)
+            raise
         out: list = []
-        for (lo, hi), groups in zip(spans, self.wait(refs, "generate")):
+        for (lo, hi), groups in zip(spans, results):
             if len(groups) != hi - lo:
                 raise EnginePoolError(f"an engine returned {len(groups)} groups for {hi - lo} prompts")
             out.extend(groups)

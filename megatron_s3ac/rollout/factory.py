@@ -83,7 +83,7 @@ def validate_sglang_settings(s: SGLangSettings, prefix: str = "rollout.sglang", 
     """Raise ConfigError naming the dotted key of the first inconsistent value.
 
     cluster_gpus: GPUs of the whole job; trainer_gpus: GPUs the trainer uses. Colocated: the engines live on the
-    trainer's GPUs (num_engines x gpus_per_engine <= trainer_gpus, at most one engine shard per GPU); separate:
+    trainer's GPUs (num_engines x gpus_per_engine == trainer_gpus, exactly one engine shard per GPU); separate:
     they need their own (trainer_gpus + num_engines x gpus_per_engine <= cluster_gpus).
     """
     def bad(key, msg):
@@ -119,10 +119,14 @@ def validate_sglang_settings(s: SGLangSettings, prefix: str = "rollout.sglang", 
         bad("gpus_per_engine", f"{s.gpus_per_engine} GPUs span nodes of {s.gpus_per_node} GPUs: it must be a "
                                f"multiple of gpus_per_node (whole nodes)")
     need = s.num_engines * s.gpus_per_engine
-    if placement == "colocated" and trainer_gpus is not None and need > trainer_gpus:
+    if placement == "colocated" and trainer_gpus is not None and need != trainer_gpus:
+        # the colocated sync hands each engine TP rank its buckets from the trainer rank on the same GPU, so every
+        # trainer GPU carries exactly one engine shard (fewer engines: GPUs idle during rollout, memory wasted)
+        fix = (f"use num_engines: {trainer_gpus // s.gpus_per_engine}" if trainer_gpus % s.gpus_per_engine == 0 else
+               f"{trainer_gpus} is not a multiple of gpus_per_engine={s.gpus_per_engine}: change gpus_per_engine")
         bad("num_engines", f"{s.num_engines} engines x {s.gpus_per_engine} GPUs = {need} GPUs, but colocated engines "
-                           f"live on the trainer's {trainer_gpus} GPUs (one engine shard per GPU): use num_engines "
-                           f"<= {trainer_gpus // s.gpus_per_engine}")
+                           f"must cover the trainer's {trainer_gpus} GPUs one-to-one (one engine shard per GPU): "
+                           f"{fix}")
     if placement == "separate" and cluster_gpus is not None:
         have = cluster_gpus - (trainer_gpus or 0)
         if need > have:

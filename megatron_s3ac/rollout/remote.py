@@ -20,21 +20,21 @@ engine (``weight_sync.sync_weights`` included):
   kills the actor (its state is unknown after a timeout) and says which call timed out.
 * ``close()`` (or the context manager) asks the engine to shut down, then kills the actor.
 
-Ray: a local instance is started (``ray.init(num_cpus=..., include_dashboard=False)``) unless one is
-already initialised; RemoteEngine never shuts Ray down (other actors may share it). The actor inherits
+Ray (``ray_init.init_ray``): unless already initialised, connects to the cluster at RAY_ADDRESS when set (the
+launch scripts start one), else starts a local instance (``num_cpus``, no dashboard); RemoteEngine never shuts Ray down (other actors may share it). The actor inherits
 Ray's thread setting (OMP_NUM_THREADS = its num_cpus); pass ``torch_threads`` to override.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import os
 import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets
+from megatron_s3ac.rollout.ray_init import init_ray
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -189,7 +189,7 @@ class RemoteEngine(RolloutEngine):
     num_cpus / num_gpus: the actor's Ray resources; actor_options: any other ``.options()``.
     timeout_s: limit of one call (generate, one bucket, sleep, ...); start_timeout_s: limit of the
         factory (model loading); close_timeout_s: limit of the engine's own shutdown in close().
-    ray_init_kwargs: passed to ``ray.init`` when Ray is not initialised yet.
+    ray_init_kwargs: passed to ``ray.init`` when Ray is not initialised yet (``ray_init.init_ray``).
     torch_threads: torch.set_num_threads in the actor (default: Ray's OMP_NUM_THREADS = num_cpus).
     One caller at a time (not thread-safe), as a local engine.
     """
@@ -210,12 +210,7 @@ class RemoteEngine(RolloutEngine):
         self.pid: Optional[int] = None
         self._failure: Optional[RemoteEngineError] = None  # set once the actor is unusable
         self._actor = None
-        if not ray.is_initialized():
-            kwargs = dict(num_cpus=max(1, math.ceil(num_cpus)), include_dashboard=False)
-            if not num_gpus:
-                kwargs["num_gpus"] = 0
-            kwargs.update(ray_init_kwargs or {})
-            ray.init(**kwargs)
+        init_ray(num_cpus, num_gpus, ray_init_kwargs)  # joins RAY_ADDRESS's cluster if set
         options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0)
         options.update(actor_options or {})
         self._actor = ray.remote(EngineHost).options(**options).remote(factory, torch_threads)

@@ -47,9 +47,9 @@ def test_each_engine_tp_rank_reads_from_the_trainer_rank_on_its_device(ckpts, ca
     plan = r0["plan"]
     assert plan == r1["plan"] and plan == [[b + t for t in range(tp_size)] for b in bases]
     for e, log in enumerate(r0["logs"]):  # TP rank t of engine e read memory of the trainer rank on its device
-        assert len(log) >= 2 * tp_size, "the engine saw no flattened payload"
+        assert len(log) >= 2, "the engine saw no flattened payload"
         for entry in log:
-            assert entry["producer_pid"] == pids[plan[e][entry["tp_rank"]]] and entry["matches_rank0"]
+            assert entry["producers"] == [pids[x] for x in plan[e]] and all(entry["matches_rank0"])
     total = r0["ref_bytes"]
     if pp == 2:  # each stage's leader broadcast exactly its stage; together the whole model, once per sync
         assert r0["bytes"][0] > 0 and r1["bytes"][0] > 0

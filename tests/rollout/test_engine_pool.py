@@ -15,7 +15,7 @@ from megatron_s3ac.rollout.base import SamplingParams, iter_buckets
 from megatron_s3ac.rollout.broadcast import WeightBroadcaster
 from megatron_s3ac.rollout.engine_pool import EngineDied, EnginePool, EngineTimeout, split_evenly
 from megatron_s3ac.rollout.factory import SGLangSettings, make_engine_factory
-from megatron_s3ac.rollout.sglang_engine import SessionSync, WeightUpdateError
+from megatron_s3ac.rollout.sglang_engine import PromptTooLongError, SessionSync, WeightUpdateError
 
 from fake_sglang import FakeSGLangEngine, save_tiny_qwen3_moe
 
@@ -88,6 +88,23 @@ def test_generate_splits_and_keeps_prompt_order(pool):
             assert s.response_ids == r.response_ids  # request k carries seed + k on either engine
             np.testing.assert_allclose(s.logprobs, r.logprobs, atol=1e-5)
             assert np.array_equal(s.routed_experts, r.routed_experts)
+
+
+def test_too_long_prompt_is_named_by_its_index_in_the_batch(pool):
+    p, _ = pool
+    assert [i["context_length"] for i in p.info] == [256, 256]  # the checkpoint's max_position_embeddings
+    prompts = PROMPTS[:3] + [[5] * 250] + PROMPTS[4:]  # prompt 3 of the batch = prompt 1 of engine 1's chunk
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
+    with pytest.raises(PromptTooLongError, match="rollout engine 1 of 2 on .*: prompt 3 has 250 tokens; with "
+                                                 "max_new_tokens=8 it needs 258 > the context length 256"):
+        p.generate(prompts, params)
+    # context unknown up front: the engine learns it from sglang's refusal (and numbers its own chunk)
+    p.call_all("__setattr__", "context_length", None)
+    for info in p.info:
+        info["context_length"] = None
+    with pytest.raises(PromptTooLongError, match="rollout engine 1 of 2 on .*: prompt 3 has 250 tokens"):
+        p.generate(prompts, params)
+    assert len(p.generate(PROMPTS, params)) == len(PROMPTS)  # refused up front: the pool still serves
 
 
 def test_update_weights_reaches_every_engine(pool, weights):

@@ -44,10 +44,24 @@ def test_consistent_settings_pass():
      "rollout.sglang.num_engines"),
     (dict(num_engines=3, gpus_per_engine=8, tp_size=8), dict(trainer_gpus=16, placement="colocated"),
      "rollout.sglang.num_engines"),
+    # colocated engines on fewer GPUs than the trainer: trainer GPUs without an engine shard
+    (dict(num_engines=1, gpus_per_engine=8, tp_size=8), dict(trainer_gpus=16, placement="colocated"),
+     "rollout.sglang.num_engines"),
+    (dict(num_engines=1, gpus_per_engine=4, tp_size=4), dict(trainer_gpus=6, placement="colocated"),
+     "rollout.sglang.num_engines"),
 ])
 def test_inconsistent_settings_name_the_key(kwargs, where, key):
     with pytest.raises(ConfigError, match=f"^{key.replace('.', '[.]')}: "):
         validate_sglang_settings(SGLangSettings(**kwargs), **where)
+
+
+def test_colocated_names_the_engine_count_that_fits():
+    with pytest.raises(ConfigError, match="1 engines x 8 GPUs = 8 GPUs, but colocated engines must cover the "
+                                          "trainer's 16 GPUs one-to-one .*: use num_engines: 2$"):
+        validate_sglang_settings(SGLangSettings(num_engines=1, gpus_per_engine=8, tp_size=8), trainer_gpus=16)
+    with pytest.raises(ConfigError, match="6 is not a multiple of gpus_per_engine=4"):
+        validate_sglang_settings(SGLangSettings(num_engines=1, gpus_per_engine=4, tp_size=4), trainer_gpus=6)
+    validate_sglang_settings(SGLangSettings(num_engines=4, gpus_per_engine=4, tp_size=4), trainer_gpus=16)
 
 
 def test_unknown_key_named():

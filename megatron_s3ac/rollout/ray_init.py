@@ -1,0 +1,34 @@
+"""Ray for the rollout engines: join the job's cluster when there is one, else start a local instance.
+
+The launch scripts (examples/paper/launch.sh) start Ray on every node and export RAY_ADDRESS. Ray 2.x refuses
+``ray.init(num_cpus=..., num_gpus=...)`` against an existing cluster ("When connecting to an existing cluster,
+num_cpus and num_gpus must not be provided", ray/_private/worker.py), so resources are passed only when this
+process starts its own Ray.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+
+def init_ray(num_cpus: float, num_gpus: float = 0, ray_init_kwargs: Optional[dict] = None) -> bool:
+    """Initialise Ray unless it already is. Returns True when this call initialised it.
+
+    RAY_ADDRESS set: ``ray.init(address="auto", **ray_init_kwargs)`` (connect; the cluster's resources are its own).
+    Otherwise a local instance with ``max(1, ceil(num_cpus))`` CPUs, no GPUs when ``num_gpus`` is 0 (Ray would
+    otherwise claim every visible GPU), no dashboard; ``ray_init_kwargs`` override these.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address="auto", **(ray_init_kwargs or {}))
+        return True
+    kwargs = dict(num_cpus=max(1, math.ceil(num_cpus)), include_dashboard=False)
+    if not num_gpus:
+        kwargs["num_gpus"] = 0
+    kwargs.update(ray_init_kwargs or {})
+    ray.init(**kwargs)
+    return True
