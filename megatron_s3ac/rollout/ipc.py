@@ -14,7 +14,7 @@ load_format="flattened_bucket")``):
   (model_executor/model_runner_components/weight_updater.py:383-413), so the metadata here are
   ``SimpleNamespace(name, shape, dtype, start_idx, end_idx, numel)``: allowed, and no sglang import needed.
 * CUDA: pickling a CUDA tensor with ForkingPickler yields its CUDA IPC handle. sglang's
-  ``monkey_patch_torch_reductions`` (utils/patch_torch.py:41-90) writes the GPU's UUID where torch writes the
+  ``monkey_patch_torch_reductions`` (utils/patch_torch.py:41-100) writes the GPU's UUID where torch writes the
   producer's device index, so a consumer with its own CUDA_VISIBLE_DEVICES opens the right GPU; producers call it
   before serializing (as sglang's own SPMD producer does, weight_sync/utils.py:40-42).
 * CPU (tests and small runs): the same pickling under torch's ``file_system`` sharing strategy: the payload names

@@ -13,7 +13,7 @@ checks them against the pinned wheel. The 0.5.23 behaviours this wrapper handles
   1264-1267). -> names and shapes are checked against the served checkpoint (its safetensors index /
   headers, else its config) before anything is sent (``WeightUpdateError``).
 * ``flush_cache()`` returns ``FlushCacheReqOutput(success=False)`` while requests run or wait
-  (managers/scheduler.py:5518-5543, managers/scheduler_components/flush_wrapper.py:22-31). -> bounded retry with
+  (managers/scheduler.py:5518-5547, managers/scheduler_components/flush_wrapper.py:22-31). -> bounded retry with
   back-off, then ``FlushCacheError``.
 * ``resume_memory_occupation(tags)`` does ``offload_tags.remove(tag)``: a tag not released raises KeyError
   in the scheduler (managers/scheduler_components/weight_updater.py:383-391), which kills the engine
@@ -490,9 +490,9 @@ class SGLangEngine(RolloutEngine):
             result = getattr(self.engine, method)(**kwargs)
         except SGLangError:
             raise
-        # e.g. a payload TypeError in the caller (utils/common.py:3109-3131), or the stand-in's SchedulerDied; a real
-        # scheduler death raises nothing here: it SIGKILLs this process (managers/scheduler.py:6370-6373)
         except Exception as err:
+            # e.g. a payload TypeError in the caller (utils/common.py:3109-3131), or the stand-in's SchedulerDied; a
+            # real scheduler death raises nothing here: it SIGKILLs this process (managers/scheduler.py:6370-6373)
             raise WeightUpdateError(f"{self.name}: {method} raised for {what}: {type(err).__name__}: {err}") from err
         ok, msg = result_status(result)
         if not ok:

@@ -19,8 +19,8 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
    (managers/scheduler.py:6370-6373); on the distributed path it becomes (False, "Failed to update parameter
    online: ...") (model_executor/model_runner_components/weight_updater.py:324-341).
 3. ``flush_cache()`` -> FlushCacheReqOutput(success=False) while requests are running or queued
-   (managers/scheduler.py:5518-5543; io_struct.py:1859-1861). ``flush_cache=True`` on an update call that finds
-   the engine busy turns it into (False, "Weights were updated, but the cache was not flushed ...")
+   (managers/scheduler.py:5518-5547; managers/io_struct.py:1859-1861). ``flush_cache=True`` on an update call that
+   finds the engine busy turns it into (False, "Weights were updated, but the cache was not flushed ...")
    (managers/scheduler_components/weight_updater.py:120-133). Busy is modelled by ``busy_flushes``: that many next
    flushes find requests running.
 4. Memory tags (managers/scheduler_components/weight_updater.py:337-422): release adds tags to ``offload_tags``
