@@ -3,7 +3,7 @@
 sglang's engine side (0.5.23, model_executor/model_runner_components/weight_updater.py:100-144, 260-310): each
 engine TP rank joins a torch.distributed group of ``world_size`` = 1 + sum of the engines' TP sizes as rank
 ``rank_offset + tp_rank`` (the trainer's sender is rank 0), through ``init_custom_process_group``
-(utils/common.py:2859-2925: rendezvous on ``init_method``, a PrefixStore named after the group, a group outside
+(utils/common.py:2859-2927: rendezvous on ``init_method``, a PrefixStore named after the group, a group outside
 the default world). For each bucket the engine allocates the tensors and receives them with
 ``broadcast(src=0)``: one broadcast per tensor, or one of the whole flat uint8 bucket with
 ``load_format="flattened_bucket"`` (weight_sync/tensor_bucket.py:86-112: tensors back to back, no padding, each
@@ -30,7 +30,7 @@ import torch.distributed as dist
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
                               timeout: Optional[datetime.timedelta] = None):
     """A process group independent of the default one (which may not exist), the way sglang's engine creates its
-    side (utils/common.py:2859-2925), so both sides rendezvous on the same store keys. Blocks until all join."""
+    side (utils/common.py:2859-2927), so both sides rendezvous on the same store keys. Blocks until all join."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     timeout = timeout or datetime.timedelta(minutes=10)

@@ -71,9 +71,9 @@ class EngineSlot:
 def check_prompt_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int,
                          chunks: Iterable[tuple[int, int, int]], contexts: dict, label: Callable[[int], str]) -> None:
     """Raise PromptTooLongError for the first prompt that cannot fit prompt + max_new_tokens in the context of the
-    engine it goes to (sglang refuses the whole batch then, tokenizer_manager.py:1338-1375). chunks: (engine, lo, hi)
-    prompt ranges; contexts: engine -> context length in tokens (None: unknown, not checked); the message names the
-    prompt's index in ``prompts`` (the whole batch) and label(engine)."""
+    engine it goes to (sglang refuses the whole batch then, managers/tokenizer_manager.py:1338-1378). chunks:
+    (engine, lo, hi) prompt ranges; contexts: engine -> context length in tokens (None: unknown, not checked); the
+    message names the prompt's index in ``prompts`` (the whole batch) and label(engine)."""
     for e, lo, hi in chunks:
         ctx = contexts.get(e)
         for i in range(lo, hi) if ctx else ():

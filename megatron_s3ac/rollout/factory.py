@@ -15,8 +15,9 @@ sglang 0.5.23 layout facts the validation encodes (``sglang/srt/``): one engine 
 used here); attention data parallelism splits the TP group (``tp_size % attn_dp_size == 0``,
 arg_groups/parallel_hook.py:162,326; fields/parallel.py:81-90: "attention groups inside the TP group"); experts are
 sharded inside it too (``ep_size`` divides tp_size), and the all-to-all backends force ep_size = tp_size
-(arg_groups/overrides.py:1578-1620). Weight updates need dp_size == 1 (tokenizer_control_mixin.py:452,574): data
-parallelism is N engines, not one engine's dp_size.
+(arg_groups/overrides.py:1578-1620). Weight updates need dp_size == 1 (managers/tokenizer_control_mixin.py:451,
+509, 569; dp_size counts replicas, attention-DP groups are separate, runtime_context.py:202-207): data parallelism
+is N engines, not one engine's dp_size.
 """
 from __future__ import annotations
 

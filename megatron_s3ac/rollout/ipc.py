@@ -10,10 +10,11 @@ load_format="flattened_bucket")``):
 * utils/common.py:3144-3372: ``SafeUnpickler`` allows a fixed set of globals (torch rebuild functions, dtypes,
   ``types.SimpleNamespace``, sglang's own FlattenedTensorMetadata ...) and raises "Blocked unsafe global
   (<module>.<name>) during pickle deserialization" for anything else: a project dataclass in the metadata kills
-  the scheduler. The loader reads six attributes per entry (weight_updater.py:383-413), so the metadata here are
+  the scheduler. The loader reads six attributes per entry
+  (model_executor/model_runner_components/weight_updater.py:383-413), so the metadata here are
   ``SimpleNamespace(name, shape, dtype, start_idx, end_idx, numel)``: allowed, and no sglang import needed.
 * CUDA: pickling a CUDA tensor with ForkingPickler yields its CUDA IPC handle. sglang's
-  ``monkey_patch_torch_reductions`` (utils/patch_torch.py:41-90) writes the GPU's UUID where torch writes the
+  ``monkey_patch_torch_reductions`` (utils/patch_torch.py:41-100) writes the GPU's UUID where torch writes the
   producer's device index, so a consumer with its own CUDA_VISIBLE_DEVICES opens the right GPU; producers call it
   before serializing (as sglang's own SPMD producer does, weight_sync/utils.py:40-42).
 * CPU (tests and small runs): the same pickling under torch's ``file_system`` sharing strategy: the payload names
@@ -101,7 +102,7 @@ def device_key(index: Optional[int] = None) -> str:
 def engine_device_keys(tp_size: int, base_gpu_id: int = 0, gpu_id_step: int = 1, nnodes: int = 1,
                        node_rank: int = 0) -> dict[int, str]:
     """{tp_rank: device_key} of the TP ranks an sglang engine launches on this node: sglang puts TP rank r on visible
-    GPU base_gpu_id + (r % tp_per_node) * gpu_id_step (entrypoints/engine.py:928-939, 2047-2077; pp_size 1)."""
+    GPU base_gpu_id + (r % tp_per_node) * gpu_id_step (entrypoints/engine.py:928-939, 2045-2077; pp_size 1)."""
     per_node = max(1, int(tp_size) // max(1, int(nnodes)))
     ranks = range(per_node * int(node_rank), per_node * (int(node_rank) + 1))
     return {r: device_key(int(base_gpu_id) + (r % per_node) * int(gpu_id_step)) for r in ranks}

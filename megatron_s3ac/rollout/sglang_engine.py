@@ -7,21 +7,26 @@ checks them against the pinned wheel. The 0.5.23 behaviours this wrapper handles
 
 * Weight updates only inside a session: ``update_weights_from_tensor`` / ``_from_distributed`` outside
   ``begin_weight_update()`` .. ``end_weight_update()`` return ``(False, "... must run between ...")`` and
-  load nothing (managers/scheduler_components/weight_updater.py:187-238). -> one session around each
+  load nothing (managers/scheduler_components/weight_updater.py:187-239). -> one session around each
   whole sync; every ``(success, message)`` checked -> ``WeightUpdateError`` naming engine and tensors.
 * The Qwen3-MoE loader skips unknown names silently and still reports success (models/qwen3_moe.py:1222-1225,
   1264-1267). -> names and shapes are checked against the served checkpoint (its safetensors index /
   headers, else its config) before anything is sent (``WeightUpdateError``).
 * ``flush_cache()`` returns ``FlushCacheReqOutput(success=False)`` while requests run or wait
-  (managers/scheduler.py:5518-5543, scheduler_components/flush_wrapper.py:22-31). -> bounded retry with
+  (managers/scheduler.py:5518-5547, managers/scheduler_components/flush_wrapper.py:22-31). -> bounded retry with
   back-off, then ``FlushCacheError``.
 * ``resume_memory_occupation(tags)`` does ``offload_tags.remove(tag)``: a tag not released raises KeyError
-  in the scheduler (weight_updater.py:383-391), which kills the engine (scheduler.py:6370-6373); no tags ==
-  all three (weight_updater.py:344-345, 386-387). -> released tags are tracked; ``wake()`` resumes only those.
-* An aborted request's meta_info has no ``routed_experts`` (tokenizer_manager.py:3597-3635). -> it becomes a
+  in the scheduler (managers/scheduler_components/weight_updater.py:383-391), which kills the engine
+  (managers/scheduler.py:6370-6373: SIGQUIT to the process holding the Engine, whose handler kills it; no Python
+  exception reaches the caller); no tags == all three (weight_updater.py:345-346 for release, 386-387 for
+  resume). -> released tags are tracked; ``wake()`` resumes only those.
+* An aborted request's meta_info has no ``routed_experts`` (managers/tokenizer_manager.py:3596-3635). -> it becomes a
   ``finish_reason="abort"`` Sample without routes; it never raises.
-* A prompt + max_new_tokens over the context length raises ValueError for the whole batch
-  (tokenizer_manager.py:1338-1375, 1711). -> refused up front (``PromptTooLongError``), naming the prompt.
+* A prompt + max_new_tokens over the context length makes ``generate`` raise ValueError
+  (managers/tokenizer_manager.py:1338-1378). Without attention DP the pre-tokenized batch is validated before any
+  request is sent (1689, 2086-2087); with attention DP the sequential path (1753-1767 -> 2098-2113) has already
+  sent the requests before the long one. -> refused up front (``_check_lengths``, ``PromptTooLongError`` naming
+  the prompt) before sglang is called, so neither path is reached.
 * With ``enable_deterministic_inference`` a request without ``sampling_seed`` samples with seed 42
   (sampling/sampling_batch_info.py:157-171): all K samples of a prompt would be identical. Without it,
   seeds are ignored. -> every request carries a distinct int seed.
@@ -37,7 +42,8 @@ checks them against the pinned wheel. The 0.5.23 behaviours this wrapper handles
 
 Parallelism: GPUs per engine = tp_size (attention DP and EP live inside the TP group: tp_size %
 attn_dp_size == 0, arg_groups/parallel_hook.py:162,326; fields/parallel.py:81-90); one engine per data-
-parallel replica (weight updates assert dp_size == 1, tokenizer_control_mixin.py:452,574).
+parallel replica (weight updates assert dp_size == 1, managers/tokenizer_control_mixin.py:451, 509, 569;
+dp_size counts replicas, not attention-DP groups: runtime_context.py:202-207).
 """
 from __future__ import annotations
 
@@ -219,7 +225,8 @@ def _finish_reason(meta: dict) -> str:
 
 def result_status(result: Any) -> tuple[bool, str]:
     """(success, message) of an Engine call's return: a ``(bool, str)`` tuple (update/session calls,
-    tokenizer_control_mixin.py:445-601) or an object/dict with ``success`` (FlushCacheReqOutput, io_struct.py:1859)."""
+    managers/tokenizer_control_mixin.py:445-601) or an object/dict with ``success`` (FlushCacheReqOutput,
+    managers/io_struct.py:1859-1861)."""
     if isinstance(result, (bool, np.bool_)):
         return bool(result), ""
     if isinstance(result, (tuple, list)) and result and isinstance(result[0], (bool, np.bool_)):
@@ -413,7 +420,9 @@ class SGLangEngine(RolloutEngine):
         return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompts))]
 
     def _check_lengths(self, prompts: list[list[int]], max_new_tokens: int) -> None:
-        """sglang raises for the whole batch if any prompt + max_new_tokens > context (tokenizer_manager.py:1338-1375)."""
+        """Refuse before sglang is called: sglang raises ValueError if any prompt + max_new_tokens > context
+        (managers/tokenizer_manager.py:1338-1378), and with attention DP only after sending the requests before
+        that prompt (sequential path, 2098-2113)."""
         if not self.context_length:
             return
         for i, p in enumerate(prompts):
@@ -481,7 +490,9 @@ class SGLangEngine(RolloutEngine):
             result = getattr(self.engine, method)(**kwargs)
         except SGLangError:
             raise
-        except Exception as err:  # e.g. the scheduler died on the payload (scheduler.py:6370-6373)
+        except Exception as err:
+            # e.g. a payload TypeError in the caller (utils/common.py:3109-3131), or the stand-in's SchedulerDied; a
+            # real scheduler death raises nothing here: it SIGKILLs this process (managers/scheduler.py:6370-6373)
             raise WeightUpdateError(f"{self.name}: {method} raised for {what}: {type(err).__name__}: {err}") from err
         ok, msg = result_status(result)
         if not ok:
@@ -721,7 +732,7 @@ def _itemsize(dtype: Any) -> int:
 
 
 def _context_from_message(msg: str) -> Optional[int]:
-    """The context length in sglang's refusal (tokenizer_manager.py:1341-1375), if it is one."""
+    """The context length in sglang's refusal (managers/tokenizer_manager.py:1348-1351, 1371-1377), if it is one."""
     import re
 
     m = re.search(r"context length \((\d+) tokens\)|maximum context length of (\d+) tokens", msg)

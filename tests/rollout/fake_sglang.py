@@ -9,19 +9,24 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
    twice -> (False, "a weight-update session is already open; ..."); ``end_weight_update`` without one ->
    (False, "no weight-update session is open; ..."); ``update_weights_from_tensor`` / ``_from_distributed``
    outside a session -> (False, "... must run between begin_weight_update() and end_weight_update()") and load
-   nothing (weight_updater.py:187-197, 232-240). All of them return ``(success, message)`` tuples
+   nothing (managers/scheduler_components/weight_updater.py:187-197, 232-239). All of them return
+   ``(success, message)`` tuples
    (managers/tokenizer_control_mixin.py:445-601).
 2. The Qwen3-MoE loader skips names it does not know (no error, success stays True): models/qwen3_moe.py:1222-1225,
    1244-1246, 1264-1267. A known name with the wrong shape fails its weight_loader; on the tensor path nothing
-   catches it and the scheduler dies (weight_updater.py:343-381, scheduler.py:6370-6373); on the distributed path
-   it becomes (False, "Failed to update parameter online: ...") (weight_updater.py:324-341).
+   catches it (managers/scheduler_components/weight_updater.py:232-263 calls
+   model_executor/model_runner_components/weight_updater.py:343-413, neither has a try) and the scheduler dies
+   (managers/scheduler.py:6370-6373); on the distributed path it becomes (False, "Failed to update parameter
+   online: ...") (model_executor/model_runner_components/weight_updater.py:324-341).
 3. ``flush_cache()`` -> FlushCacheReqOutput(success=False) while requests are running or queued
-   (managers/scheduler.py:5518-5543; io_struct.py:1859-1861). ``flush_cache=True`` on an update call that finds
-   the engine busy turns it into (False, "Weights were updated, but the cache was not flushed ...")
-   (weight_updater.py:120-133). Busy is modelled by ``busy_flushes``: that many next flushes find requests running.
-4. Memory tags (weight_updater.py:337-422): release adds tags to ``offload_tags`` (None/[] -> all three,
-   constants.py:6-10) and asserts the engine is idle; resume does ``offload_tags.remove(tag)``: KeyError for a tag
-   not released, which kills the scheduler (scheduler.py:6370-6373) -> this stand-in is dead afterwards.
+   (managers/scheduler.py:5518-5547; managers/io_struct.py:1859-1861). ``flush_cache=True`` on an update call that
+   finds the engine busy turns it into (False, "Weights were updated, but the cache was not flushed ...")
+   (managers/scheduler_components/weight_updater.py:120-133). Busy is modelled by ``busy_flushes``: that many next
+   flushes find requests running.
+4. Memory tags (managers/scheduler_components/weight_updater.py:337-422): release adds tags to ``offload_tags``
+   (None/[] -> all three, 345-346; constants.py:6-10) and asserts the engine is idle (339-341); resume with
+   None/[] also means all three (386-387) and does ``offload_tags.remove(tag)`` (389-390): KeyError for a tag
+   not released, which kills the scheduler (managers/scheduler.py:6370-6373) -> this stand-in is dead afterwards.
    Weights released without ``enable_weights_cpu_backup`` come back as garbage (torch_memory_saver frees them);
    here they come back as NaN.
 5. Aborted requests (``abort_requests``: request positions of the next generate call, ``abort_after`` tokens
@@ -29,11 +34,19 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
    the log-probs of the tokens so far, and NO ``routed_experts`` (managers/tokenizer_manager.py:3596-3635).
 6. Seeds (sampling/sampling_batch_info.py:157-171): with ``enable_deterministic_inference`` a request without
    ``sampling_seed`` samples with 42; without it every seed is ignored (the engine's own RNG, from random_seed).
-7. Context length (tokenizer_manager.py:1333-1375, checked per request before any is sent, 1711): prompt
-   >= context -> ValueError("The input (N tokens) is longer than the model's context length (C tokens)."),
+7. Context length (managers/tokenizer_manager.py:1307-1378, ``_validate_one_request``): prompt >= context ->
+   ValueError("The input (N tokens) is longer than the model's context length (C tokens).") (1338-1351),
    prompt + max_new_tokens > context -> ValueError("Requested token count exceeds the model's maximum context
-   length ..."): the whole batch raises. Context = ``context_length`` or the config's max_position_embeddings
-   (utils/hf_transformers/common.py:668-694).
+   length ...") (1353-1378): the ``generate`` call raises. Whether requests before the long one already ran
+   depends on the path ``_handle_batch_request`` takes (2084-2114, chosen by ``_should_use_batch_tokenization``,
+   1753-1767): without attention DP, pre-tokenized ``input_ids`` take the batch path, where every request is
+   validated (1689 -> 1271; 1711 for text with enable_tokenizer_batch_encode) before any is sent (2087), so
+   nothing runs; WITH attention DP (``attn_dp_enabled``) they take the sequential path (2098-2113), where each
+   request is validated and sent in turn, so the requests before the long one are already in the scheduler when
+   the ValueError is raised. The stand-in models the batch path only (it validates every request before any
+   runs). This does not matter to SGLangEngine: ``_check_lengths`` refuses the batch (PromptTooLongError) before
+   sglang is called whenever the context length is known (``context_length`` or the checkpoint's config).
+   Context = ``context_length`` or the config's max_position_embeddings (utils/hf_transformers/common.py:668-694).
 8. Qwen3-MoE makes every layer sparse (models/qwen3_moe.py:878): ``mlp_only_layers`` / ``decoder_sparse_step``
    are ignored, so a checkpoint's dense-MLP tensors are silently skipped (experts stay uninitialised).
 9. ``init_weights_update_group`` joins a torch.distributed group as rank ``rank_offset + tp_rank`` (blocking
@@ -45,19 +58,28 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
       bytes: a str is base64-decoded, bytes-like is kept (base64-decoded if it does not start like a pickle),
       anything else raises TypeError("serialized_named_tensors entries must be base64 strings or bytes-like
       payloads, got <type>") to the caller; nothing reached the scheduler, the engine stays alive.
-   b. Session / released-weights checks as in 1 and 4 (weight_updater.py:232-238).
+   b. Session / released-weights checks as in 1 and 4 (managers/scheduler_components/weight_updater.py:232-239).
    c. Each TP rank r takes ``payloads[r]`` (managers/tp_worker.py:194-201: too few -> IndexError in that rank's
       scheduler -> dead) and deserializes it with ``SafeUnpickler`` (utils/common.py:3144-3372, modelled by
       ``SafeUnpicklerModel`` below: any global outside the allowlist -> RuntimeError("Blocked unsafe global
       (<module>.<name>) during pickle deserialization") -> dead), then reconstructs the tensors from the
-      ``flattened_tensor`` and each metadata entry's six attributes (model_runner_components/weight_updater.py:
-      383-413, weight_sync/tensor_bucket.py:118-135). TP rank 0's tensors are loaded as in 2. Real TP ranks each
-      narrow their own shard from their own payload, so a rank whose tensors differ from rank 0's would serve an
-      inconsistent shard without an error: the stand-in records it (``debug_payload_log``) instead of failing.
+      ``flattened_tensor`` and each metadata entry's six attributes
+      (model_executor/model_runner_components/weight_updater.py:383-413, weight_sync/tensor_bucket.py:118-135).
+      TP rank 0's tensors are loaded as in 2. Real TP ranks each narrow their own shard from their own payload, so
+      a rank whose tensors differ from rank 0's would serve an inconsistent shard without an error: the stand-in
+      records it (``debug_payload_log``) instead of failing.
       The payloads are real handles: on CPU, ForkingPickler with the ``file_system`` strategy names a shared-memory
       segment ``/torch_<producer pid>_...`` that this process maps (the counterpart of a CUDA IPC handle); the
       producer pid parsed from it is logged per bucket and TP rank. References to the deserialized tensors are
       dropped after loading (the producer's segment refcount).
+10. How a scheduler death reaches the caller DIFFERS from sglang: the stand-in raises a Python exception in the
+   caller (``SchedulerDied``; the KeyError itself for an unreleased tag) and refuses every later call. Real sglang
+   never returns: the dying scheduler process sends SIGQUIT to its parent (managers/scheduler.py:6370-6373), whose
+   handler (entrypoints/engine.py:1976-1982 at launch, replaced by managers/tokenizer_manager.py:2457-2459 ->
+   4072-4081 once the event loop runs) calls ``kill_process_tree(os.getpid())`` (utils/common.py:2507-2553), which
+   SIGKILLs the process holding the ``sglang.Engine``: no exception, no Python traceback, no ``finally``. In the
+   trainer that is rank 0 itself for an in-process engine (colocated, ``rollout.sglang.num_engines: 1``), or the
+   engine's Ray actor in a pool (the pool reports ``EngineDied``).
 
 Hooks for tests (not part of sglang's API, prefixed ``debug_``): read the served tensors back under their
 checkpoint names; ``debug_payload_log`` (one dict per flattened bucket: bucket, names, and per TP rank
@@ -91,7 +113,8 @@ class FlushCacheReqOutput:  # io_struct.py:1859-1861
 
 
 class SchedulerDied(RuntimeError):
-    """The engine's scheduler hit an exception; sglang then SIGQUITs the engine (scheduler.py:6370-6373)."""
+    """The engine's scheduler hit an exception. Real sglang raises nothing: the scheduler SIGQUITs its parent
+    (managers/scheduler.py:6370-6373), whose handler kills the whole process (item 10 of the module docstring)."""
 
 
 def _checkpoint_names(model) -> dict[str, tuple[int, ...]]:
@@ -168,7 +191,7 @@ class FakeSGLangEngine:
 
     def _after_update(self, flush_cache: bool, source: str) -> tuple[bool, str]:
         self.session["loaded_weights"] = True
-        if flush_cache and not self._flush():  # weight_updater.py:120-133
+        if flush_cache and not self._flush():  # managers/scheduler_components/weight_updater.py:120-133
             return False, ("Weights were updated, but the cache was not flushed because requests are still running "
                            "or queued. Retract or finish them, then call /flush_cache.")
         return True, "Success" if source == "tensor" else "Succeeded to update parameter online."
@@ -182,7 +205,7 @@ class FakeSGLangEngine:
         single = input_ids and isinstance(input_ids[0], int)
         batch = [input_ids] if single else list(input_ids)
         sps = sampling_params if isinstance(sampling_params, list) else [dict(sampling_params or {})] * len(batch)
-        for ids, sp in zip(batch, sps):  # tokenizer_manager.py:1338-1375, all before any request runs
+        for ids, sp in zip(batch, sps):  # tokenizer_manager.py:1338-1378; all before any runs (batch path, item 7)
             n = len(ids)
             if n >= self.context_len:
                 raise ValueError(f"The input ({n} tokens) is longer than the model's context length "
@@ -261,7 +284,7 @@ class FakeSGLangEngine:
 
     def _load_flattened(self, payloads: list) -> None:
         """Every TP rank's scheduler: its own payload (tp_worker.py:194-201), SafeUnpickler, reconstruct
-        (weight_updater.py:383-413); rank 0's tensors go into the model."""
+        (model_executor/model_runner_components/weight_updater.py:383-413); rank 0's tensors go into the model."""
         bucket, self._flat_buckets = self._flat_buckets, self._flat_buckets + 1
         ranks = []
         for r in range(self.tp_size):
@@ -328,7 +351,7 @@ class FakeSGLangEngine:
             return False, f"Failed to receive weights: {e}"
         try:
             self._load(weights)
-        except Exception as e:  # weight_updater.py:324-341
+        except Exception as e:  # model_executor/model_runner_components/weight_updater.py:324-341
             return False, (f"Failed to update parameter online: {e}. The full weights of the ModelRunner are "
                            f"partially updated. Please discard the whole weights.")
         return self._after_update(flush_cache, "distributed")
@@ -359,7 +382,7 @@ class FakeSGLangEngine:
         tags = list(tags) if tags else list(ALL_TAGS)
         for tag in tags:
             try:
-                self.offload_tags.remove(tag)  # weight_updater.py:389-390
+                self.offload_tags.remove(tag)  # managers/scheduler_components/weight_updater.py:389-390
             except KeyError:
                 self.dead = f"Scheduler hit an exception: KeyError: {tag!r}"
                 raise
@@ -393,8 +416,8 @@ class FakeSGLangEngine:
 
 
 def _reconstruct(payload) -> list:
-    """model_runner_components/weight_updater.py:383-413 (the six metadata attributes) + tensor_bucket.py:118-135
-    (views of the flat tensor by metadata)."""
+    """model_executor/model_runner_components/weight_updater.py:383-413 (the six metadata attributes) +
+    weight_sync/tensor_bucket.py:118-135 (views of the flat tensor by metadata)."""
     flat, out = payload["flattened_tensor"], []
     for m in payload["metadata"]:
         m = FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
@@ -495,13 +518,15 @@ class SafeUnpicklerModel(pickle.Unpickler):
         raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
-def save_tiny_qwen3_moe(path, seed: int = 0, **overrides) -> str:
-    """A tiny random Qwen3-MoE HF checkpoint (no dense layers: servable by sglang) saved at path."""
+def save_tiny_qwen3_moe(path, seed: int = 0, dtype: Optional[torch.dtype] = None, **overrides) -> str:
+    """A tiny random Qwen3-MoE HF checkpoint (no dense layers: servable by sglang) saved at path, in ``dtype``
+    (default float32)."""
     from transformers import AutoModelForCausalLM
 
     from rollout_fixtures import tiny_moe_config
 
     torch.manual_seed(seed)
     cfg = tiny_moe_config(**{"mlp_only_layers": [], **overrides})
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(path))
+    model = AutoModelForCausalLM.from_config(cfg)
+    (model if dtype is None else model.to(dtype)).save_pretrained(str(path))
     return str(path)

@@ -212,6 +212,13 @@ def test_wake_resumes_only_released_tags(ckpt):
         fake.resume_memory_occupation(tags=["weights"])
     with pytest.raises(SchedulerDied):
         fake.flush_cache()
+    # ... and, like sglang, resume without tags after a partial release means all three: what wake() avoids
+    engine, fake = make(ckpt)
+    fake.release_memory_occupation(tags=["kv_cache"])
+    with pytest.raises(KeyError, match="weights"):
+        fake.resume_memory_occupation(tags=None)
+    with pytest.raises(SchedulerDied):
+        fake.flush_cache()
 
 
 def test_colocated_order_and_lost_weights(ckpt, other_weights):
@@ -286,15 +293,20 @@ GPU_READY = torch.cuda.is_available() and importlib.util.find_spec("sglang") is 
                                           "tools/device_checks/sglang_smoke.py is the full check")
 def test_sglang_engine_on_gpu(tmp_path, tokenizer):
     """Real sglang: log-probs and routes against transformers teacher-forced on the same weights."""
-    path = save_tiny_qwen3_moe(tmp_path, head_dim=64, hidden_size=256, num_attention_heads=4)
+    # bf16 checkpoint served in bf16 (fp32 may be refused by the default attention backend on Hopper); the teacher
+    # runs the same bf16 weights in fp32, so the gap is the engine's bf16 arithmetic only. Tolerances from
+    # transformers bf16 vs fp32 on this architecture (CPU, 5 seeds x 2 prompts x 8 greedy tokens): per-token
+    # |d log-prob| <= 0.14 (mean <= 0.03), router top-k agreement >= 0.976; a wrong weight / position is ~1-3.
+    path = save_tiny_qwen3_moe(tmp_path, head_dim=64, hidden_size=256, num_attention_heads=4, dtype=torch.bfloat16)
     tokenizer.save_pretrained(path)
     engine = SGLangEngine(SGLangConfig(model_path=path, enable_return_routed_experts=True, mem_fraction_static=0.3,
-                                       dtype="float32", enable_deterministic_inference=True))
+                                       dtype="bfloat16", enable_deterministic_inference=True))
     try:
         out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8), return_routed_experts=True)
         for prompt, group in zip(PROMPTS, out):
             lp, routes = teacher(None, prompt, group[0].response_ids, ckpt_dir=path)
-            np.testing.assert_allclose(group[0].logprobs, lp, atol=1e-3)
-            assert (np.sort(group[0].routed_experts, -1) == np.sort(routes, -1)).mean() > 0.99
+            np.testing.assert_allclose(group[0].logprobs, lp, atol=0.25)
+            assert np.abs(group[0].logprobs - lp).mean() < 0.05
+            assert (np.sort(group[0].routed_experts, -1) == np.sort(routes, -1)).mean() > 0.95
     finally:
         engine.shutdown()
