@@ -740,7 +740,10 @@ def _context_from_message(msg: str) -> Optional[int]:
 
 
 def _context_length(text_config: dict) -> Optional[int]:
-    """sglang's default context length from an HF config dict (utils/hf_transformers/common.py:668-694)."""
+    """sglang's default context length from an HF config dict (utils/hf_transformers/common.py:668-694): the first
+    length key found (times the RoPE factor), else 2048 as sglang assumes; None without a config (unknown here)."""
+    if not text_config:
+        return None
     for key in ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings"):
         if text_config.get(key) is not None:
             scaling = text_config.get("rope_scaling") or {}
@@ -748,7 +751,7 @@ def _context_length(text_config: dict) -> Optional[int]:
             if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
                 factor = 1
             return int(factor * text_config[key])
-    return None
+    return 2048
 
 
 class SessionSync:

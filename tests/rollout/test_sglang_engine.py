@@ -310,3 +310,17 @@ def test_sglang_engine_on_gpu(tmp_path, tokenizer):
             assert (np.sort(group[0].routed_experts, -1) == np.sort(routes, -1)).mean() > 0.95
     finally:
         engine.shutdown()
+
+
+def test_context_length_defaults_like_sglang():
+    """utils/hf_transformers/common.py:677-694: the first length key (times the RoPE factor unless the config keeps
+    the original length), else 2048; no config at all: unknown (None), sglang's own refusal is then named later."""
+    from megatron_s3ac.rollout.sglang_engine import _context_length
+
+    assert _context_length({"max_position_embeddings": 4096}) == 4096
+    assert _context_length({"seq_length": 1000, "max_position_embeddings": 4096}) == 1000
+    assert _context_length({"max_position_embeddings": 4096, "rope_scaling": {"factor": 4.0}}) == 16384
+    assert _context_length({"max_position_embeddings": 4096,
+                            "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 1024}}) == 4096
+    assert _context_length({"hidden_size": 64}) == 2048
+    assert _context_length({}) is None
