@@ -9,24 +9,10 @@ trainer rank and a name the engines do not serve are refused on every rank."""
 import pytest
 
 from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_models import save_tiny_hf
 from colocated_ranks import colocated_rank, refused_rank
+from test_stage_broadcast import ckpts  # noqa: F401 (fixture: tiny qwen3 / qwen3_moe, HF + torch_dist)
 
 pytestmark = pytest.mark.slow  # 2 ranks + engine processes: ~20 s quiet, ~60 s on 2 busy cores
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    from megatron_s3ac.convert import hf_to_mcore
-
-    root = tmp_path_factory.mktemp("isync")
-    out = {}
-    for i, name in enumerate(("qwen3", "qwen3_moe")):
-        hf = save_tiny_hf(name, str(root / f"hf_{name}"), seed=30 + i)
-        mc = str(root / f"mcore_{name}")
-        hf_to_mcore(hf, mc, workers=1, progress=False)
-        out[name] = (hf, mc)
-    return out
 
 
 # pp2: one engine with 2 TP ranks on the two trainer ranks' devices; ep2: two engines of one TP rank each
