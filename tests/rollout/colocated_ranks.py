@@ -78,3 +78,68 @@ def refused_rank(hf_dir, ckpt_dir, pp, base_gpu_ids, missing=None):
     if pool is not None:
         pool.close()
     return out, calls
+
+
+class ReadBackEngine:
+    """The engine side of the hand-over reduced to what sglang does with a flattened payload: TP rank r
+    deserializes payload r through the SafeUnpickler model (the stand-in's copy of 0.5.23's allow-list) and
+    reconstructs the tensors (weight_sync/tensor_bucket.py); kept by name, per TP rank, for comparison. For dtypes
+    the stand-in's model cannot serve (FP8 checkpoints)."""
+
+    def __init__(self, tp_size):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(tp_size=tp_size)
+        self.tensors = [dict() for _ in range(tp_size)]
+        self.calls = []
+
+    def device_keys(self):
+        from megatron_s3ac.rollout.ipc import engine_device_keys
+
+        keys = engine_device_keys(self.config.tp_size)
+        return [keys[r] for r in sorted(keys)]
+
+    def begin_weight_update(self):
+        self.calls.append("begin")
+
+    def end_weight_update(self):
+        self.calls.append("end")
+
+    def finish_sync(self, names, require_complete=False):
+        self.calls.append("finish")
+
+    def load_serialized_bucket(self, payloads, names, shapes, dtypes=None, nbytes=None):
+        import io
+
+        from fake_sglang import SafeUnpicklerModel, _reconstruct, normalize_serialized_named_tensor_payload
+
+        self.calls.append("load")
+        for r, p in enumerate(payloads):
+            data = SafeUnpicklerModel(io.BytesIO(normalize_serialized_named_tensor_payload(p))).load()
+            for n, t in _reconstruct(data):
+                self.tensors[r][n] = t.clone()
+        return nbytes
+
+
+def fp8_rank(hf_dir, ckpt_dir, pp, ep, bucket_bytes):
+    """One colocated sync with the stage leaders' FP8 quantizer (rollout.weights_dtype=fp8) into a 2-TP-rank
+    read-back engine on rank 0. Returns on rank 0 {TP rank: {name: bytes equal to quantize_stream(export)?}}."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_s3ac.convert.fp8 import quantize_stream
+    from megatron_s3ac.convert.verify import load_actor, make_layout
+    from megatron_s3ac.rollout.colocated import ColocatedIPCSync
+    from stage_broadcast_ranks import _export
+
+    info, model = load_actor(hf_dir, ckpt_dir, make_layout(1, pp, ep))
+    engine = ReadBackEngine(2) if dist.get_rank() == 0 else None
+    ColocatedIPCSync(engine, timeout_s=60).sync([model], info, bucket_bytes, quantize=quantize_stream)
+    ref = dict(quantize_stream(sorted(_export(model, info, bucket_bytes).items())))
+    if engine is None:
+        return None
+    raw = lambda t: t.contiguous().view(torch.uint8)
+    return {"ref": {n: str(t.dtype) for n, t in ref.items()},
+            "ranks": [{n: (n in got and got[n].dtype == ref[n].dtype and got[n].shape == ref[n].shape
+                           and torch.equal(raw(got[n]), raw(ref[n]))) for n in ref} for got in engine.tensors],
+            "extra": [sorted(set(got) - set(ref)) for got in engine.tensors], "calls": engine.calls}

@@ -66,3 +66,18 @@ def test_unserved_name_stops_every_rank_and_closes_the_session(ckpts):
     assert "stopped the weight sync" in err1 and "model.norm.weight" in err1
     assert calls[-1] == "end_weight_update"  # the session was closed
     assert "flush_cache" not in calls[calls.index("begin_weight_update"):]
+
+
+def test_fp8_quantized_on_the_stage_leaders_reaches_every_tp_rank_bit_exact(ckpts):
+    """rollout.weights_dtype=fp8: each stage leader quantizes its buckets before the broadcast; both TP ranks of
+    the engine receive exactly quantize_stream(export) (e4m3 weights + float32 scales), nothing else."""
+    from colocated_ranks import fp8_rank
+
+    hf, mc = ckpts["qwen3_moe"]
+    r0, r1 = run_distributed(fp8_rank, 2, hf, mc, 2, 1, 20_000)
+    assert r1 is None
+    assert any(d == "torch.float8_e4m3fn" for d in r0["ref"].values())  # something was quantized
+    for per_rank in r0["ranks"]:
+        assert all(per_rank.values()), [n for n, ok in per_rank.items() if not ok]
+    assert r0["extra"] == [[], []]
+    assert r0["calls"][0] == "begin" and r0["calls"][-1] == "finish" and "end" not in r0["calls"]
