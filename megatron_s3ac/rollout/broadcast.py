@@ -174,6 +174,42 @@ def _header(bucket) -> tuple[list, list, list]:
             [list(t.shape) for _, t in bucket])
 
 
+def planned_weights(info) -> tuple[list[str], list[list[int]]]:
+    """(names, shapes) of every HF tensor a whole-model export sends (all stages together; before any FP8
+    quantization, which keeps each weight's name and shape and adds ``*_scale_inv`` tensors)."""
+    from megatron_s3ac.convert.plan import build_plan
+
+    shapes = build_plan(info).hf_shapes
+    return list(shapes), [list(v) for v in shapes.values()]
+
+
+def open_sync(pool, info, controller: int, cache: Optional[dict] = None) -> None:
+    """Every rank, at the start of a weight sync (collective over the default group). The controller checks every
+    tensor the export will send against each engine's served checkpoint (names and shapes: sglang would skip an
+    unknown name silently) and opens the engines' weight-update sessions; its verdict reaches every rank, so a
+    refusal stops all of them before the first bucket moves and no engine is left with half the new weights.
+    ``cache``: a dict kept by the caller across syncs (the plan of a 397B model takes ~0.5 s to build)."""
+    me, error = dist.get_rank(), None
+    if me == controller:
+        try:
+            cache = {} if cache is None else cache
+            if cache.get("info") is not info:
+                cache.update(info=info, planned=planned_weights(info))
+            names, shapes = cache["planned"]
+            pool.wait([pool.submit(e, "check_weights", names, shapes) for e in range(len(pool.tp_sizes))],
+                      "check_weights (every tensor of the sync)")
+            pool.begin_weight_update()
+        except BaseException as err:
+            error = err
+    box = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(box, src=controller)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise RuntimeError(f"rank {me}: rank {controller}, which drives the engines, refused the weight sync before "
+                           f"it started: {box[0]}")
+
+
 def _send_obj(obj, dst: int, dev: torch.device) -> None:
     """A small JSON message over the default group (plain tensors: works on gloo and NCCL)."""
     import json
@@ -225,6 +261,7 @@ class StageBroadcastSync:
         self.group = None  # this rank's group with the engines (stage leaders only)
         self.roles = None
         self._arena = None
+        self._planned: dict = {}  # open_sync's cache of the export's names/shapes
 
     def _group_name(self, stage: int) -> str:
         return f"{self.group_name}-pp{stage}"
@@ -325,8 +362,7 @@ class StageBroadcastSync:
         t0 = time.perf_counter()
         stats = SyncStats(engine_rank=ctl)
         names_all: list[str] = []
-        if me == ctl:
-            self.pool.begin_weight_update()
+        open_sync(self.pool, info, ctl, self._planned)
         try:
             into = None
             if me == leader:

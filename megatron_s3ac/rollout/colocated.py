@@ -101,6 +101,7 @@ class ColocatedIPCSync:
         self.roles: Optional[dict] = None
         self._buf: Optional[torch.Tensor] = None
         self._arena = None
+        self._planned: dict = {}  # open_sync's cache of the export's names/shapes
 
     # -- once: who hands which engine TP rank its buckets -------------------------------------------
     def connect(self, export_group) -> None:
@@ -190,7 +191,7 @@ class ColocatedIPCSync:
         Returns this rank's SyncStats: bytes/buckets it broadcast as a stage leader; on the controller ``tensors``
         counts every stage's."""
         from megatron_s3ac.convert.export import export_hf_weights
-        from megatron_s3ac.rollout.broadcast import _FlatArena, _header, flat_bucket
+        from megatron_s3ac.rollout.broadcast import _FlatArena, _header, flat_bucket, open_sync
         from megatron_s3ac.rollout.weight_sync import SyncStats
 
         if export_group is None:
@@ -204,8 +205,7 @@ class ColocatedIPCSync:
         t0 = time.perf_counter()
         stats = SyncStats(engine_rank=ctl)
         names_all: list[str] = []
-        if me == ctl:
-            self.pool.begin_weight_update()
+        open_sync(self.pool, info, ctl, self._planned)
         try:
             for s in sorted(r["leaders"]):
                 src = r["leaders"][s]

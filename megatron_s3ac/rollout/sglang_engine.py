@@ -196,7 +196,8 @@ def to_sglang_sampling_params(params: SamplingParams, seed_offset: int = 0, base
         out["stop"] = list(params.stop_strings)
     seed = params.seed if params.seed is not None else base_seed
     if seed is not None:
-        out["sampling_seed"] = int(seed) + int(seed_offset)
+        # sglang takes a non-negative int64 seed: wrap instead of overflowing for huge user seeds
+        out["sampling_seed"] = (int(seed) + int(seed_offset)) % (1 << 63)
     return out
 
 
@@ -369,6 +370,9 @@ class SGLangEngine(RolloutEngine):
                            name, config.model_path)
         self._released: set[str] = set()
         self._weights_lost = False  # weights released without a CPU backup and not re-sent since
+        # a sync that loaded some buckets did not finish: the engine serves a mix of old and new weights (sglang's
+        # own advice on a failed update: "Please discard the whole weights", weight_updater.py)
+        self._partial_sync = False
         self._session_open = False
         self._seed_base = int(seed) * 1_000_003
         self._calls = 0  # generate calls (distinct default seeds per call)
@@ -478,8 +482,6 @@ class SGLangEngine(RolloutEngine):
             self.check_weight(n, s)
 
     def _checked(self, named_tensors, seen: set):
-        if hasattr(named_tensors, "items"):
-            named_tensors = named_tensors.items()
         for name, tensor in named_tensors:
             self.check_weight(name, tuple(tensor.shape))
             seen.add(name)
@@ -527,6 +529,12 @@ class SGLangEngine(RolloutEngine):
         """
         cap = int(bucket_bytes or self.bucket_bytes)
         seen: set = set()
+        if hasattr(named_tensors, "items"):
+            named_tensors = list(named_tensors.items())
+        if isinstance(named_tensors, (list, tuple)):
+            # the caller holds every tensor: check all names/shapes before the first bucket loads anything
+            # (a lazy stream is checked bucket by bucket; a refusal midway marks the weights partial)
+            self.check_weights([n for n, _ in named_tensors], [tuple(t.shape) for _, t in named_tensors])
         self.last_sync = {"tensors": 0, "bytes": 0, "buckets": 0}
         self.begin_weight_update()
         try:
@@ -548,6 +556,7 @@ class SGLangEngine(RolloutEngine):
                 self.check_weight(n, tuple(t.shape))
         stats = self.last_sync
         what = f"bucket {stats.get('buckets', 0)} ({bucket[0][0]} .. {bucket[-1][0]}, {len(bucket)} tensors)"
+        self._partial_sync = True  # from here on the engine may hold some new tensors (cleared by finish_sync)
         if flattened:
             # One serialization per TP rank: each rank deserializes only payloads[tp_rank] (managers/tp_worker.py:
             # 194-201; entrypoints/engine.py:1743-1759), and CUDA-IPC refcounts expect one consumer per serialization.
@@ -599,6 +608,7 @@ class SGLangEngine(RolloutEngine):
         self.check_weights(names, shapes)
         if nbytes is None and dtypes is not None:
             nbytes = sum(int(np.prod(s, dtype=np.int64)) * _itemsize(d) for s, d in zip(shapes, dtypes))
+        self._partial_sync = True
         self._call_checked("update_weights_from_tensor", what, named_tensors=payloads,
                            load_format="flattened_bucket", flush_cache=False)
         stats["buckets"] = stats.get("buckets", 0) + 1
@@ -628,6 +638,7 @@ class SGLangEngine(RolloutEngine):
         """After the last bucket (tensor or broadcast path): close the session, flush the cache (retried), and
         check that every served tensor was sent when require_complete."""
         self.end_weight_update()
+        self._partial_sync = False  # every bucket of the sync loaded and the session closed
         missing = sorted(set(self.served_shapes or ()) - set(names_sent))
         self.last_sync["missing"] = missing
         self.flush_cache()
@@ -655,6 +666,7 @@ class SGLangEngine(RolloutEngine):
         # names/shapes are checked by the sender before it broadcasts (check_weights): refusing here, after the
         # trainer started broadcasting, would leave its broadcast without a receiver.
         what = f"bucket ({names[0]} .. {names[-1]}, {len(names)} tensors)" if names else "an empty bucket"
+        self._partial_sync = True
         self._call_checked("update_weights_from_distributed", what, names=list(names), dtypes=list(dtypes),
                            shapes=[list(s) for s in shapes], group_name=group_name, flush_cache=False,
                            load_format="flattened_bucket" if flattened else None)
@@ -704,6 +716,9 @@ class SGLangEngine(RolloutEngine):
         if self._weights_lost:
             raise RuntimeError(f"{self.name}: {what} after the weights were released without a CPU backup; "
                                f"sync the weights (update_weights) first")
+        if self._partial_sync and not self._session_open:
+            raise RuntimeError(f"{self.name}: {what} after a weight sync failed midway: the engine holds a mix of old "
+                               f"and new tensors (see the sync's error); finish a full sync first")
 
     def flush_cache(self) -> None:
         """Flush the KV/prefix cache (stale KV and R3 routes otherwise). sglang refuses while requests are running
@@ -746,7 +761,8 @@ def _context_length(text_config: dict) -> Optional[int]:
         return None
     for key in ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings"):
         if text_config.get(key) is not None:
-            scaling = text_config.get("rope_scaling") or {}
+            # transformers 5 writes rope_parameters where 4.x wrote rope_scaling
+            scaling = text_config.get("rope_scaling") or text_config.get("rope_parameters") or {}
             factor = scaling.get("factor", 1) if scaling else 1
             if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
                 factor = 1

@@ -9,7 +9,8 @@ runs in fp32.
 
 What the GDN changes (``cpu_compat._torch_l2norm`` / ``_torch_chunk_gated_delta_rule``, the fp32
 decay in ``qwen3_5_spec.TorchGatedDeltaNet``) do show:
-* the bf16 GDN mixer equals transformers' bf16 ``linear_attn`` (before: 1-2 bf16 ulps apart);
+* the bf16 GDN mixer equals transformers' bf16 ``linear_attn`` (before: 1-2 bf16 ulps apart on 2/3 of the
+  elements; after: identical, or on some CPUs a few elements 1/16 ulp apart from a near-tie);
 * the GDN core (l2norm, decay, chunked recurrence) in bf16 only rounds its output (its error vs fp32
   math on the same bf16 inputs halves);
 * fp32 is bit-identical to megatron-core's own forward (logits and gradients).
@@ -103,13 +104,19 @@ def test_fp32_is_bit_identical_to_megatron_forward(megatron_runs, hf_runs):
 def test_bf16_gdn_mixer_equals_transformers(megatron_runs, hf_runs):
     ref = hf_runs["mixer"]
     assert sorted(megatron_runs["mixer"]) == sorted(ref) == [0, 1, 2, 4, 5, 6]
-    after = max((megatron_runs["mixer"][i] - ref[i]).abs().max().item() for i in ref)
-    before = max((megatron_runs["legacy_mixer"][i] - ref[i]).abs().max().item() for i in ref)
+    after = torch.cat([(megatron_runs["mixer"][i] - ref[i]).abs().flatten() for i in ref])
+    before = torch.cat([(megatron_runs["legacy_mixer"][i] - ref[i]).abs().flatten() for i in ref])
     scale = max(r.abs().max().item() for r in ref.values())
-    print(f"bf16 GDN mixer vs transformers bf16 linear_attn: before {before:.2e}, after {after:.2e} "
-          f"(output scale {scale:.3f}, bf16 ulp there {2.0 ** (torch.tensor(scale).log2().floor().item() - 7):.1e})")
-    assert before > 1e-4  # the legacy path rounded differently
-    assert after < 1e-6  # same operations in the same precision as transformers (bit-identical on CPU)
+    ulp = 2.0 ** (torch.tensor(scale).log2().floor().item() - 7)  # bf16 ulp at the output scale
+    n_after, n_before = int((after > 0).sum()), int((before > 0).sum())
+    print(f"bf16 GDN mixer vs transformers bf16 linear_attn: before {before.max():.2e} on {n_before} elements, "
+          f"after {after.max():.2e} on {n_after} of {after.numel()} (output scale {scale:.3f}, bf16 ulp there "
+          f"{ulp:.1e})")
+    assert before.max() >= ulp and n_before > after.numel() // 10  # the legacy path rounded differently, all over
+    # The same operations in the same precision as transformers: bit-identical but for a rare near-tie rounded the
+    # other way upstream of out_proj (an fp32 reduction whose order follows the CPU's vector width: 0 elements on
+    # one Xeon, 14 of 147456 on an AMX one), far below an ulp at the output's scale.
+    assert after.max() <= ulp / 8 and n_after <= after.numel() // 1000
 
 
 def test_bf16_gdn_core_only_rounds_its_output():

@@ -51,33 +51,46 @@ def colocated_rank(hf_dir, ckpt_dir, tp, pp, ep, tp_size, base_gpu_ids, bucket_b
     return out
 
 
-def refused_rank(hf_dir, ckpt_dir, pp, base_gpu_ids, missing=None):
-    """A sync that must fail: engines on devices no trainer rank has (``base_gpu_ids``), or engines that do not serve
-    ``missing``. Returns (error text, engine 0's calls) per rank."""
+def refused_rank(hf_dir, ckpt_dir, pp, base_gpu_ids, missing=None, extra=None):
+    """A sync that must fail: engines on devices no trainer rank has (``base_gpu_ids``), engines that do not serve
+    ``missing`` (refused by the controller's check of the whole export, before anything moves), or, with ``extra``,
+    a stream transform (as the FP8 quantizer is one) that adds an unserved tensor ``extra`` to ``missing``'s bucket
+    (refused per bucket, midway). Returns (error text, engine 0's calls, its answer to generate afterwards) per
+    rank."""
     import torch.distributed as dist
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
+    from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.colocated import ColocatedIPCSync
     from megatron_s3ac.rollout.sglang_engine import served_weight_shapes
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(1, pp, 1))
-    pool = None
+    pool, quantize = None, None
     if dist.get_rank() == 0:
         shapes = None
-        if missing:
+        if missing and extra is None:
             shapes = served_weight_shapes(hf_dir)
             shapes.pop(missing)
         pool = engines(hf_dir, 1, base_gpu_ids, shapes)
+    if extra is not None:
+        def quantize(bucket):
+            return list(bucket) + [(extra, t) for n, t in bucket if n == missing]
     try:
-        ColocatedIPCSync(pool, timeout_s=60).sync([model], info, 20_000)
+        ColocatedIPCSync(pool, timeout_s=60).sync([model], info, 20_000, quantize=quantize)
     except Exception as err:
         out = f"{type(err).__name__}: {err}"
     else:
         out = None
-    calls = pool.wait([pool.submit(0, "engine.calls.copy")], "calls")[0] if pool is not None else None
+    calls, gen = None, None
     if pool is not None:
+        calls = pool.wait([pool.submit(0, "engine.calls.copy")], "calls")[0]
+        try:
+            pool.wait([pool.submit(0, "generate", [[1, 2, 3]], SamplingParams(max_new_tokens=2))], "generate")
+            gen = "served"
+        except Exception as err:
+            gen = f"{type(err).__name__}: {err}"
         pool.close()
-    return out, calls
+    return out, calls, gen
 
 
 class ReadBackEngine:
@@ -98,6 +111,9 @@ class ReadBackEngine:
 
         keys = engine_device_keys(self.config.tp_size)
         return [keys[r] for r in sorted(keys)]
+
+    def check_weights(self, names, shapes):  # what the engine serves is not the point here: everything is
+        self.calls.append("check")
 
     def begin_weight_update(self):
         self.calls.append("begin")

@@ -57,32 +57,46 @@ def stage_broadcast_rank(hf_dir, ckpt_dir, tp, pp, ep, n_engines, bucket_bytes):
     return out
 
 
-def refused_rank(hf_dir, ckpt_dir, pp, missing):
-    """The engines do not serve ``missing`` (a tensor of the last stage): the sync must fail on rank 0 naming it,
-    and the stage's leader must stop instead of broadcasting to nobody. Returns the error text per rank."""
+def refused_rank(hf_dir, ckpt_dir, pp, missing, extra=None):
+    """A sync the engines must refuse. ``extra`` None: the engines do not serve ``missing`` (a tensor of the last
+    stage), which the controller's check of the whole export refuses before anything moves. ``extra`` a name: a
+    stream transform (as the FP8 quantizer is one) adds an unserved tensor ``extra`` to ``missing``'s bucket, which
+    only the per-bucket check sees: rank 0 must fail naming it and the stage's leader stop instead of broadcasting
+    to nobody. Returns (error text, engine 0's calls, engine 0's answer to generate afterwards) per rank."""
     import torch.distributed as dist
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
+    from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.broadcast import StageBroadcastSync
     from megatron_s3ac.rollout.sglang_engine import served_weight_shapes
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(1, pp, 1))
-    pool = None
+    pool, quantize = None, None
     if dist.get_rank() == 0:
         shapes = served_weight_shapes(hf_dir)
-        shapes.pop(missing)
+        if extra is None:
+            shapes.pop(missing)
         pool = _engines(hf_dir, 1, served_shapes=shapes)
+    if extra is not None:
+        def quantize(bucket):
+            return list(bucket) + [(extra, t) for n, t in bucket if n == missing]
     sync = StageBroadcastSync(pool, master_address="127.0.0.1", timeout_s=60)
     try:
-        sync.sync([model], info, 20_000)
+        sync.sync([model], info, 20_000, quantize=quantize)
     except Exception as err:
         out = f"{type(err).__name__}: {err}"
     else:
         out = None
-    calls = pool.wait([pool.submit(0, "engine.calls.copy")], "calls")[0] if pool is not None else None
+    calls, gen = None, None
     if pool is not None:
+        calls = pool.wait([pool.submit(0, "engine.calls.copy")], "calls")[0]
+        try:
+            pool.wait([pool.submit(0, "generate", [[1, 2, 3]], SamplingParams(max_new_tokens=2))], "generate")
+            gen = "served"
+        except Exception as err:
+            gen = f"{type(err).__name__}: {err}"
         pool.close()
-    return out, calls
+    return out, calls, gen
 
 
 def trainer_separate_rank(hf_dir, overrides, n_engines):

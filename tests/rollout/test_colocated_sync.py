@@ -53,19 +53,34 @@ def test_each_engine_tp_rank_reads_from_the_trainer_rank_on_its_device(ckpts, ca
 
 def test_engine_on_a_device_without_trainer_rank_is_refused_everywhere(ckpts):
     hf, mc = ckpts["qwen3"]
-    (err0, calls), (err1, _) = run_distributed(refused_rank, 2, hf, mc, 2, [5])
+    (err0, calls, _), (err1, _, _) = run_distributed(refused_rank, 2, hf, mc, 2, [5])
     for err in (err0, err1):
         assert err.startswith("ColocationError") and "engine 0's TP rank 0 runs on device" in err and "cpu5" in err
     assert "update_weights_from_tensor" not in calls
 
 
-def test_unserved_name_stops_every_rank_and_closes_the_session(ckpts):
+def test_unserved_name_is_refused_on_every_rank_before_the_sync_starts(ckpts):
+    """The controller checks every tensor of the export before the session: nothing moves, no session opens."""
     hf, mc = ckpts["qwen3"]
-    (err0, calls), (err1, _) = run_distributed(refused_rank, 2, hf, mc, 2, [0], "model.norm.weight")
+    (err0, calls, gen), (err1, _, _) = run_distributed(refused_rank, 2, hf, mc, 2, [0], "model.norm.weight")
     assert "WeightUpdateError" in err0 and "'model.norm.weight' is not in the served checkpoint" in err0
-    assert "stopped the weight sync" in err1 and "model.norm.weight" in err1
+    assert "refused the weight sync before it started" in err1 and "model.norm.weight" in err1
+    assert "begin_weight_update" not in calls and "update_weights_from_tensor" not in calls
+    assert gen == "served"  # the old weights are intact
+
+
+def test_unserved_name_midway_stops_every_rank_and_closes_the_session(ckpts):
+    """A tensor only a bucket's stream adds (as FP8 scales are) is caught per bucket, on the last stage: every rank
+    stops, the session closes without a flush, and the engine refuses to generate from half-updated weights."""
+    hf, mc = ckpts["qwen3"]
+    (err0, calls, gen), (err1, _, _) = run_distributed(refused_rank, 2, hf, mc, 2, [0], "model.norm.weight",
+                                                       "model.norm.extra")
+    assert "WeightUpdateError" in err0 and "'model.norm.extra' is not in the served checkpoint" in err0
+    assert "stopped the weight sync" in err1 and "model.norm.extra" in err1
     assert calls[-1] == "end_weight_update"  # the session was closed
+    assert "update_weights_from_tensor" in calls  # stage 0's buckets had loaded
     assert "flush_cache" not in calls[calls.index("begin_weight_update"):]
+    assert "failed midway" in gen
 
 
 def test_fp8_quantized_on_the_stage_leaders_reaches_every_tp_rank_bit_exact(ckpts):
@@ -80,4 +95,4 @@ def test_fp8_quantized_on_the_stage_leaders_reaches_every_tp_rank_bit_exact(ckpt
     for per_rank in r0["ranks"]:
         assert all(per_rank.values()), [n for n, ok in per_rank.items() if not ok]
     assert r0["extra"] == [[], []]
-    assert r0["calls"][0] == "begin" and r0["calls"][-1] == "finish" and "end" not in r0["calls"]
+    assert r0["calls"][:2] == ["check", "begin"] and r0["calls"][-1] == "finish" and "end" not in r0["calls"]

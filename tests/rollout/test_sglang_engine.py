@@ -73,6 +73,8 @@ def test_sampling_params_always_carry_a_seed():
     sp = to_sglang_sampling_params(SamplingParams(temperature=0.6, top_k=0, seed=10, stop_strings=("\n",)), 3)
     assert sp["top_k"] == -1 and sp["sampling_seed"] == 13 and sp["stop"] == ["\n"]
     assert to_sglang_sampling_params(SamplingParams(), 2, base_seed=100)["sampling_seed"] == 102
+    # sglang takes an int64 seed: a huge user seed wraps instead of overflowing the whole batch
+    assert to_sglang_sampling_params(SamplingParams(seed=2**63 - 2), 3)["sampling_seed"] == 1
 
 
 def test_generate_matches_transformers_teacher_forced(ckpt):
@@ -178,6 +180,31 @@ def test_unknown_names_refused_before_sending(ckpt, other_weights):
     torch.testing.assert_close(fake.debug_checkpoint_tensor(name), before, rtol=0, atol=0)
     with pytest.raises(WeightUpdateError, match="has shape"):
         engine.update_weights([(name, other_weights[name][:1])])
+
+
+def test_a_list_is_checked_whole_before_the_first_bucket(ckpt, other_weights):
+    """Given every tensor at once, a bad name at the end refuses the sync before any bucket loads."""
+    engine, fake = make(ckpt)
+    items = list(other_weights.items())
+    fake.calls.clear()
+    with pytest.raises(WeightUpdateError, match="'model.extra.weight' is not in the served checkpoint"):
+        engine.update_weights(items + [("model.extra.weight", items[0][1])], bucket_bytes=16 * 1024)
+    assert "begin_weight_update" not in fake.calls and "update_weights_from_tensor" not in fake.calls
+
+
+def test_a_sync_failed_midway_blocks_generation_until_a_full_sync(ckpt, other_weights):
+    """A lazy stream is checked bucket by bucket: a refusal after some buckets loaded leaves a mix of old and new
+    weights (sglang's advice: discard them), so generate refuses until a sync completes."""
+    engine, fake = make(ckpt)
+    items = list(other_weights.items())
+    params = SamplingParams(max_new_tokens=2)
+    with pytest.raises(WeightUpdateError, match="model.extra.weight"):
+        engine.update_weights(iter(items + [("model.extra.weight", items[0][1])]), bucket_bytes=16 * 1024)
+    assert fake.calls.count("update_weights_from_tensor") > 1 and fake.session is None
+    with pytest.raises(RuntimeError, match="sglang engine 0: generate after a weight sync failed midway"):
+        engine.generate(PROMPTS, params)
+    engine.update_weights(iter(items), bucket_bytes=16 * 1024, require_complete=True)
+    assert len(engine.generate(PROMPTS, params)) == 2
 
 
 def test_served_names_from_config_alone(ckpt, tmp_path):
@@ -322,5 +349,9 @@ def test_context_length_defaults_like_sglang():
     assert _context_length({"max_position_embeddings": 4096, "rope_scaling": {"factor": 4.0}}) == 16384
     assert _context_length({"max_position_embeddings": 4096,
                             "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 1024}}) == 4096
+    # transformers 5 writes rope_parameters (sglang reads it through the config's rope_scaling alias)
+    assert _context_length({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "factor": 2.0,
+                                                                                 "rope_theta": 1e6}}) == 8192
+    assert _context_length({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default"}}) == 4096
     assert _context_length({"hidden_size": 64}) == 2048
     assert _context_length({}) is None

@@ -60,9 +60,24 @@ def test_stage_leaders_broadcast_their_own_stage(ckpts, case):
         assert r0["bytes"] == [total, total] and r1["bytes"] == [0, 0]
 
 
-def test_unserved_name_of_a_remote_stage_stops_both_sides(ckpts):
+def test_unserved_name_is_refused_before_the_sync_starts(ckpts):
+    """The controller checks every tensor of the export before the session: nothing moves, no session opens."""
     hf, mc = ckpts["qwen3"]
-    (err0, calls), (err1, _) = run_distributed(refused_rank, 2, hf, mc, 2, "model.norm.weight")
+    (err0, calls, gen), (err1, _, _) = run_distributed(refused_rank, 2, hf, mc, 2, "model.norm.weight")
     assert "WeightUpdateError" in err0 and "'model.norm.weight' is not in the served checkpoint" in err0
+    assert "refused the weight sync before it started" in err1 and "model.norm.weight" in err1
+    assert "begin_weight_update" not in calls and not any(c.startswith("update_weights") for c in calls)
+    assert gen == "served"  # the old weights are intact
+
+
+def test_unserved_name_of_a_remote_stage_stops_both_sides(ckpts):
+    """A tensor only a bucket's stream adds (as FP8 scales are) is caught per bucket, on a remote stage: both sides
+    stop, the session closes, and the engine refuses to generate from its half-updated weights."""
+    hf, mc = ckpts["qwen3"]
+    (err0, calls, gen), (err1, _, _) = run_distributed(refused_rank, 2, hf, mc, 2, "model.norm.weight",
+                                                       "model.norm.extra")
+    assert "WeightUpdateError" in err0 and "'model.norm.extra' is not in the served checkpoint" in err0
     assert "refused bucket" in err1  # stage 1's leader did not broadcast to nobody
     assert calls[-1] == "end_weight_update"  # the session was closed
+    assert any(c.startswith("update_weights") for c in calls)  # stage 0's buckets had loaded
+    assert "failed midway" in gen
