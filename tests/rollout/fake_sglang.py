@@ -34,6 +34,8 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
    the log-probs of the tokens so far, and NO ``routed_experts`` (managers/tokenizer_manager.py:3596-3635).
 6. Seeds (sampling/sampling_batch_info.py:157-171): with ``enable_deterministic_inference`` a request without
    ``sampling_seed`` samples with 42; without it every seed is ignored (the engine's own RNG, from random_seed).
+   A seed that is not a plain int in [-2**63, 2**63 - 1] (e.g. numpy's int64) fails the whole batch with ValueError
+   (sampling/sampling_params.py:302-312).
 7. Context length (managers/tokenizer_manager.py:1307-1378, ``_validate_one_request``): prompt >= context ->
    ValueError("The input (N tokens) is longer than the model's context length (C tokens).") (1338-1351),
    prompt + max_new_tokens > context -> ValueError("Requested token count exceeds the model's maximum context
@@ -206,6 +208,11 @@ class FakeSGLangEngine:
         batch = [input_ids] if single else list(input_ids)
         sps = sampling_params if isinstance(sampling_params, list) else [dict(sampling_params or {})] * len(batch)
         for ids, sp in zip(batch, sps):  # tokenizer_manager.py:1338-1378; all before any runs (batch path, item 7)
+            seed = sp.get("sampling_seed")  # sampling/sampling_params.py:302-312: a plain int64, else the batch fails
+            if seed is not None and not isinstance(seed, int):
+                raise ValueError(f"sampling_seed must be an integer, got {type(seed).__name__}.")
+            if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
+                raise ValueError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
             n = len(ids)
             if n >= self.context_len:
                 raise ValueError(f"The input ({n} tokens) is longer than the model's context length "

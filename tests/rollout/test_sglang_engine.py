@@ -101,6 +101,18 @@ def test_seeds_distinct_without_params_seed_unlike_sglang_default_42(ckpt):
     assert len({tuple(o["output_ids"]) for o in raw}) == 1
 
 
+def test_seeds_are_plain_int64_even_from_a_huge_or_numpy_user_seed(ckpt):
+    """sglang refuses the whole batch for a seed that is not a plain int in [-2**63, 2**63 - 1]."""
+    engine, fake = make(ckpt)
+    with pytest.raises(ValueError, match="sampling_seed must be an integer, got int64"):
+        fake.generate(input_ids=[PROMPTS[0]], sampling_params=[{"max_new_tokens": 2, "sampling_seed": np.int64(3)}])
+    with pytest.raises(ValueError, match="sampling_seed must be in"):
+        fake.generate(input_ids=[PROMPTS[0]], sampling_params=[{"max_new_tokens": 2, "sampling_seed": 2**63}])
+    for seed in (np.int64(7), 2**63 - 2):
+        group = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2, seed=seed), n_samples=4)[0]
+        assert len(group) == 4
+
+
 def test_weight_update_is_one_session_and_loads_what_was_sent(ckpt, other_weights):
     engine, fake = make(ckpt)
     fake.calls.clear()
