@@ -60,37 +60,20 @@ def refused_rank(hf_dir, ckpt_dir, pp, base_gpu_ids, missing=None, extra=None):
     import torch.distributed as dist
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.colocated import ColocatedIPCSync
     from megatron_s3ac.rollout.sglang_engine import served_weight_shapes
+    from stage_broadcast_ranks import adds, refused_outcome
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(1, pp, 1))
-    pool, quantize = None, None
+    pool = None
     if dist.get_rank() == 0:
         shapes = None
         if missing and extra is None:
             shapes = served_weight_shapes(hf_dir)
             shapes.pop(missing)
         pool = engines(hf_dir, 1, base_gpu_ids, shapes)
-    if extra is not None:
-        def quantize(bucket):
-            return list(bucket) + [(extra, t) for n, t in bucket if n == missing]
-    try:
-        ColocatedIPCSync(pool, timeout_s=60).sync([model], info, 20_000, quantize=quantize)
-    except Exception as err:
-        out = f"{type(err).__name__}: {err}"
-    else:
-        out = None
-    calls, gen = None, None
-    if pool is not None:
-        calls = pool.wait([pool.submit(0, "engine.calls.copy")], "calls")[0]
-        try:
-            pool.wait([pool.submit(0, "generate", [[1, 2, 3]], SamplingParams(max_new_tokens=2))], "generate")
-            gen = "served"
-        except Exception as err:
-            gen = f"{type(err).__name__}: {err}"
-        pool.close()
-    return out, calls, gen
+    return refused_outcome(lambda: ColocatedIPCSync(pool, timeout_s=60).sync([model], info, 20_000,
+                                                                  quantize=adds(missing, extra)), pool)
 
 
 class ReadBackEngine:

@@ -66,23 +66,34 @@ def refused_rank(hf_dir, ckpt_dir, pp, missing, extra=None):
     import torch.distributed as dist
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.broadcast import StageBroadcastSync
     from megatron_s3ac.rollout.sglang_engine import served_weight_shapes
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(1, pp, 1))
-    pool, quantize = None, None
+    pool = None
     if dist.get_rank() == 0:
         shapes = served_weight_shapes(hf_dir)
         if extra is None:
             shapes.pop(missing)
         pool = _engines(hf_dir, 1, served_shapes=shapes)
-    if extra is not None:
-        def quantize(bucket):
-            return list(bucket) + [(extra, t) for n, t in bucket if n == missing]
     sync = StageBroadcastSync(pool, master_address="127.0.0.1", timeout_s=60)
+    return refused_outcome(lambda: sync.sync([model], info, 20_000, quantize=adds(missing, extra)), pool)
+
+
+def adds(missing, extra):
+    """A bucket stream transform (as the FP8 quantizer is one) that adds ``extra`` to ``missing``'s bucket."""
+    if extra is None:
+        return None
+    return lambda bucket: list(bucket) + [(extra, t) for n, t in bucket if n == missing]
+
+
+def refused_outcome(sync, pool):
+    """Run ``sync()``; return (its error text or None, engine 0's calls, engine 0's answer to generate) and close
+    the pool (rank 0; None elsewhere)."""
+    from megatron_s3ac.rollout.base import SamplingParams
+
     try:
-        sync.sync([model], info, 20_000, quantize=quantize)
+        sync()
     except Exception as err:
         out = f"{type(err).__name__}: {err}"
     else:
