@@ -210,6 +210,22 @@ def open_sync(pool, info, controller: int, cache: Optional[dict] = None) -> None
                            f"it started: {box[0]}")
 
 
+def start_sync(sync, info, export_group=None):
+    """The start of a stage-wise sync on every rank (StageBroadcastSync, ColocatedIPCSync): connect once
+    (``sync.connect``), then ``open_sync``. Returns (the export group, this rank's SyncStats)."""
+    from megatron_s3ac.rollout.weight_sync import SyncStats
+
+    if export_group is None:
+        from megatron.core import parallel_state as ps
+
+        export_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if sync.roles is None:
+        sync.connect(export_group)
+    ctl = sync.roles["controller"]
+    open_sync(sync.pool, info, ctl, sync._planned)
+    return export_group, SyncStats(engine_rank=ctl)
+
+
 def _send_obj(obj, dst: int, dev: torch.device) -> None:
     """A small JSON message over the default group (plain tensors: works on gloo and NCCL)."""
     import json
@@ -349,20 +365,12 @@ class StageBroadcastSync:
         import time
 
         from megatron_s3ac.convert.export import export_hf_weights
-        from megatron_s3ac.rollout.weight_sync import SyncStats
 
-        if export_group is None:
-            from megatron.core import parallel_state as ps
-
-            export_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-        if self.roles is None:
-            self.connect(export_group)
+        t0 = time.perf_counter()
+        export_group, stats = start_sync(self, info, export_group)
         r, me = self.roles, dist.get_rank()
         ctl, leader, stage, dev = r["controller"], r["leader"], r["stage"], r["device"]
-        t0 = time.perf_counter()
-        stats = SyncStats(engine_rank=ctl)
         names_all: list[str] = []
-        open_sync(self.pool, info, ctl, self._planned)
         try:
             into = None
             if me == leader:

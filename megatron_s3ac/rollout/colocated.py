@@ -191,21 +191,13 @@ class ColocatedIPCSync:
         Returns this rank's SyncStats: bytes/buckets it broadcast as a stage leader; on the controller ``tensors``
         counts every stage's."""
         from megatron_s3ac.convert.export import export_hf_weights
-        from megatron_s3ac.rollout.broadcast import _FlatArena, _header, flat_bucket, open_sync
-        from megatron_s3ac.rollout.weight_sync import SyncStats
+        from megatron_s3ac.rollout.broadcast import _FlatArena, _header, flat_bucket, start_sync
 
-        if export_group is None:
-            from megatron.core import parallel_state as ps
-
-            export_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-        if self.roles is None:
-            self.connect(export_group)
+        t0 = time.perf_counter()
+        export_group, stats = start_sync(self, info, export_group)
         r, me = self.roles, dist.get_rank()
         ctl, leader, stage, dev = r["controller"], r["leader"], r["stage"], r["device"]
-        t0 = time.perf_counter()
-        stats = SyncStats(engine_rank=ctl)
         names_all: list[str] = []
-        open_sync(self.pool, info, ctl, self._planned)
         try:
             for s in sorted(r["leaders"]):
                 src = r["leaders"][s]
