@@ -26,6 +26,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_s3ac.rollout.sync_strategy import WeightSyncStrategy
+
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
                               timeout: Optional[datetime.timedelta] = None):
@@ -439,3 +441,24 @@ class StageBroadcastSync:
         if refs:
             self.pool.wait(refs, "destroy_weights_update_group", self.timeout_s)
         self.roles = None
+
+
+class SGLangBroadcastSync(WeightSyncStrategy):
+    """sglang engines on their own GPUs (``rollout.placement: separate``; registered in ``rollout.sync_strategy``):
+    each pipeline stage's leader broadcasts its own stage (``StageBroadcastSync``, connected on first use). The
+    engines keep their memory between rollouts (no sleep / wake). ``settings``: ``rollout.sglang``."""
+
+    def __init__(self, engine=None, *, settings=None, quantize=None):
+        super().__init__(engine, settings=settings, quantize=quantize)
+        self._bsync: Optional[StageBroadcastSync] = None
+
+    def sync(self, chunks, info):
+        sg = self.settings
+        if self._bsync is None:
+            self._bsync = StageBroadcastSync(self.engine, timeout_s=sg.timeout_s)
+        return self._bsync.sync(chunks, info, sg.bucket_bytes, quantize=self.quantize)
+
+    def close(self) -> None:
+        if self._bsync is not None:
+            self._bsync.close()
+            self._bsync = None
