@@ -70,7 +70,8 @@ class WeightSyncStrategy:
         """Shut the engine's processes down (rank 0); True if it did, so the caller drops its reference."""
         if self.engine is None or not self.shuts_down_engine:
             return False
-        getattr(self.engine, "close", self.engine.shutdown)()
+        close = getattr(self.engine, "close", None)
+        (close if callable(close) else self.engine.shutdown)()
         self.engine = None
         return True
 
