@@ -127,6 +127,11 @@ class EngineWorker:
         if hasattr(self.engine, "begin_weight_update"):
             self.engine.begin_weight_update()
 
+    def check_weights(self, names, shapes, dtypes=None):
+        """The engine's own check of a whole update (names, shapes, dtypes), before anything moves."""
+        if hasattr(self.engine, "check_weights"):
+            self.engine.check_weights(names, shapes, dtypes)
+
     def load_bucket(self, records, flattened: bool):
         bucket, nbytes = unpack_bucket(records)
         if hasattr(self.engine, "load_weights_bucket"):
@@ -342,12 +347,16 @@ class EnginePool(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None,
                        flattened: bool = False, require_complete: bool = False) -> dict:
         """One session per engine around the whole sync; each bucket is put in the object store once and loaded
-        by every engine (at most max_inflight buckets in flight). Returns {"tensors", "bytes", "buckets"}."""
+        by every engine (at most max_inflight buckets in flight). Returns {"tensors", "bytes", "buckets"}.
+        All or nothing: every engine checks every name, shape and dtype of the update (``check_weights``) before the
+        sessions open and the first bucket moves (a lazy stream is collected first: references, no copies)."""
         import ray
 
         self._check()
-        if hasattr(named_tensors, "items"):
-            named_tensors = named_tensors.items()
+        named_tensors = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        self._all("check_weights", [n for n, _ in named_tensors], [list(t.shape) for _, t in named_tensors],
+                  [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
+                  what="check_weights (every tensor of the update)")
         self.begin_weight_update()
         stats, names, pending = {"tensors": 0, "bytes": 0, "buckets": 0}, [], collections.deque()
         try:
