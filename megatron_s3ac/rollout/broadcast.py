@@ -446,10 +446,12 @@ class StageBroadcastSync:
 class SGLangBroadcastSync(WeightSyncStrategy):
     """sglang engines on their own GPUs (``rollout.placement: separate``; registered in ``rollout.sync_strategy``):
     each pipeline stage's leader broadcasts its own stage (``StageBroadcastSync``, connected on first use). The
-    engines keep their memory between rollouts (no sleep / wake). ``settings``: ``rollout.sglang``."""
+    engines keep their memory between rollouts (no sleep / wake). ``settings``: ``rollout.sglang`` (default: ``SGLangSettings()``)."""
 
     def __init__(self, engine=None, *, settings=None, quantize=None):
-        super().__init__(engine, settings=settings, quantize=quantize)
+        from megatron_s3ac.rollout.factory import SGLangSettings
+
+        super().__init__(engine, settings=SGLangSettings() if settings is None else settings, quantize=quantize)
         self._bsync: Optional[StageBroadcastSync] = None
 
     def sync(self, chunks, info):

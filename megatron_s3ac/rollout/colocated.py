@@ -260,12 +260,14 @@ class SGLangColocatedSync(WeightSyncStrategy):
     """sglang engines on the trainer's GPUs (``rollout.placement: colocated``; registered in
     ``rollout.sync_strategy``): released while the models train; each sync wakes them in sglang's order,
     ``wake(["weights"])`` -> ``ColocatedIPCSync.sync`` (every rank hands the engine TP rank on its GPU a handle to
-    each bucket) -> ``wake(["kv_cache", "cuda_graph"])``. ``settings``: ``rollout.sglang``."""
+    each bucket) -> ``wake(["kv_cache", "cuda_graph"])``. ``settings``: ``rollout.sglang`` (default: ``SGLangSettings()``)."""
 
     sleeps = True
 
     def __init__(self, engine=None, *, settings=None, quantize=None):
-        super().__init__(engine, settings=settings, quantize=quantize)
+        from megatron_s3ac.rollout.factory import SGLangSettings
+
+        super().__init__(engine, settings=SGLangSettings() if settings is None else settings, quantize=quantize)
         self._isync: Optional[ColocatedIPCSync] = None
 
     def sync(self, chunks, info):

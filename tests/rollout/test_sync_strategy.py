@@ -29,6 +29,8 @@ def registry(monkeypatch):
 def test_builtin_strategies(kind, placement, cls):
     """Strings and the config's Enum members find the same registration; the trainer's config gives it."""
     assert type(make_sync_strategy(kind, placement)) is cls
+    if kind == "sglang":  # without a section: sglang's defaults
+        assert make_sync_strategy(kind, placement).settings == SGLangSettings()
     assert type(make_sync_strategy(EngineKind(kind), Placement(placement))) is cls
     cfg = load_config(None, ["model.tiny=arithmetic_moe", f"rollout.placement={placement}"])
     cfg.rollout.engine = EngineKind(kind)  # (sglang refuses the tiny model at load time; the kind is what matters)
