@@ -136,20 +136,6 @@ def build_plan(info: ModelInfo) -> Plan:
     return plan
 
 
-def not_exported(hf_config):
-    """The tensors a served HF checkpoint of this architecture may hold that the trained model has no counterpart
-    for, so no export ever sends them: the plan's ``ignorable_hf`` (Qwen3.5: the vision tower ``model.visual.*`` and
-    the MTP head ``mtp.*``; a tied model: ``lm_head.weight``). ``hf_config``: a config dict, config.json or its
-    directory. Returns a container (``name in it``); empty for an architecture without a plan."""
-    import megatron_s3ac.convert  # noqa: F401 - registers the built-in plans
-    from megatron_s3ac.models.registry import model_info
-
-    try:
-        return build_plan(model_info(hf_config)).ignorable_hf
-    except (UnsupportedModelError, KeyError):
-        return frozenset()
-
-
 def overlap(a_off, a_shape, b_off, b_shape):
     """Intersection of two boxes as (offset, shape), or None when empty."""
     off, shp = [], []

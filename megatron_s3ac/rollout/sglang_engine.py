@@ -367,7 +367,7 @@ class SGLangEngine(RolloutEngine):
         self.served_shapes = {k: tuple(v) for k, v in served_shapes.items()} if served_shapes else None
         # served tensors the trained model has none of (e.g. Qwen3.5's vision tower and MTP head): never sent, so
         # not counted by the completeness check (the architecture's conversion plan says which)
-        from megatron_s3ac.convert.plan import not_exported
+        from megatron_s3ac.convert.served import not_exported
 
         self.not_exported = not_exported(hf) if hf is not None else frozenset()
         if self.served_shapes is None:
