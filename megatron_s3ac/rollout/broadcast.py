@@ -62,9 +62,9 @@ def rendezvous_address() -> str:
     """An address of this host that engines on other nodes can reach (the weight-update group's store listens on
     it): Ray's address of this node when Ray is up (the engines are Ray actors: Ray reaches them from it), else
     the source address of this host's route towards MASTER_ADDR (the job's rendezvous host), else of its default
-    route, else a non-loopback address its name resolves to; 127.0.0.1 only for a host with nothing else (then
-    every engine is on it). Not ``gethostbyname(gethostname())`` alone: stock Debian/Ubuntu hosts map their name to
-    127.0.1.1, which no other node can reach."""
+    route, else a non-loopback address its name resolves to (``getaddrinfo``); 127.0.0.1 only for a host with
+    nothing else (then every engine is on it). Not ``gethostbyname(gethostname())`` alone: stock Debian/Ubuntu hosts
+    map their name to 127.0.1.1, which no other node can reach."""
     candidates = []
     try:
         import ray
@@ -76,8 +76,8 @@ def rendezvous_address() -> str:
     master = os.environ.get("MASTER_ADDR")
     for target in ([master] if master else []) + ["8.8.8.8"]:  # a public address: only the route is looked up
         candidates.append(_route_source(target))
-    try:
-        candidates.append(socket.gethostbyname(socket.gethostname()))
+    try:  # every IPv4 address the host name resolves to (a loopback first one is skipped, not fatal)
+        candidates += [ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
     except OSError:
         pass
     return next((a for a in candidates if a and not _loopback(a)), "127.0.0.1")

@@ -189,7 +189,8 @@ class EngineFactory:
         """Environment variables its engines need in their own process (``ray_init.engine_runtime_env`` passes them
         to engine actors; an engine built in this process gets them in ``__call__`` unless already set): sglang
         refuses a ``context_length`` above the model's own unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is true
-        in the engine's process (configs/model_config.py:1291-1316); ``rollout.sglang.context_length`` asks for it."""
+        in the engine's process (configs/model_config.py:1291-1316); ``rollout.sglang.context_length`` asks for
+        it."""
         s = self.settings
         if self.kind != "sglang" or s is None or not s.context_length or not self.model_dir:
             return {}

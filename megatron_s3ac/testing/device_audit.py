@@ -40,8 +40,8 @@ def off_device(module: torch.nn.Module, device) -> list[str]:
 
 def _rebind(attr: str, original, replacement):
     """Point every loaded megatron_s3ac module's ``attr`` that is ``original`` at ``replacement``; returns undo."""
-    hits = [m for name, m in list(sys.modules.items())
-            if name.startswith("megatron_s3ac") and isinstance(m, types.ModuleType) and getattr(m, attr, None) is original]
+    hits = [m for name, m in list(sys.modules.items()) if name.startswith("megatron_s3ac")
+            and isinstance(m, types.ModuleType) and getattr(m, attr, None) is original]
     for m in hits:
         setattr(m, attr, replacement)
     return lambda: [setattr(m, attr, original) for m in hits]

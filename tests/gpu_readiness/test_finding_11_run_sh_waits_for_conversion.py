@@ -18,7 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RUN_SH = os.path.join(ROOT, "examples", "qwen3_5", "run.sh")
 STUB = """#!/usr/bin/env bash
 MCORE="$(cat "$(dirname "$0")/mcore_path")"
-if [ -e "$MCORE/.metadata" ]; then echo converted > "$(dirname "$0")/launched"; else echo unconverted > "$(dirname "$0")/launched"; fi
+state=unconverted
+[ -e "$MCORE/.metadata" ] && state=converted
+echo "$state" > "$(dirname "$0")/launched"
 echo "$@" >> "$(dirname "$0")/launched"
 """
 

@@ -6,7 +6,8 @@ Qwen2.5-Math configs (context_length 18432 on a 4,096-position model) failed at 
 is started first, the variables are set in the driver afterwards (the raylet never sees them), and an engine pool
 is built as the trainer builds it (``factory.make_engine_factory`` + ``build_rollout_engine``) with the start-up
 stand-in of sglang.Engine (megatron_s3ac/testing/sglang_startup.py: it refuses a longer context unless its own
-process has the variable, like configs/model_config.py:1291-1316).
+process has the variable, like configs/model_config.py:1291-1316). The Ray cases take tens of seconds on a loaded
+2-core box; the in-process engine (one colocated engine) is the fast variant of the configured-context case.
 """
 import os
 
@@ -63,8 +64,30 @@ def test_driver_variables_set_after_ray_started_reach_the_engine(local_ray, monk
     assert record["pid"] != os.getpid()  # a Ray actor, not this process
 
 
+def _no_shell_variable(monkeypatch):
+    monkeypatch.setenv(VAR, "0")  # recorded first, so the test's end restores the variable's absence
+    monkeypatch.delenv(VAR)
+
+
+def test_in_process_engine_starts_a_configured_longer_context_without_the_shell_variable(monkeypatch):
+    _no_shell_variable(monkeypatch)
+    factory = make_engine_factory("sglang", model_dir=QWEN25, return_routed_experts=False, engine_cls=StartupEngine,
+                                  settings=SGLangSettings(num_engines=1, context_length=18432))
+    record = factory().engine.startup_record()  # rollout.sglang.num_engines 1, colocated: built in this process
+    assert record["server_args"]["context_length"] == 18432 and record["env"].get(VAR) == "1"
+    assert record["pid"] == os.getpid()
+
+
+def test_the_model_own_context_needs_no_variable(monkeypatch):
+    _no_shell_variable(monkeypatch)
+    factory = make_engine_factory("sglang", model_dir=QWEN25, return_routed_experts=False, engine_cls=StartupEngine,
+                                  settings=SGLangSettings(num_engines=1, context_length=4096))
+    assert VAR not in factory().engine.startup_record()["env"]
+
+
+@pytest.mark.slow
 def test_a_configured_longer_context_starts_without_the_shell_variable(local_ray, monkeypatch):
-    monkeypatch.delenv(VAR, raising=False)
+    _no_shell_variable(monkeypatch)
     record = _started(18432)
     assert record["server_args"]["context_length"] == 18432
     assert record["env"].get(VAR) == "1"
