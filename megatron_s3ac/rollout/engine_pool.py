@@ -39,7 +39,7 @@ import socket
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets
-from megatron_s3ac.rollout.ray_init import init_ray
+from megatron_s3ac.rollout.ray_init import engine_runtime_env, init_ray
 from megatron_s3ac.rollout.remote import _death_cause, pack_bucket, unpack_bucket
 from megatron_s3ac.rollout.sglang_engine import PromptTooLongError
 
@@ -200,9 +200,11 @@ class EnginePool(RolloutEngine):
                 if not self._ready(pg.ready(), start_timeout_s):
                     raise EngineTimeout(f"rollout engine {e}: no placement for {self.nnodes} x {bundle} within "
                                         f"{start_timeout_s:g} s (the Ray cluster lacks the resources; `ray status`)")
+            env = engine_runtime_env(factory)  # the driver's engine variables: Ray gives actors the raylet's
             opts = lambda pg, b: dict(num_cpus=cpus_per_engine, num_gpus=gpus_per_bundle, max_restarts=0,
                                       max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                          placement_group=pg, placement_group_bundle_index=b))
+                                          placement_group=pg, placement_group_bundle_index=b),
+                                      **({"runtime_env": env} if env else {}))
             # a task takes max_retries (Ray refuses the actor-only max_restarts / max_task_retries for tasks)
             task_opts = lambda pg, b: {**{k: v for k, v in opts(pg, b).items()
                                           if k not in ("max_restarts", "max_task_retries")}, "max_retries": 0}

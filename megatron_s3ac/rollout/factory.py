@@ -192,8 +192,25 @@ class EngineFactory:
         """This factory's engine kind's weight-sync strategy at ``placement`` (``make_sync_strategy``)."""
         return make_sync_strategy(self.kind, placement, engine, settings=self.settings, quantize=quantize)
 
+    def env_vars(self) -> dict:
+        """Environment variables its engines need in their own process (``ray_init.engine_runtime_env`` passes them
+        to engine actors; an engine built in this process gets them in ``__call__`` unless already set): sglang
+        refuses a ``context_length`` above the model's own unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is true
+        in the engine's process (configs/model_config.py:1291-1316); ``rollout.sglang.context_length`` asks for
+        it."""
+        s = self.settings
+        if self.kind != "sglang" or s is None or not s.context_length or not self.model_dir:
+            return {}
+        from megatron_s3ac.rollout.sglang_engine import _context_length, read_hf_config
+
+        hf = read_hf_config(self.model_dir) or {}
+        derived = _context_length(hf.get("text_config") or hf)
+        return {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"} if derived and s.context_length > derived else {}
+
     def __call__(self, slot=None):
         index = getattr(slot, "index", 0)
+        for k, v in self.env_vars().items():  # sglang reads them in this process (and its schedulers inherit them)
+            os.environ.setdefault(k, v)
         if self.torch_threads:
             import torch
 

@@ -365,6 +365,11 @@ class SGLangEngine(RolloutEngine):
         if served_shapes is None and os.path.isdir(config.model_path):
             served_shapes = served_weight_shapes(config.model_path)
         self.served_shapes = {k: tuple(v) for k, v in served_shapes.items()} if served_shapes else None
+        # served tensors the trained model has none of (e.g. Qwen3.5's vision tower and MTP head): never sent, so
+        # not counted by the completeness check (the architecture's conversion plan says which)
+        from megatron_s3ac.convert.served import not_exported
+
+        self.not_exported = not_exported(hf) if hf is not None else frozenset()
         if self.served_shapes is None:
             logger.warning("%s: no safetensors or config at %s; weight names/shapes cannot be checked before sending",
                            name, config.model_path)
@@ -640,8 +645,10 @@ class SGLangEngine(RolloutEngine):
         check that every served tensor was sent when require_complete."""
         self.end_weight_update()
         self._partial_sync = False  # every bucket of the sync loaded and the session closed
-        missing = sorted(set(self.served_shapes or ()) - set(names_sent))
+        sent = set(names_sent)
+        missing = sorted(n for n in self.served_shapes or () if n not in sent and n not in self.not_exported)
         self.last_sync["missing"] = missing
+        self.last_sync["not_exported"] = sum(n in self.not_exported for n in self.served_shapes or ())
         self.flush_cache()
         if require_complete and missing:
             raise WeightUpdateError(f"{self.name}: the sync left {len(missing)} served tensors unsent "
