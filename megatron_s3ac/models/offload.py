@@ -150,8 +150,9 @@ class HostOffload:
         return out
 
     def _future_optimizer_bytes(self) -> int:
-        """Adam moments (exp_avg, exp_avg_sq, like their main param) of the params that have no state yet."""
-        return sum(2 * p.numel() * p.element_size() for o in _inner_optimizers(self.optimizer)
+        """Adam's state of the params that have none yet: exp_avg and exp_avg_sq like their main param, and the step
+        counter, each at an aligned offset."""
+        return sum(2 * _aligned(p.numel() * p.element_size()) + self.ALIGN for o in _inner_optimizers(self.optimizer)
                    for g in o.param_groups for p in g["params"] if not o.state.get(p))
 
     def _arena_for(self, moving) -> torch.Tensor:

@@ -32,6 +32,13 @@ def fp8_quantizer(cfg):
     return partial(quantize_stream, keep=DEFAULT_KEEP if keep is None else tuple(keep))
 
 
+def _hook(tr, name: str) -> None:
+    """tr.<name>() where the object has it (tests drive sync_weights on stand-ins of the Trainer)."""
+    fn = getattr(tr, name, None)
+    if callable(fn):
+        fn()
+
+
 def release_device_cache() -> None:
     """Hand the memory torch's caching allocator holds but no tensor uses back to the CUDA driver, so another process
     on this GPU (a colocated SGLang engine's weights and KV cache) can take it; a no-op on CPU."""
@@ -54,7 +61,7 @@ class EngineSide:
         from megatron_s3ac.rollout.weight_sync import sync_weights
 
         chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
-        self._before_engine_wake()  # colocated offload: only the actor's params stay for the sync
+        _hook(self, "_before_engine_wake")  # colocated offload: only the actor's params stay for the sync
         if broadcast_sync(self.cfg):
             return self._stage_broadcast(chunks)
         if colocated_sglang(self.cfg):
@@ -64,7 +71,7 @@ class EngineSide:
             self._engine_asleep = False
         q = fp8_quantizer(self.cfg)  # every rank: stage leaders quantize before the transfer
         stats = sync_weights(chunks, self.info, self.engine, **({} if q is None else {"quantize": q}))
-        self._after_weights_loaded()
+        _hook(self, "_after_weights_loaded")
         return stats
 
     def _stage_broadcast(self, chunks):
@@ -88,7 +95,7 @@ class EngineSide:
             self.engine.wake(["weights"])
             self._engine_asleep = False
         stats = self._isync.sync(chunks, self.info, sg.bucket_bytes, quantize=fp8_quantizer(self.cfg))
-        self._after_weights_loaded()  # before the KV cache wakes: the actor's params leave too
+        _hook(self, "_after_weights_loaded")  # before the KV cache wakes: the actor's params leave too
         if woke:
             self.engine.wake(["kv_cache", "cuda_graph"])
         return stats

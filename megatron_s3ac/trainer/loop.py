@@ -219,7 +219,7 @@ class Trainer(EngineSide, RolloutPhases):
         batch: each rank computes its own rows' (trainer.shard_metrics.shard_advantages). ``values``: the
         critic's, when the caller computed them already (critic_values)."""
         a, mask = self.cfg.algo, batch.mask
-        if values is None:
+        if values is None and self.uses_critic:
             values = self.critic_values(batch)
         out, m = S.shard_advantages(self, batch, values)
         batch.adv, batch.old_values, batch.returns = out.adv, values, out.returns
