@@ -39,12 +39,11 @@ def free_gpus() -> float:
 
 
 @contextlib.contextmanager
-def stand_ins_request_gpus(start_timeout_s: float = 60.0):
-    """Within: ``EnginePool(factory, ...)`` with ``gpus_per_engine=0`` and a stand-in factory requests
+def stand_ins_request_gpus(pool_cls, start_timeout_s: float = 60.0):
+    """Within: ``pool_cls(factory, ...)`` (``rollout.engine_pool.EnginePool``; passed in: testing/ sits below
+    rollout/ in the import floors) with ``gpus_per_engine=0`` and a stand-in factory requests
     ``factory.settings.gpus_per_engine`` GPUs per engine; every pool's start waits at most ``start_timeout_s``."""
-    from megatron_s3ac.rollout import engine_pool as EP
-
-    orig = EP.EnginePool.__init__
+    orig = pool_cls.__init__
 
     @functools.wraps(orig)
     def init(self, factory, num_engines, *args, gpus_per_engine=0, **kw):
@@ -54,8 +53,8 @@ def stand_ins_request_gpus(start_timeout_s: float = 60.0):
         kw["start_timeout_s"] = min(float(kw.get("start_timeout_s", start_timeout_s)), start_timeout_s)
         orig(self, factory, num_engines, *args, gpus_per_engine=gpus_per_engine, **kw)
 
-    EP.EnginePool.__init__ = init
+    pool_cls.__init__ = init
     try:
         yield
     finally:
-        EP.EnginePool.__init__ = orig
+        pool_cls.__init__ = orig

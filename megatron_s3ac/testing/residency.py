@@ -8,9 +8,9 @@ planner does not count them). ``ResidencyAudit(tr)`` wraps the trainer's phase e
 records a snapshot of both models at each: ``rollout`` (the engine is asked to generate), ``values`` (the critic's
 forward), ``old_logprobs`` (the actor's forward), ``actor_update`` / ``critic_update`` (the update starts),
 ``engine_wake`` (the engine is woken) and ``weight_sync`` (the engine is handed its first bucket of a sync).
-``planned_residency(tr)``: the planner's {phase: {model: {kind: bytes}}} for the trainer's config and model, or
-None from a planner that gives no per-phase residency (before issue 24). Only names that exist since 2c164be are
-required.
+The planner's side, {phase: {model: {kind: bytes}}} for the same config, is ``plan.memory.residency`` (the tests
+read it there: testing/ sits below plan/ and trainer/ in the import floors). Only names that exist since 2c164be
+are required.
 """
 from __future__ import annotations
 
@@ -39,9 +39,7 @@ def resident_bytes(chunks, optimizer, device) -> dict:
 
 def snapshot(tr) -> dict:
     """{"actor" | "critic": {kind: bytes}} resident now (the critic's all 0 without one)."""
-    from megatron_s3ac.trainer.device import trainer_device
-
-    dev = trainer_device()
+    dev = next(p.device for p in tr.actor_ddp.parameters())  # an offloaded storage keeps its device
     out = {"actor": resident_bytes([tr.actor_ddp], tr.actor_opt, dev), "critic": dict.fromkeys(KINDS, 0)}
     if getattr(tr, "critic_ddp", None) is not None:
         out["critic"] = resident_bytes([tr.critic_ddp], tr.critic_opt, dev)
@@ -92,23 +90,3 @@ class ResidencyAudit:
     def last(self, phase: str) -> dict | None:
         hits = [s for p, s in self.log if p == phase]
         return hits[-1] if hits else None
-
-
-def planned_residency(tr) -> dict | None:
-    """The planner's per-phase residency (plan.memory.residency, stage 0) for ``tr``'s model, layouts, world size and
-    knobs (plan.preflight.trainer_knobs), or None when the planner has none."""
-    import torch.distributed as dist
-
-    from megatron_s3ac.plan.memory import Cluster, Workload, estimate
-    from megatron_s3ac.plan.preflight import trainer_knobs
-    from megatron_s3ac.trainer.config import layout_of
-
-    cfg = tr.cfg
-    actor = layout_of(cfg.actor_layout)
-    critic = layout_of(cfg.critic_layout) if cfg.critic_layout else actor
-    knobs = trainer_knobs(cfg)
-    knobs.critic = tr.critic_ddp is not None
-    w = Workload(prompt_len=64, response_len=cfg.rollout.max_new_tokens, prompts_per_step=cfg.rollout.prompts_per_step,
-                 k=cfg.rollout.k)
-    est = estimate(tr.info, actor, Cluster(gpus=dist.get_world_size()), w, knobs, critic)
-    return getattr(est.stages[0], "resident", None)

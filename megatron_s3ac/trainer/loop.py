@@ -214,11 +214,12 @@ class Trainer(EngineSide, RolloutPhases):
         """The critic's values [N, T] of every row (None without a critic)."""
         return self._forward_only("critic", batch, "values")["values"] if self.uses_critic else None
 
-    def advantages(self, batch: RolloutBatch, values=None) -> dict:
+    def advantages(self, batch: RolloutBatch) -> dict:
         """batch.adv (+ old_values, returns with a critic; is_w, keep with IS corrections). A sharded
-        batch: each rank computes its own rows' (trainer.shard_metrics.shard_advantages). ``values``: the
-        critic's, when the caller computed them already (critic_values)."""
+        batch: each rank computes its own rows' (trainer.shard_metrics.shard_advantages). The critic's values:
+        batch.old_values when the step computed them already (critic_values), else computed here."""
         a, mask = self.cfg.algo, batch.mask
+        values = getattr(batch, "old_values", None)
         if values is None and self.uses_critic:
             values = self.critic_values(batch)
         out, m = S.shard_advantages(self, batch, values)
@@ -293,10 +294,10 @@ class Trainer(EngineSide, RolloutPhases):
         t1 = time.time()
         # one model resident at a time under train.offload_idle: the critic's values, then the actor's forward
         self._place(m, on=["critic"], off=["actor"])
-        values = self.critic_values(batch)
+        batch.old_values = self.critic_values(batch)
         self._place(m, on=["actor"], off=["critic"])
         m.update(self.old_logprobs(batch))
-        m.update(self.advantages(batch, values))
+        m.update(self.advantages(batch))
         m["time/old_logp_values"] = time.time() - t1
         t2 = time.time()
         m.update(self.update_actor(batch))

@@ -48,6 +48,7 @@ def _coverage_rank(overrides, gpus):
 
     import megatron_s3ac.rollout.factory as F
     from megatron_s3ac.rollout.base import SamplingParams
+    from megatron_s3ac.rollout.engine_pool import EnginePool
     from megatron_s3ac.testing.fake_gpus import free_gpus, stand_ins_request_gpus, start_ray
     from megatron_s3ac.trainer.config import load_config
     from megatron_s3ac.trainer.pipeline import Pipeline
@@ -56,7 +57,7 @@ def _coverage_rank(overrides, gpus):
     start_ray(gpus, num_cpus=4, by_value=(fake_sglang, rollout_fixtures))
     out = {}
     try:
-        with stand_ins_request_gpus(start_timeout_s=45):
+        with stand_ins_request_gpus(EnginePool, start_timeout_s=45):
             p = Pipeline(load_config(None, overrides))
             out["free_after_init"] = free_gpus()
             try:

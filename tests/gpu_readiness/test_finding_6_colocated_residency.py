@@ -23,9 +23,29 @@ CFG = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=4", "rollout.k=2",
        "algo.dynamic_sampling=false", "daps.enabled=false", "rollout.reward=test_nonzero", "train.offload_idle=true"]
 
 
+def planned_residency(tr):
+    """The planner's per-phase residency (plan.memory.residency, stage 0) for ``tr``'s model, layouts, world size and
+    knobs (plan.preflight.trainer_knobs), or None from a planner without one (before the fix)."""
+    import torch.distributed as dist
+
+    from megatron_s3ac.plan.memory import Cluster, Workload, estimate
+    from megatron_s3ac.plan.preflight import trainer_knobs
+    from megatron_s3ac.trainer.config import layout_of
+
+    cfg = tr.cfg
+    actor = layout_of(cfg.actor_layout)
+    critic = layout_of(cfg.critic_layout) if cfg.critic_layout else actor
+    knobs = trainer_knobs(cfg)
+    knobs.critic = tr.critic_ddp is not None
+    w = Workload(prompt_len=64, response_len=cfg.rollout.max_new_tokens, prompts_per_step=cfg.rollout.prompts_per_step,
+                 k=cfg.rollout.k)
+    est = estimate(tr.info, actor, Cluster(gpus=dist.get_world_size()), w, knobs, critic)
+    return getattr(est.stages[0], "resident", None)
+
+
 def _audit(out_dir):
     from megatron_s3ac.rollout.rewards import register_reward
-    from megatron_s3ac.testing.residency import ResidencyAudit, planned_residency, snapshot
+    from megatron_s3ac.testing.residency import ResidencyAudit, snapshot
     from megatron_s3ac.trainer.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
