@@ -6,7 +6,8 @@ After the fix a model's offload lives in ONE host arena (models.offload.HostOffl
 Adam moments its first step will create, and reused by every later offload; the planner counts that arena rounded
 up to a power of two (plan.memory.pinned_bytes) per model per GPU. Reference: a hand count of the model's storages
 and Python's own power-of-two arithmetic. CPU cannot pin (the arena is plain host memory here, the same code path
-otherwise); the device check tools/device_checks/plan_calibration.py measures the pinned bytes on a GPU.
+otherwise); the device check tools/device_checks/colocated_residency.py compares torch's pinned bytes
+(host_memory_stats) with the arenas on a GPU.
 """
 import torch
 
