@@ -480,4 +480,4 @@ def _load_checkpoint(tr, path: str) -> None:
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
-    tr.sync_weights()
+    getattr(tr, "sync_weights_soon", tr.sync_weights)()

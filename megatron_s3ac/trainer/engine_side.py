@@ -159,6 +159,13 @@ class EngineSide:
         if self._offload_colocated():
             self._place(getattr(self, "_sync_placement", {}), off=["actor"], kinds=("params",))
 
+    def sync_weights_soon(self):
+        """``sync_weights`` now, or, inside ``models_resident`` (whose exit syncs, after the models left), then: a sync
+        in there would wake the engine beside both models."""
+        if getattr(self, "_resident_depth", 0):
+            return None
+        return self.sync_weights()
+
     @contextlib.contextmanager
     def models_resident(self):
         """Both models on the device for work outside a step (checkpoint save / load, pipeline stages). With
@@ -179,7 +186,8 @@ class EngineSide:
 
     def _engine_sleep(self) -> None:
         """Colocated placement: release the engine's weights while the models train (rank 0)."""
-        if self.engine is not None and self.cfg.rollout.placement == "colocated" and not self._engine_asleep:
+        if self.engine is not None and self.cfg.rollout.placement == "colocated" \
+                and not getattr(self, "_engine_asleep", False):
             self.engine.sleep()
             self._engine_asleep = True
 

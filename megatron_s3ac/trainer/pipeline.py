@@ -361,7 +361,7 @@ class Pipeline:
             path = os.path.join(self.dirs["warmup"], "actor")
             with tr.model_scope("actor"):
                 tr.actor.load_state_dict(dist_checkpointing.load(tr.actor.sharded_state_dict(), path))
-            tr.sync_weights()
+            getattr(tr, "sync_weights_soon", tr.sync_weights)()
         elif stage == "value_pretrain":
             path = os.path.join(self.dirs["value_pretrain"], "critic")
             with tr.model_scope("critic"):
@@ -499,7 +499,7 @@ class Pipeline:
         tr._place({}, off=["actor"])
         res = value_pretrain(tr, rows, log=(lambda m: log_f.write(json.dumps(m) + "\n")) if log_f else None)
         tr._place({}, on=["actor"])
-        tr.sync_weights()  # the engine awake again, refilled
+        tr.sync_weights_soon()  # the engine awake again, refilled (colocated offload: as the models leave)
         if log_f is not None:
             log_f.close()
         faults.in_stage("value_pretrain")

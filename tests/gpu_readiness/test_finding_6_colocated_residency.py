@@ -74,6 +74,12 @@ def _audit(out_dir):
         ctx.__exit__(None, None, None)
     out = {"full0": full0, "full": full, "log": audit.log[n:], "after": after, "planned": planned_residency(tr),
            "opt_steps": [m.get("actor/opt_steps") for m in steps]}
+    # a checkpoint between steps needs both models: saved, loaded, and the run goes on
+    from megatron_s3ac.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    load_checkpoint(tr, save_checkpoint(tr, 2))
+    out["after_ckpt"] = snapshot(tr)
+    out["step3_opt_steps"] = tr.step().get("actor/opt_steps")
     tr.close()
     return out
 
@@ -108,6 +114,11 @@ def test_each_phase_keeps_only_its_model(audited):
     assert _phase(r, "actor_update") == {"actor": full["actor"], "critic": ZERO}
     assert _phase(r, "critic_update") == {"actor": ZERO, "critic": full["critic"]}
     assert r["after"] == {"actor": ZERO, "critic": ZERO}  # between steps the engine is awake: both on the host
+
+
+def test_checkpoint_between_steps_under_colocated_offload(audited):
+    assert audited["after_ckpt"] == {"actor": ZERO, "critic": ZERO}  # the models left again, the engine woke
+    assert audited["step3_opt_steps"] >= 1
 
 
 def test_measured_residency_equals_the_planners(audited):
