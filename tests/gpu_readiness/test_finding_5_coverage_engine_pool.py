@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.testing.dist import DistributedTestError, run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROLLOUT = os.path.join(os.path.dirname(HERE), "rollout")
@@ -128,10 +128,17 @@ def _cpu_overrides(tmp_path):
                    f"train.out_dir={tmp_path / 'run'}"]
 
 
+def _two_ranks(tmp_path, rank0_delay_s):
+    try:
+        return run_distributed(_waiting_rank, 2, _cpu_overrides(tmp_path), rank0_delay_s, timeout=150)
+    except DistributedTestError as e:  # a rank that never returns: the wait has no end
+        pytest.fail(f"a rank did not finish (it still waits for rank 0's coverage?): {str(e)[:300]}")
+
+
 @pytest.mark.slow  # two gloo ranks build a trainer each: ~1 min on 2 busy cores (fast variant below)
 def test_other_ranks_hear_rank0s_failure(tmp_path):
     """Rank 0's coverage fails at once: rank 1 stops with rank 0's error instead of polling forever."""
-    r0, r1 = run_distributed(_waiting_rank, 2, _cpu_overrides(tmp_path), 0.0, timeout=150)
+    r0, r1 = _two_ranks(tmp_path, 0.0)
     assert "injected" in r0["error"]
     assert r1["error"] is not None and "rank 0" in r1["error"] and "injected" in r1["error"], r1
 
@@ -140,7 +147,7 @@ def test_other_ranks_hear_rank0s_failure(tmp_path):
 def test_other_ranks_wait_has_a_deadline(tmp_path):
     """Rank 0 is still busy after rank 1's deadline (pipeline.coverage_timeout_s = 3 s): rank 1 gives up, naming
     the limit, long before rank 0 is done."""
-    r0, r1 = run_distributed(_waiting_rank, 2, _cpu_overrides(tmp_path), 12.0, timeout=150)
+    r0, r1 = _two_ranks(tmp_path, 12.0)
     assert r1["error"] is not None and r1["error"].startswith("TimeoutError") and "coverage_timeout_s" in r1["error"]
     assert r1["s"] < 12.0, r1
 
