@@ -457,10 +457,10 @@ ALL_KINDS = ("params", "grads", "optimizer")
 def residency(st: StageEstimate, knobs: Knobs, colocated: bool) -> dict:
     """{phase: {"actor" | "critic": {params, grads, optimizer: bytes}}} of model states on one GPU of the stage in
     each phase, as the trainer keeps them (trainer.loop.step, trainer.engine_side). Without train.offload_idle
-    everything stays. With it: rollout none (the engine generates); the forward phase's critic values and the
-    actor's old log-probs, and each update, their own model; weight sync: colocated only the actor's params (the critic and the actor's grads and
-    optimizer states leave before the engine wakes, the params before its KV cache does), else both (they stay
-    between steps). docs/trainer.md "GPU residency"."""
+    everything stays. With it: nothing in the rollout (the engine generates); the critic's values, the actor's old
+    log-probs and each update: their own model only; the weight sync, colocated: the actor's params only (the critic
+    and the actor's grads and optimizer states leave before the engine wakes, the params before its KV cache does),
+    separate: both (they stay between steps). docs/trainer.md "GPU residency"."""
     a, c = st.actor, st.critic
     both = {"actor": _kinds(a, *ALL_KINDS), "critic": _kinds(c, *ALL_KINDS)}
     if not knobs.offload_idle:

@@ -49,7 +49,8 @@ _COVERAGE = ["rollout.engine", "rollout.temperature", "rollout.top_p", "pipeline
 _VALUE_PRETRAIN = ["value_pretrain.*", "model.value_head_init_std", "model.critic_head", "model.critic_init",
                    "critic_layout"]
 # rl: everything but where things are written and how progress is shown
-_RL_EXCLUDE = ["-pipeline.warmup_dir", "-pipeline.coverage_timeout_s", "-pipeline.coverage_dir", "-pipeline.value_pretrain_dir",
+_RL_EXCLUDE = ["-pipeline.warmup_dir", "-pipeline.coverage_timeout_s", "-pipeline.coverage_dir",
+               "-pipeline.value_pretrain_dir",
                "-pipeline.stop_after", "-train.out_dir", "-train.resume", "-train.progress", "-train.tensorboard",
                "-train.wandb_project", "-cluster.*", "-rollout.reward_workers"]
 
