@@ -51,8 +51,22 @@ def _audit(out_dir):
     from megatron_s3ac.trainer.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
+    import megatron_s3ac.trainer.build as B
+
     register_reward("test_nonzero", isolate=False)(lambda resp, ref: float(len(resp) % 2) * 2 - 1)
+    seen, real_models, real_engine = {}, Trainer._build_models, B.build_engine
+
+    def build_models(self, par):  # the trainer under construction, for the spy below
+        real_models(self, par)
+        seen["tr"] = self
+
+    def build_engine(cfg, info):  # what the engine's start (SGLang: its KV pool sizing) finds resident
+        seen["at_engine_start"] = snapshot(seen["tr"])
+        return real_engine(cfg, info)
+
+    Trainer._build_models, B.build_engine = build_models, build_engine
     tr = Trainer(load_config(None, CFG + [f"train.out_dir={out_dir}"]))
+    Trainer._build_models, B.build_engine = real_models, real_engine
     # the reference: each model's storages while wholly resident (models_resident where the fix has it)
     ctx = tr.models_resident() if hasattr(tr, "models_resident") else None
     if ctx is not None:
@@ -72,7 +86,7 @@ def _audit(out_dir):
     full = snapshot(tr)
     if ctx is not None:
         ctx.__exit__(None, None, None)
-    out = {"full0": full0, "full": full, "log": audit.log[n:], "after": after, "planned": planned_residency(tr),
+    out = {"at_engine_start": seen["at_engine_start"], "full0": full0, "full": full, "log": audit.log[n:], "after": after, "planned": planned_residency(tr),
            "opt_steps": [m.get("actor/opt_steps") for m in steps]}
     # a checkpoint between steps needs both models: saved, loaded, and the run goes on
     from megatron_s3ac.trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -96,6 +110,13 @@ def _phase(r, name):
 
 
 ZERO = {"params": 0, "grads": 0, "optimizer": 0}
+
+
+def test_engine_starts_with_the_models_on_the_host(audited):
+    """SGLang sizes its KV pool from the memory free when it starts: the models are not there then (nor while it
+    generates)."""
+    assert audited["at_engine_start"] == {"actor": ZERO, "critic": ZERO}
+    assert audited["full0"]["actor"]["params"] > 0 and audited["full0"]["critic"]["grads"] > 0
 
 
 def test_engine_wakes_and_loads_beside_the_actors_params_only(audited):
