@@ -230,7 +230,10 @@ def to_dict(e) -> dict:
         "stages": [{"stage": s.stage, "actor_states_gib": _gib(s.actor.gpu),
                     "critic_states_gib": _gib(s.critic.gpu) if s.critic else 0.0,
                     "actor_activations_gib": _gib(s.act_actor), "critic_activations_gib": _gib(s.act_critic),
-                    "logits_gib": _gib(s.logits_train), "phases": {k: _gib(v) for k, v in s.phases.items()}}
+                    "logits_gib": _gib(s.logits_train), "phases": {k: _gib(v) for k, v in s.phases.items()},
+                    # model states kept on the GPU in each phase (plan.memory.residency; docs/trainer.md)
+                    "resident_gib": {ph: {m: {k: _gib(b) for k, b in kinds.items()} for m, kinds in r.items()}
+                                     for ph, r in s.resident.items()}}
                    for s in e.stages],
         "micro_batches": e.n_micro, "tokens_per_micro_batch": e.tokens_per_micro,
         "throughput_proxy_tokens_per_s_per_gpu": round(e.throughput, 1),

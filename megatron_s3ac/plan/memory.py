@@ -15,6 +15,8 @@ from megatron_s3ac.plan import constants as C
 from megatron_s3ac.plan.params import StageParams, rank_params, total_params
 
 PHASES = ("rollout", "forward", "actor_update", "critic_update", "weight_sync")
+# the phases of model-state residency (residency()): "forward" is the critic's values, then the actor's old log-probs
+RESIDENCY_PHASES = ("rollout", "values", "old_logprobs", "actor_update", "critic_update", "weight_sync")
 
 
 @dataclass
@@ -287,6 +289,7 @@ class StageEstimate:
     logits_train: float = 0.0
     logits_forward: float = 0.0
     phases: dict = field(default_factory=dict)  # phase -> bytes
+    resident: dict = field(default_factory=dict)  # phase -> {"actor" | "critic": {kind: bytes}} (residency())
 
 
 @dataclass
@@ -442,6 +445,40 @@ def throughput_proxy(info: ModelInfo, layout, cluster: Cluster, w: Workload, kno
     return tokens / t / train_gpus if t > 0 else 0.0
 
 
+def _kinds(s: States | None, *which: str) -> dict:
+    """{params, grads, optimizer} bytes of ``s`` on the GPU, 0 for the kinds not in ``which``."""
+    full = {"params": s.params, "grads": s.grads, "optimizer": s.optimizer - s.optimizer_host} if s else {}
+    return {k: (full.get(k, 0) if k in which else 0) for k in ("params", "grads", "optimizer")}
+
+
+ALL_KINDS = ("params", "grads", "optimizer")
+
+
+def residency(st: StageEstimate, knobs: Knobs, colocated: bool) -> dict:
+    """{phase: {"actor" | "critic": {params, grads, optimizer: bytes}}} of model states on one GPU of the stage in
+    each phase, as the trainer keeps them (trainer.loop.step, trainer.engine_side). Without train.offload_idle
+    everything stays. With it: nothing in the rollout (the engine generates); the critic's values, the actor's old
+    log-probs and each update: their own model only; the weight sync, colocated: the actor's params only (the critic
+    and the actor's grads and optimizer states leave before the engine wakes, the params before its KV cache does),
+    separate: both (they stay between steps). docs/trainer.md "GPU residency"."""
+    a, c = st.actor, st.critic
+    both = {"actor": _kinds(a, *ALL_KINDS), "critic": _kinds(c, *ALL_KINDS)}
+    if not knobs.offload_idle:
+        return {ph: both for ph in RESIDENCY_PHASES}
+    actor = {"actor": _kinds(a, *ALL_KINDS), "critic": _kinds(c)}
+    critic = {"actor": _kinds(a), "critic": _kinds(c, *ALL_KINDS)}
+    return {"rollout": {"actor": _kinds(a), "critic": _kinds(c)}, "values": critic, "old_logprobs": actor,
+            "actor_update": actor, "critic_update": critic,
+            "weight_sync": {"actor": _kinds(a, "params"), "critic": _kinds(c)} if colocated else both}
+
+
+def pinned_bytes(nbytes: float) -> int:
+    """Host bytes the offload of a model of ``nbytes`` pins: its one arena (models.offload.HostOffload), which torch's
+    pinned allocator rounds up to a power of two (ATen/core/CachingHostAllocator.h:300-309 in torch 2.13)."""
+    n = int(math.ceil(nbytes))
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knobs, critic_layout=None) -> Estimate:
     """The whole estimate for one layout (``layout`` validated by the caller)."""
     critic_layout = critic_layout or layout
@@ -495,24 +532,19 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
     worst_resident = max(resident(st, knobs.offload_idle) for st in stages) + fixed
     eng = engine_estimate(info, cluster, w, knobs, train_gpus, worst_resident)
     problems = []
+    colo = eng is not None and knobs.placement == "colocated"
     for st in stages:
-        a_gpu = st.actor.gpu
-        c_gpu = st.critic.gpu if st.critic else 0.0
-        idle_a = 0.0 if knobs.offload_idle else a_gpu
-        idle_c = 0.0 if knobs.offload_idle else c_gpu
+        st.resident = residency(st, knobs, colo)
+        held = {ph: sum(b for kinds in r.values() for b in kinds.values()) for ph, r in st.resident.items()}
         ph = {}
-        colo = eng is not None and knobs.placement == "colocated"
-        ph["rollout"] = resident(st, knobs.offload_idle) + fixed + (eng.peak if colo else 0.0)
-        fwd_a = a_gpu + idle_c + dyn(st.working + st.logits_forward)
-        fwd_c = c_gpu + idle_a + dyn(st.working) if st.critic else 0.0
-        ph["forward"] = max(fwd_a, fwd_c) + fixed
-        ph["actor_update"] = a_gpu + idle_c + dyn(st.act_actor + st.working + st.logits_train) + fixed
-        ph["critic_update"] = (c_gpu + idle_a + dyn(st.act_critic + st.working) + fixed) if st.critic else 0.0
-        sync = st.actor.params + idle_c + (0.0 if knobs.offload_idle else st.actor.grads + st.actor.optimizer
-                                           - st.actor.optimizer_host)
-        if colo:
-            sync += eng.weights
-        ph["weight_sync"] = sync + fixed + C.WEIGHT_SYNC_BUCKET_GIB * gib
+        ph["rollout"] = held["rollout"] + fixed + (eng.peak if colo else 0.0)
+        # the critic's values, then the actor's old log-probs (with logits)
+        ph["forward"] = max(held["values"] + dyn(st.working),
+                            held["old_logprobs"] + dyn(st.working + st.logits_forward)) + fixed
+        ph["actor_update"] = held["actor_update"] + dyn(st.act_actor + st.working + st.logits_train) + fixed
+        ph["critic_update"] = (held["critic_update"] + dyn(st.act_critic + st.working) + fixed) if st.critic else 0.0
+        ph["weight_sync"] = (held["weight_sync"] + (eng.weights if colo else 0.0) + fixed
+                             + C.WEIGHT_SYNC_BUCKET_GIB * gib)
         st.phases = ph
     phases = {}
     for name in PHASES:
@@ -535,8 +567,8 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
     worst = 0.0
     for st in stages:
         h = sum(s.optimizer_host for s in (st.actor, st.critic) if s is not None)
-        if knobs.offload_idle:
-            h += sum(s.gpu for s in (st.actor, st.critic) if s is not None)
+        if knobs.offload_idle:  # one pinned arena per model, rounded up to a power of two
+            h += sum(pinned_bytes(s.gpu) for s in (st.actor, st.critic) if s is not None)
         worst = max(worst, h)
     per_node_gpus = min(cluster.gpus_per_node, train_gpus)
     host = per_node_gpus * (host_gpu + worst)

@@ -494,11 +494,14 @@ class SGLangBroadcastSync(WeightSyncStrategy):
         super().__init__(engine, settings=SGLangSettings() if settings is None else settings, quantize=quantize)
         self._bsync: Optional[StageBroadcastSync] = None
 
-    def sync(self, chunks, info):
+    def sync(self, chunks, info, weights_loaded=None):
         sg = self.settings
         if self._bsync is None:
             self._bsync = StageBroadcastSync(self.engine, timeout_s=sg.timeout_s)
-        return self._bsync.sync(chunks, info, sg.bucket_bytes, quantize=self.quantize)
+        stats = self._bsync.sync(chunks, info, sg.bucket_bytes, quantize=self.quantize)
+        if weights_loaded is not None:
+            weights_loaded()
+        return stats
 
     def close(self) -> None:
         if self._bsync is not None:

@@ -270,7 +270,7 @@ class SGLangColocatedSync(WeightSyncStrategy):
         super().__init__(engine, settings=SGLangSettings() if settings is None else settings, quantize=quantize)
         self._isync: Optional[ColocatedIPCSync] = None
 
-    def sync(self, chunks, info):
+    def sync(self, chunks, info, weights_loaded=None):
         sg = self.settings
         if self._isync is None:
             self._isync = ColocatedIPCSync(self.engine, timeout_s=sg.timeout_s)
@@ -279,6 +279,8 @@ class SGLangColocatedSync(WeightSyncStrategy):
             self.engine.wake(["weights"])
             self.asleep = False
         stats = self._isync.sync(chunks, info, sg.bucket_bytes, quantize=self.quantize)
+        if weights_loaded is not None:
+            weights_loaded()
         if woke:
             self.engine.wake(["kv_cache", "cuda_graph"])
         return stats

@@ -52,16 +52,23 @@ class WeightSyncStrategy:
         self.engine, self.settings, self.quantize = engine, settings, quantize
         self.asleep = False  # rank 0: the engine's memory is released (set by sleep, cleared by the next sync's wake)
 
-    def sync(self, chunks, info):
-        """Collective over every trainer rank: the actor's model ``chunks`` -> the engine. Returns this rank's
-        stats (``SyncStats`` or the path's own, with ``.bytes``)."""
+    def sync(self, chunks, info, weights_loaded=None):
+        """Collective over every trainer rank: the actor's model ``chunks`` -> the engine. ``weights_loaded()``, if
+        given, is called on every rank once the engine holds the new weights and before it wakes anything else
+        (the trainer's colocated offload frees the actor's params there, before the KV cache returns). Returns
+        this rank's stats (``SyncStats`` or the path's own, with ``.bytes``)."""
         raise NotImplementedError
 
     def sleep(self) -> None:
-        """Rank 0, from the rollout's end to the next sync: release the engine's memory (``sleeps`` only)."""
-        if self.sleeps and self.engine is not None:
+        """Rank 0, from the rollout's end to the next sync: release the engine's memory (``sleeps`` only; a no-op
+        when it already sleeps)."""
+        if self.sleeps and self.engine is not None and not self.asleep:
             self.engine.sleep()
             self.asleep = True
+
+    def attach(self, engine) -> None:
+        """Rank 0: a restarted engine replaces the closed one (after ``close``); the next sync connects to it."""
+        self.engine, self.asleep = engine, False
 
     def close(self) -> None:
         """Leave the weight-update groups / shared segments (before the engines they feed shut down)."""

@@ -395,12 +395,15 @@ class RankZeroSync(WeightSyncStrategy):
     tensors through ``sync_weights`` (in process, or a ``RemoteEngine`` at ``rollout.placement: separate``). A
     sleeping engine is woken whole first: its weights come back re-allocated but stale, the sync refills every one."""
 
-    def sync(self, chunks, info):
+    def sync(self, chunks, info, weights_loaded=None):
         if self.engine is not None and self.asleep:
             self.engine.wake()
             self.asleep = False
         q = self.quantize  # every rank: stage leaders quantize before the transfer
-        return sync_weights(chunks, info, self.engine, **({} if q is None else {"quantize": q}))
+        stats = sync_weights(chunks, info, self.engine, **({} if q is None else {"quantize": q}))
+        if weights_loaded is not None:
+            weights_loaded()
+        return stats
 
 
 class ColocatedRankZeroSync(RankZeroSync):

@@ -388,7 +388,23 @@ def _write_best_marker(root: str, step: int) -> None:
     os.replace(tmp, os.path.join(root, "BEST"))
 
 
+def _resident(tr):
+    """Both models on the device while they are saved or loaded (colocated offload keeps them on the host while the
+    engine is awake: trainer.engine_side.models_resident)."""
+    return getattr(tr, "models_resident", contextlib.nullcontext)()
+
+
 def save_checkpoint(tr, keep_last: int) -> str:
+    with _resident(tr):
+        return _save_checkpoint(tr, keep_last)
+
+
+def load_checkpoint(tr, path: str) -> None:
+    with _resident(tr):
+        _load_checkpoint(tr, path)
+
+
+def _save_checkpoint(tr, keep_last: int) -> str:
     from megatron.core import dist_checkpointing
 
     root = _ckpt_root(tr.cfg.train.out_dir)
@@ -445,7 +461,7 @@ def save_checkpoint(tr, keep_last: int) -> str:
     return final
 
 
-def load_checkpoint(tr, path: str) -> None:
+def _load_checkpoint(tr, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     entries = read_meta(path)["models"]
@@ -464,4 +480,4 @@ def load_checkpoint(tr, path: str) -> None:
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
-    tr.sync_weights()
+    getattr(tr, "sync_weights_soon", tr.sync_weights)()

@@ -359,6 +359,9 @@ class PipelineCfg:
     coverage_prompts: Optional[int] = None  # prompts rolled out per policy (null: demo.coverage_prompts)
     coverage_k: Optional[int] = None  # samples per prompt (null: demo.coverage_k)
     stop_after: Stage = Stage.rl
+    # how long ranks != 0 wait for rank 0's coverage before failing (0: (policies + 1) x (900 s engine start +
+    # rollout.sglang.timeout_s)); a failure on rank 0 reaches them at once (its verdict file)
+    coverage_timeout_s: float = 0.0
 
     def errors(self) -> list[str]:
         out = []

@@ -74,8 +74,13 @@ class Trainer(EngineSide, RolloutPhases):
         data = B.build_data(cfg, use_daps=cfg.daps.enabled and self.uses_critic)
         self.vocab, self.prompts, self.eval_prompts = data.vocab, data.prompts, data.eval_prompts
         self.data_stats, self.stream, self.daps = data.stats, data.stream, data.daps
+        if self._offload_colocated():  # the engine sizes its KV cache beside what its phases keep here: nothing
+            self._place({}, off=["actor", "critic"])
+            dist.barrier()  # every rank's memory is back before rank 0 starts the engines on the node's GPUs
         self.engine, self._owns_ray = B.build_engine(cfg, self.info) if self.rank == 0 else (None, False)
         self.sync_strategy = sync_strategy_for(cfg, self.engine)  # every rank: the same path, from the config
+        if self._offload_colocated():
+            self._engine_sleep()  # the first sync wakes it in the colocated order, beside the actor's params only
         self.reward_pool = None
         self._build_eval()
         self.step_idx, self.skipped_steps, self._last_v0 = 0, 0, None
@@ -205,11 +210,18 @@ class Trainer(EngineSide, RolloutPhases):
                                           reduce=lambda sums: S.global_sums(self, "actor", batch, sums)))
         return m
 
+    def critic_values(self, batch: RolloutBatch):
+        """The critic's values [N, T] of every row (None without a critic)."""
+        return self._forward_only("critic", batch, "values")["values"] if self.uses_critic else None
+
     def advantages(self, batch: RolloutBatch) -> dict:
         """batch.adv (+ old_values, returns with a critic; is_w, keep with IS corrections). A sharded
-        batch: each rank computes its own rows' (trainer.shard_metrics.shard_advantages)."""
+        batch: each rank computes its own rows' (trainer.shard_metrics.shard_advantages). The critic's values:
+        batch.old_values when the step computed them already (critic_values), else computed here."""
         a, mask = self.cfg.algo, batch.mask
-        values = self._forward_only("critic", batch, "values")["values"] if self.uses_critic else None
+        values = getattr(batch, "old_values", None)
+        if values is None and self.uses_critic:
+            values = self.critic_values(batch)
         out, m = S.shard_advantages(self, batch, values)
         batch.adv, batch.old_values, batch.returns = out.adv, values, out.returns
         if self.spec.uses_is_corrections:
@@ -280,21 +292,27 @@ class Trainer(EngineSide, RolloutPhases):
             return m
         self._engine_sleep()  # from here until the weight sync only the models run
         t1 = time.time()
-        self._place(m, on=["actor", "critic"])
+        # one model resident at a time under train.offload_idle: the critic's values, then the actor's forward
+        self._place(m, on=["critic"], off=["actor"])
+        batch.old_values = self.critic_values(batch)
+        self._place(m, on=["actor"], off=["critic"])
         m.update(self.old_logprobs(batch))
         m.update(self.advantages(batch))
         m["time/old_logp_values"] = time.time() - t1
         t2 = time.time()
-        self._place(m, off=["critic"])
         m.update(self.update_actor(batch))
         self._place(m, on=["critic"], off=["actor"])
         m.update(self.update_critic(batch))
-        self._place(m, on=["actor"])  # both resident between steps (checkpoints, evaluation, DAPS)
+        if not self._offload_colocated():  # else both stay on the host while the engine is awake (sync_weights)
+            self._place(m, on=["actor"])  # both resident between steps (checkpoints, evaluation, DAPS)
         m["time/train"] = time.time() - t2
         self.skipped_steps += int(m.get("actor/skipped_minibatches", 0) + m.get("critic/skipped_minibatches", 0) > 0)
         m["skipped_steps_total"] = self.skipped_steps
         t3 = time.time()
         self.sync_weights()
+        for k, v in getattr(self, "_sync_placement", {}).items():  # the sync's own offload (colocated offload)
+            m[k] = m.get(k, 0.0) + v if k in ("time/offload", "mem/offload_gb") else v
+        self._sync_placement = {}
         m["time/sync"] = time.time() - t3
         m["time/step"] = time.time() - t0
         self.step_idx += 1

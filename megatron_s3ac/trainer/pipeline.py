@@ -17,6 +17,7 @@ DONE.json is redone from scratch (its dir is emptied first), except rl, which re
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -30,6 +31,8 @@ from megatron_s3ac.trainer.config import Config, ConfigError
 
 STAGES = ("warmup", "coverage", "value_pretrain", "rl")
 DONE = "DONE.json"
+COVERAGE_VERDICT = "coverage_verdict.json"  # rank 0's {"ok", "error"} for the ranks waiting on its coverage
+ENGINE_START_S = 900.0  # EnginePool's start_timeout_s default
 
 # ---- what each stage depends on ---------------------------------------------------------------------
 # the warm-up trains the actor alone: the critic's settings (model.critic_*, value head init) are not
@@ -46,7 +49,8 @@ _COVERAGE = ["rollout.engine", "rollout.temperature", "rollout.top_p", "pipeline
 _VALUE_PRETRAIN = ["value_pretrain.*", "model.value_head_init_std", "model.critic_head", "model.critic_init",
                    "critic_layout"]
 # rl: everything but where things are written and how progress is shown
-_RL_EXCLUDE = ["-pipeline.warmup_dir", "-pipeline.coverage_dir", "-pipeline.value_pretrain_dir",
+_RL_EXCLUDE = ["-pipeline.warmup_dir", "-pipeline.coverage_timeout_s", "-pipeline.coverage_dir",
+               "-pipeline.value_pretrain_dir",
                "-pipeline.stop_after", "-train.out_dir", "-train.resume", "-train.progress", "-train.tensorboard",
                "-train.wandb_project", "-cluster.*", "-rollout.reward_workers"]
 
@@ -199,6 +203,38 @@ def write_done(cfg: Config, stage: str, directory: str, result: dict, wall_s: fl
     return done
 
 
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def release_engine(tr) -> bool:
+    """Close rank 0's engine if it holds Ray placement groups (an EnginePool: its GPUs stay reserved even asleep, so
+    no other engine could be placed on them). Returns whether it was closed (restore_engine starts it again)."""
+    eng = getattr(tr, "engine", None)
+    if eng is None or not getattr(eng, "placement_groups", None):
+        return False
+    getattr(eng, "close", eng.shutdown)()
+    tr.engine = None
+    return True
+
+
+def restore_engine(tr) -> None:
+    """Start rank 0's engine again as the trainer built it (trainer.build.build_engine); the caller syncs weights.
+    Building draws nothing from the trainer's random stream."""
+    import torch
+
+    from megatron_s3ac.trainer import build as B
+
+    with torch.random.fork_rng(devices=[]):
+        tr.engine, _ = B.build_engine(tr.cfg, tr.info)
+    tr.sync_strategy.attach(tr.engine)  # its sessions were closed before the old engine went (run_coverage)
+    if getattr(tr, "_offload_colocated", lambda: False)():
+        tr._engine_sleep()  # the next sync wakes it in the colocated order (trainer.engine_side)
+
+
 # ---- the stages -------------------------------------------------------------------------------------
 class Pipeline:
     """Runs the planned stages on one Trainer. ``after_stage(stage, ran: bool)`` is called on every rank
@@ -278,7 +314,8 @@ class Pipeline:
             t0 = time.time()
             done = self._done(stage)
             if done is not None:
-                self._load(stage)
+                with self._resident(stage):
+                    self._load(stage)
                 self.results[stage] = {"status": "skipped", "wall_s": time.time() - t0, "result": done["result"],
                                        "recorded_wall_s": done.get("wall_s")}
                 if self.rank == 0:
@@ -288,7 +325,8 @@ class Pipeline:
                     print(f"pipeline: stage {stage} -> {self.dirs[stage]}", flush=True)
                 if stage == "rl":
                     self._record_rl_config()
-                res = getattr(self, f"_run_{stage}")(t0)
+                with self._resident(stage):
+                    res = getattr(self, f"_run_{stage}")(t0)
                 self.results[stage] = {"status": "ran", "wall_s": time.time() - t0, "result": res}
             self._after_stage_state(stage)
             if after_stage is not None:
@@ -300,12 +338,20 @@ class Pipeline:
                           indent=1, default=str)
         return self.results
 
+    def _resident(self, stage: str):
+        """The models on the device for a stage that trains, saves or loads them (trainer.engine_side.models_resident:
+        with colocated offload they live on the host while the engine is awake). Not for coverage (its engines need
+        the memory) nor rl (its steps place the models themselves)."""
+        fn = getattr(self.tr, "models_resident", None)
+        return fn() if fn is not None and stage not in ("coverage", "rl") else contextlib.nullcontext()
+
     def _after_stage_state(self, stage: str) -> None:
         """After the warm-up (run or not): the critic's backbone := the warm-up actor (the value head keeps
         its init), unless model.critic_init gave the critic."""
         tr = self.tr
         if stage == "warmup" and self.plan["warmup"] == "run" and tr.uses_critic and not self.cfg.model.critic_init:
-            tr.init_critic_from_actor()
+            with self._resident(stage):
+                tr.init_critic_from_actor()
 
     def _load(self, stage: str) -> None:
         """A skipped stage's output into the trainer (collective)."""
@@ -316,7 +362,7 @@ class Pipeline:
             path = os.path.join(self.dirs["warmup"], "actor")
             with tr.model_scope("actor"):
                 tr.actor.load_state_dict(dist_checkpointing.load(tr.actor.sharded_state_dict(), path))
-            tr.sync_weights()
+            getattr(tr, "sync_weights_soon", tr.sync_weights)()
         elif stage == "value_pretrain":
             path = os.path.join(self.dirs["value_pretrain"], "critic")
             with tr.model_scope("critic"):
@@ -372,37 +418,68 @@ class Pipeline:
             raise ConfigError(str(e)) from None
 
     def _run_coverage(self, t0: float) -> dict:
+        """Rank 0 rolls the policies out; the other ranks wait for its verdict file (a long generation would outlast
+        a collective's timeout), with a deadline. An engine pool of the trainer's holds its GPUs in Ray even asleep,
+        so the coverage engines could never be placed: it is closed first and started again after."""
         from megatron_s3ac.trainer.coverage import build_coverage
 
         tr, d = self.tr, self._fresh_dir("coverage")
+        verdict = os.path.join(d, COVERAGE_VERDICT)
+        tr.close_weight_sync()  # every rank: the sync sessions of the engines closed below (reopened on next sync)
         res = None
         if self.rank == 0:
-            policies = self.coverage_policies()
-            log_f = open(os.path.join(d, "coverage_log.jsonl"), "w")
-
-            def log(st):
-                log_f.write(json.dumps(st) + "\n")
-                log_f.flush()
-                print(f"coverage: {st}", flush=True)
-
-            tr._engine_sleep()  # a colocated engine frees its memory for the coverage engines
             try:
-                res = build_coverage(self.cfg, policies, tr.prompts, tr.vocab, tr._score,
-                                     os.path.join(d, "coverage.jsonl"), log=log,
-                                     after_policy=lambda i: faults.in_stage("coverage"))
-            finally:
-                log_f.close()
-        # other ranks wait for rank 0's file (a long generation would outlast a collective's timeout)
-        self._wait_for(os.path.join(d, "coverage.jsonl"))
+                policies = self.coverage_policies()
+                log_f = open(os.path.join(d, "coverage_log.jsonl"), "w")
+
+                def log(st):
+                    log_f.write(json.dumps(st) + "\n")
+                    log_f.flush()
+                    print(f"coverage: {st}", flush=True)
+
+                tr._engine_sleep()  # a colocated engine frees its memory for the coverage engines
+                reopen = release_engine(tr)
+                try:
+                    res = build_coverage(self.cfg, policies, tr.prompts, tr.vocab, tr._score,
+                                         os.path.join(d, "coverage.jsonl"), log=log,
+                                         after_policy=lambda i: faults.in_stage("coverage"))
+                finally:
+                    log_f.close()
+                if reopen:
+                    restore_engine(tr)
+            except BaseException as e:
+                _write_json(verdict, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                raise
+            _write_json(verdict, {"ok": True})
+        else:
+            self._wait_for_verdict(verdict)
+        self._barrier()
         tr.sync_weights()  # wakes the colocated engine, refilled with the actor's weights
         res = self._bcast(res)
         return self._finish("coverage", res, t0)
 
-    def _wait_for(self, path: str, poll_s: float = 2.0) -> None:
-        if self.rank != 0:
-            while not os.path.exists(path):
-                time.sleep(poll_s)
-        self._barrier()
+    def coverage_deadline_s(self) -> float:
+        """How long the other ranks wait for rank 0's coverage: ``pipeline.coverage_timeout_s``, else one engine start
+        and one generation (``rollout.sglang.timeout_s``) per policy, plus the trainer engine's restart."""
+        p = self.cfg.pipeline
+        if getattr(p, "coverage_timeout_s", 0):
+            return float(p.coverage_timeout_s)
+        n = len(p.policies) if p.policies else self.cfg.demo.coverage_checkpoints
+        return (n + 1) * (ENGINE_START_S + float(self.cfg.rollout.sglang.timeout_s))
+
+    def _wait_for_verdict(self, path: str, poll_s: float = 2.0) -> None:
+        """Poll for rank 0's verdict; raise its error, or TimeoutError past coverage_deadline_s."""
+        deadline = time.time() + self.coverage_deadline_s()
+        while not os.path.exists(path):
+            if time.time() > deadline:
+                raise TimeoutError(f"pipeline coverage: rank {self.rank} waited {self.coverage_deadline_s():g} s for "
+                                   f"rank 0's coverage ({path} never appeared; pipeline.coverage_timeout_s sets "
+                                   f"the limit)")
+            time.sleep(min(poll_s, max(0.05, deadline - time.time())))
+        with open(path) as f:
+            v = json.load(f)
+        if not v.get("ok"):
+            raise RuntimeError(f"pipeline coverage failed on rank 0: {v.get('error')}")
 
     # -- value pretraining
     def coverage_path(self) -> str:
@@ -417,7 +494,13 @@ class Pipeline:
         if not rows:
             raise ConfigError(f"value pretraining: {self.coverage_path()} holds no valid coverage rows ({stats})")
         log_f = self._jsonl(os.path.join(d, "value_pretrain.jsonl"))
+        # value pretraining builds a third model (the frozen-attention critic copy): never beside an awake colocated
+        # engine, and the actor, idle, goes to the host (train.offload_idle)
+        tr._engine_sleep()
+        tr._place({}, off=["actor"])
         res = value_pretrain(tr, rows, log=(lambda m: log_f.write(json.dumps(m) + "\n")) if log_f else None)
+        tr._place({}, on=["actor"])
+        tr.sync_weights_soon()  # the engine awake again, refilled (colocated offload: as the models leave)
         if log_f is not None:
             log_f.close()
         faults.in_stage("value_pretrain")

@@ -76,7 +76,7 @@ class ToySync(ss.WeightSyncStrategy):
 
     sleeps = True
 
-    def sync(self, chunks, info):
+    def sync(self, chunks, info, weights_loaded=None):
         log = self.settings.log
         if self.engine is not None and self.asleep:
             self.engine.wake(["weights"])
