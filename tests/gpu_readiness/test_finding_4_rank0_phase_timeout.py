@@ -7,8 +7,8 @@ given to ``init_process_group`` and megatron's groups, and the other ranks wait 
 group with that deadline (``trainer.rank0``), never inside a collective of the default group.
 
 Gloo honours a process group's timeout as NCCL's watchdog does (a blocked collective raises after it), so CPU
-shows it: the default process group gets a 3 s timeout (``testing.dist_timeout.run_with_pg_timeout``), rank 0's
-real engine is made slow to start and to generate (``slow_rank0_engine``: 5 s each, rollout and evaluation
+shows it: the default process group gets a 4 s timeout (``testing.dist_timeout.run_with_pg_timeout``), rank 0's
+real engine is made slow to start and to generate (``slow_rank0_engine``: 6.5 s each, rollout and evaluation
 alike), and one RL step with a periodic evaluation runs through ``train_loop``: rank 1 must survive every wait.
 On a GPU the same holds for NCCL (the gloo wait group holds no CUDA work); ``tools/device_checks`` runs of the
 trainer cover the NCCL side.
@@ -29,8 +29,8 @@ SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=4", "rollout.k=2
          "algo.critic_epochs=1", "algo.dynamic_sampling=false", "daps.warmup_steps=0", "daps.rampup_steps=1",
          "train.progress=false", "train.tensorboard=false", "eval.greedy=false", "train.save_every=0"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PG_TIMEOUT_S = 3.0  # the stand-in for NCCL's watchdog
-SLOW_S = 5.0  # each rank-0-only phase takes longer than that
+PG_TIMEOUT_S = 4.0  # the stand-in for NCCL's watchdog
+SLOW_S = 6.5  # each rank-0-only phase takes longer than that
 
 
 def _has_key(key: str) -> bool:
@@ -85,9 +85,9 @@ def test_a_wait_past_the_deadline_names_the_phase_and_the_key(tmp_path):
     if not _has_key("dist_timeout_s"):
         pytest.skip("train.dist_timeout_s is not in this version's schema")
     with pytest.raises(DistributedTestError, match=r"(?s)rank 1 of 2 failed.*Rank0WaitError: rank 1 waited for rank "
-                                                   r"0's rollout generation.*train.dist_timeout_s=3 s"):
+                                                   r"0's rollout generation.*train.dist_timeout_s=5 s"):
         run_with_pg_timeout(_run, 2, 120.0, str(tmp_path), ["train.steps=1", "train.eval_every=0",
-                                                             "train.dist_timeout_s=3"], 0.0, 8.0, timeout=400)
+                                                             "train.dist_timeout_s=5"], 0.0, 15.0, timeout=400)
 
 
 def _pg_timeout_probe(timeout_s):
