@@ -53,7 +53,6 @@ class Trainer(EngineSide, RolloutPhases):
 
     def __init__(self, cfg: Config):
         from megatron_s3ac.models.parallel import init_distributed
-
         from megatron_s3ac.trainer.rank0 import Rank0Phases
 
         torch.set_num_threads(cfg.train.threads)
