@@ -10,8 +10,8 @@ Gloo honours a process group's timeout as NCCL's watchdog does (a blocked collec
 shows it: the default process group gets a 4 s timeout (``testing.dist_timeout.run_with_pg_timeout``), rank 0's
 real engine is made slow to start and to generate (``slow_rank0_engine``: 6.5 s each, rollout and evaluation
 alike), and one RL step with a periodic evaluation runs through ``train_loop``: rank 1 must survive every wait.
-On a GPU the same holds for NCCL (the gloo wait group holds no CUDA work); ``tools/device_checks`` runs of the
-trainer cover the NCCL side.
+On a GPU the NCCL side (its watchdog, the gloo wait group beside an NCCL default group) is the device check
+``torchrun --nproc-per-node 2 tools/device_checks/rank0_waits.py`` (``--stand-in``: the same on CPU).
 """
 import dataclasses
 import inspect
