@@ -69,15 +69,9 @@ def test_export_plan_path_is_the_groups_not_the_first_tensors():
     assert res[0]["plan_device"] == res[1]["plan_device"] == "cpu"
 
 
-def _trainer_dp2():
-    import torch.distributed as dist
-
+def _trainer_dp2(out):
     from megatron_s3ac.trainer.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
-
-    import tempfile
-
-    out = tempfile.mkdtemp(prefix=f"f2_rank{dist.get_rank()}_")
 
     def run():
         cfg = load_config(None, SMALL + [f"train.out_dir={out}"])
@@ -90,8 +84,8 @@ def _trainer_dp2():
     return audited(run)
 
 
-def test_collective_audit_over_the_trainer_at_dp2():
-    res = run_distributed(_trainer_dp2, 2)
+def test_collective_audit_over_the_trainer_at_dp2(tmp_path):
+    res = run_distributed(_trainer_dp2, 2, str(tmp_path))
     for r in res:
         assert r["error"] is None, r["error"]
     assert [r["result"]["dp"] for r in res] == [2, 2]
