@@ -90,6 +90,16 @@ def attach_shared(name: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(f"/dev/shm/{name.lstrip('/')}", shared=True, size=int(nbytes), dtype=torch.uint8)
 
 
+def group_device(group) -> torch.device:
+    """Where every tensor a collective or message of ``group`` carries lives: the current CUDA device on an NCCL
+    group, the host otherwise (gloo). One answer per group, from its backend, the same on every rank: a rank's
+    own tensors cannot decide it, since a rank may hold none (megatron gives the main replicas to DP rank 0 only,
+    so every DP rank > 0 exports nothing) and would take another path than the rank that holds them."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _signature(model_chunks) -> tuple:
     """Identity of the parameters an export plan holds views of (a re-assigned ``p.data`` changes it)."""
     return tuple((id(p), p.data_ptr()) for m in model_chunks for p in m.parameters())
@@ -120,7 +130,8 @@ class _ExportPlan:
         names, keys = _owned_names(plan, sources, index)
         self.dtypes = {nm: index[keys[id(sources[nm][0][0])]][0][3] for nm in names}
         itemsize = {nm: dt.itemsize for nm, dt in self.dtypes.items()}
-        self.device = self.pieces[0][3].device if self.pieces else torch.device("cpu")
+        # the transfers' and the leader's assembly device, and so whether the shared-memory path applies (host only)
+        self.device = group_device(group)
         self.hf_shapes = plan.hf_shapes
         self.buckets = []
         for bucket in _buckets(plan, names, itemsize, bucket_bytes):
@@ -150,8 +161,9 @@ class _ExportPlan:
         a POSIX segment of its own (one copy) and sends a one-word "ready"; the leader copies them into place straight
         from the segment (one copy) and acknowledges. No bytes cross a socket; on a shared, busy host gloo's loopback
         transfers were the sync's largest cost. On by default (``shm_default``; S3AC_EXPORT_SHM=0 turns it off); never
-        on CUDA or for ranks on other hosts. Each plan has its own segments, so every rank of the stage must run the
-        same plan (``_plan_for`` checks): a rank on another plan once left the leader reading a stale segment."""
+        on an NCCL group (``group_device``: decided from the group's backend, the same on every rank, so all of them
+        join or skip the hand-shake below) or for ranks on other hosts. Each plan has its own segments, so every
+        rank of the stage must run the same plan (``_plan_for`` checks): a rank on another plan once left the leader reading a stale segment."""
         import socket
 
         self.shm, self.shm_buf, self.peers = None, None, {}
@@ -231,8 +243,7 @@ def _plan_for(model_chunks, info, bucket_bytes, group, shm: bool) -> _ExportPlan
     ask = (int(bucket_bytes), int(bool(shm)), len(model_chunks))
     stale = torch.tensor([plan is None or not plan.reusable or plan.signature != _signature(model_chunks),
                           *ask, *(-x for x in ask)], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        stale = stale.cuda()
+    stale = stale.to(group_device(group))
     dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=group)
     hi, lo = stale[1:4].tolist(), [-x for x in stale[4:7].tolist()]
     if hi != lo:

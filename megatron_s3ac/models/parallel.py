@@ -156,8 +156,13 @@ def auto_stage_layers(num_layers: int, pp: int) -> tuple[int, int]:
     return (rest + 1) // 2, rest // 2
 
 
-def init_distributed(backend: str | None = None) -> None:
-    """Initialise torch.distributed from torchrun's env (gloo on CPU, nccl on GPU); idempotent."""
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
+    """Initialise torch.distributed from torchrun's env (gloo on CPU, nccl on GPU); idempotent (an existing
+    process group is kept as it is). ``timeout_s``: the process group's collective timeout (NCCL's watchdog
+    aborts a rank that waits longer inside one collective; torch's default is 10 min for NCCL, 30 for gloo):
+    the trainer passes ``train.dist_timeout_s``."""
+    import datetime
+
     import torch.distributed as dist
 
     from megatron_s3ac.models import cpu_compat
@@ -169,11 +174,13 @@ def init_distributed(backend: str | None = None) -> None:
         backend = "nccl" if cpu_compat.cuda_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend)
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=float(timeout_s))}
+    dist.init_process_group(backend=backend, **kw)
 
 
-def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
-    """Create megatron's process groups for ``layout`` and seed the model-parallel RNGs."""
+def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: float | None = None) -> None:
+    """Create megatron's process groups for ``layout`` and seed the model-parallel RNGs. ``timeout_s``: the
+    groups' collective timeout (None: megatron's default, 30 min)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -186,9 +193,11 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
     ws = dist.get_world_size()
     if ws % (layout.tp * layout.pp) or ws % (layout.etp * layout.ep * layout.pp):
         raise LayoutError(f"world size {ws} does not fit layout {layout}")
+    # megatron builds timedelta(minutes=...) from this: a fraction of a minute is kept
+    kw = {} if timeout_s is None else {"distributed_timeout_minutes": float(timeout_s) / 60.0}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp, **kw)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -226,14 +235,14 @@ class ParallelContext:
     in the same order on every rank (group creation is collective).
     """
 
-    def __init__(self, layout: ParallelLayout, seed: int = 1234):
+    def __init__(self, layout: ParallelLayout, seed: int = 1234, timeout_s: float | None = None):
         from megatron.core import parallel_state
 
         _, mrandom = _state_modules()
         outer = _snapshot() if parallel_state.model_parallel_is_initialized() else None
         parallel_state.destroy_model_parallel()  # clears the globals only; existing groups live on
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False  # a fresh tracker for this layout
-        initialize_model_parallel(layout, seed)
+        initialize_model_parallel(layout, seed, timeout_s)
         self.layout = layout
         self._snap = _snapshot()
         if outer is not None:

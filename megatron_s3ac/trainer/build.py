@@ -38,10 +38,10 @@ def build_parallel(cfg: Config, uses_critic: bool) -> ParallelSetup:
     if uses_critic and critic_layout != layout:
         # megatron keeps one layout in module globals: the actor's stays installed, the critic's is
         # swapped in around every critic operation (``Trainer.model_scope("critic")``)
-        out.actor_ctx = ParallelContext(layout, seed=cfg.train.seed)
-        out.critic_ctx = ParallelContext(critic_layout, seed=cfg.train.seed)
+        out.actor_ctx = ParallelContext(layout, seed=cfg.train.seed, timeout_s=cfg.train.dist_timeout_s)
+        out.critic_ctx = ParallelContext(critic_layout, seed=cfg.train.seed, timeout_s=cfg.train.dist_timeout_s)
     else:
-        initialize_model_parallel(layout, seed=cfg.train.seed)
+        initialize_model_parallel(layout, seed=cfg.train.seed, timeout_s=cfg.train.dist_timeout_s)
     out.pad_to = 8 * layout.tp * critic_layout.tp // math.gcd(layout.tp, critic_layout.tp)
     return out
 

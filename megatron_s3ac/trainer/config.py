@@ -496,9 +496,16 @@ class TrainCfg:
     # refuses a dist format (e.g. before the first optimizer step on CPU), per_rank is used and said once.
     optimizer_checkpoint: str = "fully_reshardable"
     resume_optimizer: bool = True  # false: resume weights/data/RNG with fresh optimizer state (e.g. at a new layout)
+    # seconds: the process groups' collective timeout (init_process_group, megatron's groups; NCCL's watchdog aborts
+    # a rank that waits longer) and the deadline of the other ranks' wait for a rank-0-only phase (engine start,
+    # rollout generation, periodic evaluation), which they wait out on a gloo group, not inside an NCCL collective
+    # (trainer.rank0). Longer than the longest of those phases; a real hang is reported after it
+    dist_timeout_s: float = 3600.0
 
     def errors(self) -> list[str]:
         out = [] if self.r3 in R3_MODES else [f"train.r3={self.r3!r} must be auto, on or off"]
+        if not self.dist_timeout_s > 0:
+            out.append(f"train.dist_timeout_s={self.dist_timeout_s} must be > 0 (seconds)")
         if self.optimizer_checkpoint not in ("fully_reshardable", "dp_reshardable", "per_rank"):
             out.append(f"train.optimizer_checkpoint={self.optimizer_checkpoint!r} must be fully_reshardable, "
                        f"dp_reshardable or per_rank")
@@ -613,6 +620,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                     "give HF dirs")
     if a.entropy_control != "none" and r.k < 2:
         errs.append(f"algo.entropy_control={a.entropy_control} shapes group advantages: needs rollout.k >= 2")
+    if r.engine == EngineKind.sglang and cfg.train.dist_timeout_s < float(r.sglang.timeout_s):
+        errs.append(f"train.dist_timeout_s={cfg.train.dist_timeout_s:g} is shorter than rollout.sglang.timeout_s="
+                    f"{float(r.sglang.timeout_s):g}: the other ranks would give up on rank 0's generation before "
+                    f"the engine does (raise train.dist_timeout_s)")
     if not errs:
         errs += _engine_errors(cfg, world_size)
     if cfg.train.r3 == "on" and not errs:

@@ -53,12 +53,14 @@ class Trainer(EngineSide, RolloutPhases):
 
     def __init__(self, cfg: Config):
         from megatron_s3ac.models.parallel import init_distributed
+        from megatron_s3ac.trainer.rank0 import Rank0Phases
 
         torch.set_num_threads(cfg.train.threads)
-        init_distributed()
+        init_distributed(timeout_s=cfg.train.dist_timeout_s)
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         validate(cfg, self.world)
+        self.rank0 = Rank0Phases(cfg.train.dist_timeout_s)  # the other ranks wait for rank 0's phases here
         self.info = model_info_for(cfg)
         self.spec = get_algo(cfg.algo.name)
         self.policy_loss = cfg.algo.policy_loss or self.spec.policy_loss
@@ -89,6 +91,7 @@ class Trainer(EngineSide, RolloutPhases):
         a = cfg.algo  # None: no hook (the default, "none")
         self.entropy_control = (make_entropy_control(a.entropy_control, **a.entropy_control_params)
                                 if a.entropy_control != "none" else None)
+        self.rank0.share("engine start")  # not inside the sync's first collective
         self.sync_weights()
 
     # ---- construction ------------------------------------------------------------------------

@@ -52,7 +52,7 @@ _VALUE_PRETRAIN = ["value_pretrain.*", "model.value_head_init_std", "model.criti
 _RL_EXCLUDE = ["-pipeline.warmup_dir", "-pipeline.coverage_timeout_s", "-pipeline.coverage_dir",
                "-pipeline.value_pretrain_dir",
                "-pipeline.stop_after", "-train.out_dir", "-train.resume", "-train.progress", "-train.tensorboard",
-               "-train.wandb_project", "-cluster.*", "-rollout.reward_workers"]
+               "-train.wandb_project", "-cluster.*", "-rollout.reward_workers", "-train.dist_timeout_s"]
 
 
 def _leaf_keys(cls=Config, prefix: str = "") -> list[str]:
@@ -401,12 +401,9 @@ class Pipeline:
         return self._finish("warmup", res, t0)
 
     def _bcast(self, obj):
-        import torch.distributed as dist
-
-        box = [obj]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """Rank 0's ``obj`` (e.g. its evaluation's result) on every rank; the others wait on the trainer's gloo
+        group with the run's deadline (trainer.rank0), not inside a collective of the default group."""
+        return self.tr.rank0.share("pipeline stage (rank 0's result)", obj)
 
     # -- coverage
     def coverage_policies(self) -> list[str]:

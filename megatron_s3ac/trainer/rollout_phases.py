@@ -10,7 +10,6 @@ and the rollout metrics need). After the filter, ``distribute`` sends each rank 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.algorithms.registry import clamp_values
@@ -76,8 +75,8 @@ class RolloutPhases:
                     "finish": [d["finish"] for d in full], "plen": [len(d["prompt_ids"]) for d in full],
                     "rlen": [len(d["response_ids"]) for d in full]}
             payload = [(meta, self._aborted)]
-        dist.broadcast_object_list(payload, src=0)  # metadata only: a few numbers per sample
-        meta, self._aborted = payload[0]
+        # metadata only: a few numbers per sample; waited for on the gloo group with the run's deadline
+        meta, self._aborted = self.rank0.share("rollout generation", payload[0])
         light = [dict(zip(meta, vals)) for vals in zip(*meta.values())]
         return light if full is None else [dict(f, plen=m["plen"], rlen=m["rlen"]) for f, m in zip(full, light)]
 

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-import torch.distributed as dist
-
 from megatron_s3ac.testing import faults
 
 
@@ -35,12 +32,11 @@ def train_loop(tr) -> None:
     while tr.step_idx < cfg.steps:
         m = tr.step()
         m.update(tr.periodic_eval())  # rank 0 only; after the step's weight sync
-        best = torch.tensor([float(m.get("eval/is_best", 0.0))], device=tr.device)  # NCCL: a CUDA tensor
-        if tr.world > 1:
-            dist.broadcast(best, src=0)  # saving is collective: every rank must agree (eval runs on rank 0)
+        # saving is collective: every rank must agree (eval runs on rank 0, the others wait: trainer.rank0)
+        best = tr.rank0.share("periodic evaluation", float(m.get("eval/is_best", 0.0)))
         if log is not None:
             log.log(m)
-        if cfg.save_every and (tr.step_idx % cfg.save_every == 0 or best.item() > 0):
+        if cfg.save_every and (tr.step_idx % cfg.save_every == 0 or best > 0):
             save_checkpoint(tr, cfg.keep_last)
         faults.after_step(tr.step_idx)  # testing seam (no-op unless its env var is set)
     if log is not None:

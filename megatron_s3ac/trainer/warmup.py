@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
 from megatron_s3ac.trainer.batch import collate, per_token
 from megatron_s3ac.trainer.data import EOS
@@ -47,13 +46,12 @@ def supervised_warmup(tr, log, snapshot=None) -> dict:
             nll += [float(o["nll"]) for o in r.outputs]
         if step % d.warmup_eval_every == 0:
             tr.sync_weights()
-            payload = [None]
+            acc = None
             if tr.rank == 0:
-                payload = [tr.evaluate()]
+                acc = tr.evaluate()
                 if snapshot is not None:
                     snapshot(step)
-            dist.broadcast_object_list(payload, src=0)
-            acc = payload[0]
+            acc = tr.rank0.share("warm-up evaluation", acc)  # the other ranks wait on gloo (trainer.rank0)
             log({"step": step, "warmup/greedy_pass_rate": acc, "warmup/time": time.time() - t0,
                  "warmup/nll_rank0": sum(nll)})
             if acc >= d.target_pass_rate:
