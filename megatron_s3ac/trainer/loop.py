@@ -85,6 +85,9 @@ class Trainer(EngineSide, RolloutPhases):
         self.entropy_control = (make_entropy_control(a.entropy_control, **a.entropy_control_params)
                                 if a.entropy_control != "none" else None)
         self.sync_weights()
+        from megatron_s3ac.trainer.async_loop import make_async_rollout
+
+        self.async_rollout = make_async_rollout(self)  # train.max_staleness > 0: generation overlaps training
 
     # ---- construction ------------------------------------------------------------------------
     def _build_models(self, par: "B.ParallelSetup") -> None:
@@ -260,6 +263,8 @@ class Trainer(EngineSide, RolloutPhases):
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> dict:
+        if getattr(self, "async_rollout", None) is not None:
+            return self.async_rollout.step()  # trainer.async_loop: the same phases, the next batches in flight
         t0 = time.time()
         m: dict = {"step": self.step_idx}
         self._place(m, on=["critic"] if self.daps is not None else [])  # DAPS scores prompts with V(s0)

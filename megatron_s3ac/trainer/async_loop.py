@@ -1,0 +1,215 @@
+"""Bounded-staleness asynchronous rollout (``train.max_staleness: N >= 1``; docs/trainer.md "Asynchronous rollout").
+
+The synchronous step (``Trainer.step``) generates, scores and trains in turn while a separate engine idles during
+training. Here the engine (``rollout.placement: separate``: a Ray actor, ``RemoteEngine`` / ``EnginePool``) always
+has the next batches queued: at step s the batches for steps s .. s+N are in flight or done, and the one for step
+s+N is submitted at the start of step s, before training, with the engine's weights of that moment (version s).
+The engine's actor runs its calls in order, so that generation runs while step s trains, and the weight sync at the
+end of step s loads after it.
+
+Weights version: the engine holds version v once the weights after trainer step v-1 are synced (v = 0 at start).
+A sample generated with version v is trained at step s with staleness s - v: N for a prefetched batch in the
+steady state (fewer in the first N steps), 0 for a DAPO refill round (generated now, synchronously). The bound
+s - v <= N is checked on every trained sample.
+
+What keeps the update correct off-policy (docs/algorithms.md "Off-policy update"): every response token carries its
+behaviour log-prob (the engine's) and its weights version; the old log-probs are recomputed by the current actor
+(the proximal policy of decoupled PPO, ``Trainer.old_logprobs``); token IS weights old/behaviour with
+``algo.tis_cap``, IcePoP and MIS act on that ratio (``Trainer.advantages``); values and GAE come from the current
+critic; R3 replays the routes the generating version chose.
+
+Prompt selection: a batch's prompts are chosen when it is submitted, so DAPS scores them with V(s0) of the critic
+of that moment (N steps before they train) and updates its counts when the batch is collected.
+
+Every rank runs ``step`` (prompt selection, the DAPO filter and the training phases are collective); rank 0 owns
+the engine, submits and waits. ``Trainer.step`` delegates here when ``train.max_staleness > 0``; the training
+phases are the synchronous step's, in its order.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import torch
+
+from megatron_s3ac.trainer.batch import RolloutMeta
+
+
+@dataclasses.dataclass
+class Submitted:
+    """One prefetched batch: the step it trains at, its prompts and selection stats, the weights version that
+    generates it, and (rank 0) the engine's pending generation."""
+
+    step: int
+    pids: torch.Tensor
+    stats: dict
+    version: int
+    pending: object = None
+    collected: bool = False  # rank 0: its samples are back (and its engine span recorded)
+
+
+def staleness_metrics(samples: list[dict], step: int) -> dict:
+    """``async/staleness_*`` over the trained samples (each with "version" and "rlen"): the mean over response
+    tokens, the mean over samples and the max, in weight versions (step - version)."""
+    if not samples:
+        return {}
+    st = torch.tensor([step - int(d["version"]) for d in samples], dtype=torch.float64)
+    n = torch.tensor([int(d["rlen"]) for d in samples], dtype=torch.float64)
+    return {"async/staleness_mean": float((st * n).sum() / n.sum().clamp(min=1.0)),
+            "async/staleness_sample_mean": float(st.mean()), "async/staleness_max": float(st.max()),
+            "async/trained_tokens": float(n.sum())}
+
+
+def busy_seconds(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] covered by the (start, end) generation spans (an engine runs one call at a time, so
+    the spans do not overlap)."""
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+
+
+class AsyncRollout:
+    """The asynchronous step of a ``Trainer`` (see the module docstring). ``tr``: the trainer; ``max_staleness``:
+    N >= 1."""
+
+    def __init__(self, tr, max_staleness: int):
+        if max_staleness < 1:
+            raise ValueError(f"max_staleness={max_staleness} must be >= 1 for the asynchronous loop")
+        self.tr, self.n = tr, int(max_staleness)
+        self.queue: collections.deque[Submitted] = collections.deque()
+        self.spans: list[tuple[float, float]] = []  # rank 0: engine generation spans not yet older than a step
+        self.wait_s = 0.0  # rank 0: seconds spent waiting on the engine in the current step
+        self.log: list[tuple[int, int, tuple[float, float] | None]] = []  # rank 0: (step, version, engine span)
+
+    # ---- submission ---------------------------------------------------------------------------
+    def _params(self, step: int, round_idx: int = 0):
+        """The synchronous rollout's sampling params for ``step`` (same seed rule: a prefetched batch draws as the
+        synchronous loop would at the step it trains at)."""
+        from megatron_s3ac.rollout.base import SamplingParams
+
+        r, tr = self.tr.cfg.rollout, self.tr
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                              seed=tr.cfg.train.seed * 1_000_003 + step + 7919 * round_idx)
+
+    def submit(self, step: int) -> None:
+        """Every rank: choose the prompts of ``step``'s batch now (DAPS: the critic of this moment); rank 0 hands
+        them to the engine without waiting."""
+        tr = self.tr
+        pids, stats = tr.select_prompts()
+        e = Submitted(step, pids, stats, tr.weights_version)
+        if tr.rank == 0:
+            e.pending = tr.engine.generate_async([tr.prompts[int(i)].ids for i in pids], self._params(step),
+                                                 n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on)
+        self.queue.append(e)
+
+    def _result(self, e: Submitted):
+        """Rank 0: the batch's samples, waiting for them if needed (counted in the trainer's wait time)."""
+        if e.pending is None:
+            return None
+        t = time.time()
+        groups = e.pending.result()
+        self.wait_s += time.time() - t
+        if not e.collected:
+            e.collected = True
+            if e.pending.timing is not None:
+                self.spans.append(e.pending.timing)
+            self.log.append((e.step, e.version, e.pending.timing))
+        return groups
+
+    # ---- collection ---------------------------------------------------------------------------
+    def _collect(self, e: Submitted, groups, m: dict):
+        """(every drawn sample, their metadata, this rank's shard of the kept batch, metrics, the kept samples):
+        ``Trainer.rollout_once`` / ``rollout_refilled`` with the first round already generated."""
+        tr = self.tr
+        if tr.cfg.algo.dynamic_sampling_refill:
+            tr._place(m, off=["actor"])  # as the synchronous step (a no-op unless train.offload_idle)
+            samples, drawn, batch, fm = tr.rollout_refilled(first=(e.pids, e.stats, groups, e.version))
+            return samples, drawn, batch, fm, (getattr(tr, "_kept", []) if batch is not None else [])
+        samples = tr.rollout(e.pids, groups=groups)
+        for d in samples:
+            d["version"] = e.version
+        if not samples:
+            return samples, None, None, e.stats, []
+        drawn = RolloutMeta.of(samples)
+        if tr.daps is not None:
+            tr.daps.update(drawn.pid, drawn.scores, step=tr.step_idx)
+        keep, fm = tr.filter_groups(drawn)
+        kept = [] if keep is None else [samples[i] for i in keep.tolist()]
+        batch = None if keep is None else tr.distribute(kept)
+        return samples, drawn, batch, {**e.stats, **fm}, kept
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> dict:
+        tr = self.tr
+        t0 = time.time()
+        s = tr.step_idx
+        self.wait_s = 0.0
+        m: dict = {"step": s}
+        if not self.queue:  # first step, or after a resume: the engine holds the weights of this step
+            tr.weights_version = s
+        tr._place(m, on=["critic"] if tr.daps is not None else [])  # DAPS scores prompts with V(s0)
+        last = max(tr.cfg.train.steps, s + 1)  # no batch for a step that will not run
+        while len(self.queue) <= self.n and s + len(self.queue) < last:
+            self.submit(s + len(self.queue))
+        e = self.queue.popleft()
+        if e.step != s:
+            raise RuntimeError(f"asynchronous rollout: the next prefetched batch is for step {e.step}, not {s}")
+        samples, drawn, batch, fm, kept = self._collect(e, self._result(e), m)
+        m.update(fm)
+        if drawn is None:
+            m.update({"rollout/aborted": tr._aborted[0], "rollout/aborted_groups": tr._aborted[1]})
+        else:
+            m.update(tr.rollout_metrics(samples, drawn))
+        m["time/rollout"] = time.time() - t0
+        if batch is None:  # nothing to train on: the weights (and so the version) carry over to the next step
+            tr._place(m, on=["actor", "critic"])
+            tr.step_idx += 1
+            tr.weights_version = tr.step_idx
+            return self._finish(m, t0, [])
+        st = staleness_metrics(kept, s)
+        if st and st["async/staleness_max"] > self.n:
+            raise RuntimeError(f"asynchronous rollout: a sample {st['async/staleness_max']:g} weight versions old "
+                               f"would train at step {s}, above train.max_staleness={self.n}")
+        m.update(st)
+        t1 = time.time()
+        tr._place(m, on=["actor", "critic"])
+        m.update(tr.old_logprobs(batch))  # the current actor: the proximal policy
+        m.update(tr.advantages(batch))  # the current critic; IS old/behaviour
+        m["time/old_logp_values"] = time.time() - t1
+        t2 = time.time()
+        tr._place(m, off=["critic"])
+        m.update(tr.update_actor(batch))
+        tr._place(m, on=["critic"], off=["actor"])
+        m.update(tr.update_critic(batch))
+        tr._place(m, on=["actor"])
+        m["time/train"] = time.time() - t2
+        tr.skipped_steps += int(m.get("actor/skipped_minibatches", 0) + m.get("critic/skipped_minibatches", 0) > 0)
+        m["skipped_steps_total"] = tr.skipped_steps
+        for q in self.queue:  # the engine loads the new weights after these (its calls run in order): wait here,
+            self._result(q)  # not inside the sync's collectives
+        t3 = time.time()
+        tr.sync_weights()
+        m["time/sync"] = time.time() - t3
+        tr.step_idx += 1
+        tr.weights_version = tr.step_idx
+        return self._finish(m, t0, kept)
+
+    def _finish(self, m: dict, t0: float, kept: list) -> dict:
+        t = time.time()
+        m["time/step"] = t - t0
+        if self.tr.rank == 0:
+            busy = busy_seconds(self.spans, t0, t)
+            m.update({"async/trainer_wait_s": self.wait_s, "async/engine_busy_frac": busy / max(t - t0, 1e-9),
+                      "async/engine_idle_frac": 1.0 - busy / max(t - t0, 1e-9),
+                      "async/tokens_per_s": sum(int(d["rlen"]) for d in kept) / max(t - t0, 1e-9),
+                      "async/samples_per_s": len(kept) / max(t - t0, 1e-9), "async/in_flight": len(self.queue)})
+            self.spans = [sp for sp in self.spans if sp[1] > t]  # later steps only see what is still running
+        return m
+
+
+def make_async_rollout(tr):
+    """The trainer's asynchronous step when ``train.max_staleness > 0``, else None (the synchronous loop)."""
+    n = int(getattr(tr.cfg.train, "max_staleness", 0) or 0)
+    return AsyncRollout(tr, n) if n > 0 else None
+
+
+__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "make_async_rollout", "staleness_metrics"]
