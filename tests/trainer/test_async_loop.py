@@ -94,3 +94,16 @@ def test_staleness_two_with_refill_world2(tmp_path):
     assert [(s, v) for s, v, _ in r0["log"]][:3] == [(0, 0), (1, 0), (2, 0)]
     for mean, mx in r0["st"]:
         assert 0.0 <= mean <= mx <= 2.0
+
+
+def test_async_panels_are_plotted(tmp_path):
+    import json
+
+    from megatron_s3ac.trainer.plotting import plot_run
+
+    rows = [{"step": s, "async/staleness_mean": min(s, 1) * 0.9, "async/staleness_max": float(min(s, 1)),
+             "async/engine_busy_frac": 0.8, "async/trainer_wait_s": 0.1, "async/tokens_per_s": 100.0 + s}
+            for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    names = {p.rsplit("/", 1)[1] for p in plot_run(str(tmp_path))}
+    assert {"async_staleness.png", "async_engine.png", "async_throughput.png", "curves.png"} <= names
