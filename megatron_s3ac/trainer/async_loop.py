@@ -144,8 +144,7 @@ class AsyncRollout:
         s = tr.step_idx
         self.wait_s = 0.0
         m: dict = {"step": s}
-        if not self.queue:  # first step, or after a resume: the engine holds the weights of this step
-            tr.weights_version = s
+        tr.weights_version = s  # the engine holds this step's weights (synced at the end of the last step / resume)
         tr._place(m, on=["critic"] if tr.daps is not None else [])  # DAPS scores prompts with V(s0)
         last = max(tr.cfg.train.steps, s + 1)  # no batch for a step that will not run
         while len(self.queue) <= self.n and s + len(self.queue) < last:
@@ -198,12 +197,68 @@ class AsyncRollout:
         m["time/step"] = t - t0
         if self.tr.rank == 0:
             busy = busy_seconds(self.spans, t0, t)
-            m.update({"async/trainer_wait_s": self.wait_s, "async/engine_busy_frac": busy / max(t - t0, 1e-9),
-                      "async/engine_idle_frac": 1.0 - busy / max(t - t0, 1e-9),
-                      "async/tokens_per_s": sum(int(d["rlen"]) for d in kept) / max(t - t0, 1e-9),
-                      "async/samples_per_s": len(kept) / max(t - t0, 1e-9), "async/in_flight": len(self.queue)})
+            m.update({"time/trainer_wait": self.wait_s, "time/engine_busy_frac": busy / max(t - t0, 1e-9),
+                      "time/engine_idle_frac": 1.0 - busy / max(t - t0, 1e-9),
+                      "time/tokens_per_s": sum(int(d["rlen"]) for d in kept) / max(t - t0, 1e-9),
+                      "time/samples_per_s": len(kept) / max(t - t0, 1e-9), "async/in_flight": len(self.queue)})
             self.spans = [sp for sp in self.spans if sp[1] > t]  # later steps only see what is still running
         return m
+
+
+# ---- checkpoint: the batches generated but not trained yet -----------------------------------------------
+def _plain_sample(smp) -> dict:
+    """A ``rollout.base.Sample`` as tensors, numbers and strings (``checkpoint.safe_load`` reads it back)."""
+    import numpy as np
+
+    return {"prompt_ids": [int(t) for t in smp.prompt_ids], "response_ids": [int(t) for t in smp.response_ids],
+            "logprobs": torch.from_numpy(np.asarray(smp.logprobs, dtype=np.float32).copy()),
+            "finish_reason": str(smp.finish_reason), "response_text": smp.response_text,
+            "routed_experts": None if smp.routed_experts is None else torch.from_numpy(np.ascontiguousarray(
+                smp.routed_experts))}
+
+
+def _sample(d: dict):
+    from megatron_s3ac.rollout.base import Sample
+
+    return Sample(prompt_ids=list(d["prompt_ids"]), response_ids=list(d["response_ids"]),
+                  logprobs=d["logprobs"].numpy(), finish_reason=d["finish_reason"],
+                  routed_experts=None if d["routed_experts"] is None else d["routed_experts"].numpy(),
+                  response_text=d["response_text"])
+
+
+def _plain_stats(stats: dict) -> dict:
+    # type(), not isinstance: numpy's float64 is a float subclass, and would pickle as a numpy scalar
+    return {str(k): (v if type(v) in (bool, int, float, str) or v is None else float(v)) for k, v in stats.items()}
+
+
+def state_dict(ar: "AsyncRollout") -> dict:
+    """The queue (rank 0: with every batch's samples; checkpoints are saved after a step, when rank 0 has waited
+    for every submitted batch), so a resumed run trains exactly what the uninterrupted one would."""
+    out = []
+    for e in ar.queue:
+        groups = None if e.pending is None else [[_plain_sample(x) for x in g] for g in ar._result(e)]
+        out.append({"step": e.step, "pids": e.pids.clone(), "stats": _plain_stats(e.stats), "version": e.version,
+                    "groups": groups})
+    return {"version": 1, "max_staleness": ar.n, "queue": out}
+
+
+def load_state_dict(ar: "AsyncRollout", state: dict, rank: int) -> None:
+    """Restore the queue saved by ``state_dict`` (rank 0 gets the samples back as done generations)."""
+    from megatron_s3ac.rollout.base import PendingGeneration
+
+    if state.get("version") != 1:
+        raise ValueError(f"unsupported asynchronous-rollout state version {state.get('version')}")
+    ar.queue.clear()
+    for q in state["queue"]:
+        e = Submitted(int(q["step"]), q["pids"].clone(), dict(q["stats"]), int(q["version"]))
+        if rank == 0:
+            if q["groups"] is None:
+                raise ValueError("the checkpoint's asynchronous-rollout queue has no samples (saved by a rank other "
+                                 "than 0?)")
+            groups = [[_sample(x) for x in g] for g in q["groups"]]
+            e.pending = PendingGeneration(lambda g=groups: g)
+            e.collected = True  # generated before the checkpoint: not this run's engine time
+        ar.queue.append(e)
 
 
 def make_async_rollout(tr):
@@ -212,4 +267,5 @@ def make_async_rollout(tr):
     return AsyncRollout(tr, n) if n > 0 else None
 
 
-__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "make_async_rollout", "staleness_metrics"]
+__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "load_state_dict", "make_async_rollout", "staleness_metrics",
+           "state_dict"]

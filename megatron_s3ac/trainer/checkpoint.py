@@ -483,7 +483,8 @@ def save_checkpoint(tr, keep_last: int) -> str:
             json.dump(meta, f, indent=1)
         torch.save({"step": tr.step_idx, "skipped_steps": tr.skipped_steps, "stream": tr.stream.state_dict(),
                     "daps": tr.daps.state_dict() if tr.daps is not None else None,
-                    "evaluator": tr.evaluator.state_dict() if getattr(tr, "evaluator", None) is not None else None},
+                    "evaluator": tr.evaluator.state_dict() if getattr(tr, "evaluator", None) is not None else None,
+                    **_async_state(tr)},
                    os.path.join(tmp, "trainer_state.pt"))
     _fsync_own_files(tmp, tr.rank)
     dist.barrier()  # every rank's files are written and on disk
@@ -508,6 +509,17 @@ def save_checkpoint(tr, keep_last: int) -> str:
     return final
 
 
+def _async_state(tr) -> dict:
+    """The asynchronous loop's generated-but-untrained batches (train.max_staleness > 0), else nothing (the
+    synchronous loop's trainer_state.pt is unchanged)."""
+    ar = getattr(tr, "async_rollout", None)
+    if ar is None:
+        return {}
+    from megatron_s3ac.trainer.async_loop import state_dict
+
+    return {"async_rollout": state_dict(ar)}
+
+
 def load_checkpoint(tr, path: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -523,5 +535,9 @@ def load_checkpoint(tr, path: str) -> None:
         tr.daps.load_state_dict(st["daps"])
     if getattr(tr, "evaluator", None) is not None and st.get("evaluator") is not None:
         tr.evaluator.load_state_dict(st["evaluator"])
+    if getattr(tr, "async_rollout", None) is not None and st.get("async_rollout") is not None:
+        from megatron_s3ac.trainer.async_loop import load_state_dict as load_async
+
+        load_async(tr.async_rollout, st["async_rollout"], tr.rank)
     _restore_rng(safe_load(os.path.join(path, f"rng_rank{tr.rank}.pt")))
     tr.sync_weights()

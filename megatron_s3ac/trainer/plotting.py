@@ -25,9 +25,9 @@ PANELS = [  # (title, metric keys, file); an entry of None = the per-benchmark k
     # asynchronous rollout (train.max_staleness; trainer.async_loop)
     ("async: staleness of trained tokens (weight versions)", ["async/staleness_mean", "async/staleness_max"],
      "async_staleness.png"),
-    ("async: engine busy fraction / trainer wait (s)", ["async/engine_busy_frac", "async/trainer_wait_s"],
+    ("async: engine busy fraction / trainer wait (s)", ["time/engine_busy_frac", "time/trainer_wait"],
      "async_engine.png"),
-    ("async: end-to-end trained tokens / s", ["async/tokens_per_s"], "async_throughput.png"),
+    ("async: end-to-end trained tokens / s", ["time/tokens_per_s"], "async_throughput.png"),
 ]
 
 

@@ -81,8 +81,8 @@ def test_one_step_off_policy_world2(tmp_path):
     for s in (0, 1):  # batch s+1 generated while step s trained (the engine is its own process)
         assert spans[s + 1][0] < r0["trained"][s], (s, spans, r0["trained"])
     m = r0["metrics"][1]
-    assert 0.0 < m["async/engine_busy_frac"] <= 1.0 and m["async/trainer_wait_s"] >= 0.0
-    assert m["async/tokens_per_s"] > 0 and m["mismatch/train_rollout_kl"] != 0.0  # off-policy by one version
+    assert 0.0 < m["time/engine_busy_frac"] <= 1.0 and m["time/trainer_wait"] >= 0.0
+    assert m["time/tokens_per_s"] > 0 and m["mismatch/train_rollout_kl"] != 0.0  # off-policy by one version
 
 
 def test_staleness_two_with_refill_world2(tmp_path):
@@ -102,8 +102,57 @@ def test_async_panels_are_plotted(tmp_path):
     from megatron_s3ac.trainer.plotting import plot_run
 
     rows = [{"step": s, "async/staleness_mean": min(s, 1) * 0.9, "async/staleness_max": float(min(s, 1)),
-             "async/engine_busy_frac": 0.8, "async/trainer_wait_s": 0.1, "async/tokens_per_s": 100.0 + s}
+             "time/engine_busy_frac": 0.8, "time/trainer_wait": 0.1, "time/tokens_per_s": 100.0 + s}
             for s in range(4)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     names = {p.rsplit("/", 1)[1] for p in plot_run(str(tmp_path))}
     assert {"async_staleness.png", "async_engine.png", "async_throughput.png", "curves.png"} <= names
+
+
+def test_queue_round_trips_through_a_checkpoint_file(tmp_path):
+    """The in-flight batches (samples with log-probs and R3 routes) survive torch.save + the weights-only loader."""
+    import numpy as np
+
+    from megatron_s3ac.rollout.base import PendingGeneration, Sample
+    from megatron_s3ac.trainer import async_loop as AL
+    from megatron_s3ac.trainer.checkpoint import safe_load
+
+    smp = Sample([1, 2, 3], [4, 5], np.array([-0.5, -1.25], dtype=np.float32), "length",
+                 routed_experts=np.arange(4 * 2 * 2, dtype=np.uint8).reshape(4, 2, 2))
+    ar = AL.AsyncRollout(object(), 2)
+    ar.queue.append(AL.Submitted(5, torch.tensor([7, 9]), {"daps/v0_mean": np.float64(0.25)}, 4,
+                                 PendingGeneration(lambda: [[smp], [smp]])))
+    torch.save({"async_rollout": AL.state_dict(ar)}, tmp_path / "trainer_state.pt")
+    st = safe_load(str(tmp_path / "trainer_state.pt"))["async_rollout"]
+    back, other = AL.AsyncRollout(object(), 2), AL.AsyncRollout(object(), 2)
+    AL.load_state_dict(back, st, rank=0)
+    AL.load_state_dict(other, st, rank=1)
+    (e,) = back.queue
+    assert (e.step, e.pids.tolist(), e.stats, e.version) == (5, [7, 9], {"daps/v0_mean": 0.25}, 4)
+    got = e.pending.result()[1][0]
+    assert (got.prompt_ids, got.response_ids, got.finish_reason) == ([1, 2, 3], [4, 5], "length")
+    assert np.array_equal(got.logprobs, smp.logprobs) and np.array_equal(got.routed_experts, smp.routed_experts)
+    assert other.queue[0].pending is None and other.queue[0].version == 4  # ranks without the engine: no samples
+
+
+@pytest.mark.slow
+def test_async_resume_after_kill_matches_uninterrupted(tmp_path):
+    """max_staleness=1 with the engine in its own process: a run killed after step 3 (checkpoint of step 2, holding
+    the batch generated for step 3) and resumed gives the uninterrupted run's metrics, every key but timings."""
+    import os
+
+    from tests.trainer.test_trainer import _metrics, _torchrun
+
+    common = SMALL + SEP + ["train.max_staleness=1", "train.steps=4", "train.save_every=2"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = _torchrun(common + [f"train.out_dir={a}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _torchrun(common + [f"train.out_dir={b}"], {"S3AC_TESTING_FAIL_AT_STEP": "3"})
+    assert r.returncode != 0
+    assert os.path.exists(b / "checkpoints" / "step_000002" / "COMPLETE")
+    r = _torchrun(common + [f"train.out_dir={b}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ma, mb = _metrics(a), _metrics(b)
+    assert [m["step"] for m in mb] == [0, 1, 2, 3]
+    assert [m["async/staleness_max"] for m in ma] == [0.0, 1.0, 1.0, 1.0]
+    assert ma == mb
