@@ -331,8 +331,10 @@ class EnginePool(RolloutEngine):
                 out.extend(groups)
             return out
 
-        return PendingGeneration(wait, ready=lambda: not refs or not ray.wait([r for _, r in refs], num_returns=len(refs),
-                                                                  timeout=0)[1])
+        def ready() -> bool:
+            return not refs or not ray.wait([r for _, r in refs], num_returns=len(refs), timeout=0)[1]
+
+        return PendingGeneration(wait, ready=ready)
 
     def begin_weight_update(self) -> None:
         self._all("begin_weight_update")
