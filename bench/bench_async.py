@@ -8,7 +8,8 @@
    ``rollout.placement: separate``), the synchronous loop (max_staleness 0) then one-step off-policy (1) in one run,
    same config otherwise. Reported: each mode's trained samples / s of wall time over the steps after ``--warmup``
    (every sample trains: algo.dynamic_sampling=false), the synchronous run's generation and training seconds per
-   step (what "comparable" means here), and the async run's engine busy fraction and trainer wait. On a shared
+   step (what "comparable" means here), and the async run's engine busy fraction and trainer wait; ``--repeat``
+   pairs alternate and the median / min / max ratio is reported. On a shared
    2-core machine the engine and the trainer ranks compete for the same cores, so the overlap gains at most what
    idle cores allow: the ratio is said next to the machine load it was measured under.
 2. Simulated (``simulate``): one RL step of Qwen3-30B-A3B at scale, sync vs one-step async vs async + partial
@@ -60,20 +61,28 @@ def measure(args) -> dict:
     out = {"config": over, "world": args.world, "steps": args.steps, "warmup": args.warmup,
            "load_before": os.getloadavg()}
     samples = args.prompts * args.k
-    for name, n in (("sync", 0), ("async", 1)):
-        rows = run_distributed(_run, args.world, n, over, args.steps, f"/tmp/bench_async_{name}_{os.getpid()}")[0]
-        timed = rows[args.warmup:]
-        wall = sum(r["wall"] for r in timed)
-        out[name] = {"samples_per_s": samples * len(timed) / wall, "s_per_step": wall / len(timed),
-                     "gen_s_per_step": sum(r.get("time/rollout", 0.0) for r in timed) / len(timed),
-                     "train_s_per_step": sum(r.get("time/train", 0.0) + r.get("time/old_logp_values", 0.0)
-                                             for r in timed) / len(timed),
-                     "sync_s_per_step": sum(r.get("time/sync", 0.0) for r in timed) / len(timed)}
-        if n:
-            out[name].update({k: sum(r.get(k, 0.0) for r in timed) / len(timed)
-                              for k in ("time/engine_busy_frac", "time/trainer_wait", "async/staleness_mean")})
-    out["load_after"] = os.getloadavg()
-    out["ratio_async_over_sync_samples_per_s"] = out["async"]["samples_per_s"] / out["sync"]["samples_per_s"]
+    pairs = []
+    for rep in range(args.repeat):  # sync and async alternate, so a change of the machine's load hits both
+        pair = {}
+        for name, n in (("sync", 0), ("async", 1)):
+            rows = run_distributed(_run, args.world, n, over, args.steps, f"/tmp/bench_async_{name}_{os.getpid()}")[0]
+            timed = rows[args.warmup:]
+            wall = sum(r["wall"] for r in timed)
+            pair[name] = {"samples_per_s": samples * len(timed) / wall, "s_per_step": wall / len(timed),
+                          "rollout_s_per_step": sum(r.get("time/rollout", 0.0) for r in timed) / len(timed),
+                          "train_s_per_step": sum(r.get("time/train", 0.0) + r.get("time/old_logp_values", 0.0)
+                                                  for r in timed) / len(timed),
+                          "sync_s_per_step": sum(r.get("time/sync", 0.0) for r in timed) / len(timed)}
+            if n:
+                pair[name].update({k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in (
+                    "time/engine_busy_frac", "time/trainer_wait", "async/staleness_mean")})
+        pair["ratio"] = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]
+        pair["load_after"] = os.getloadavg()
+        pairs.append(pair)
+    out["pairs"] = pairs
+    ratios = sorted(p["ratio"] for p in pairs)
+    out["ratio_async_over_sync_samples_per_s"] = {"median": ratios[len(ratios) // 2], "min": ratios[0],
+                                                  "max": ratios[-1]}
     return out
 
 
@@ -163,6 +172,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=1, help="sync/async pairs, alternating")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more trainer overrides (both modes)")
     p.add_argument("--sim-only", action="store_true")
     args = p.parse_args(argv)

@@ -143,7 +143,8 @@ def test_async_resume_after_kill_matches_uninterrupted(tmp_path):
 
     from tests.trainer.test_trainer import _metrics, _torchrun
 
-    common = SMALL + SEP + ["train.max_staleness=1", "train.steps=4", "train.save_every=2"]
+    common = SMALL + SEP + ["train.max_staleness=1", "train.steps=4", "train.save_every=2",
+                            "algo.dynamic_sampling=false"]
     a, b = tmp_path / "a", tmp_path / "b"
     r = _torchrun(common + [f"train.out_dir={a}"])
     assert r.returncode == 0, r.stderr[-3000:]
