@@ -128,6 +128,8 @@ def simulate(seed: int = 0) -> dict:
                          "active x mean context x KV bytes/token) / (4.8 TB/s HBM x 0.5 efficiency)",
         "hbm_tb_s": 4.8, "hbm_efficiency": 0.5,
         "weight_sync_s": "61 GB of bf16 weights broadcast at 40 GB/s (IB, per-GPU NIC) = 1.5 s",
+        "kv_capacity": "not binding: the planner's capacity is at the max length; at the mean context (~1/4-1/2 of "
+                       "it) an engine holds its 64 sequences",
         "partial_rollout": "the engine never idles on the tail: each step it decodes at full concurrency and "
                            "carries unfinished responses into the next step (bounded versions per response)",
     }
