@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from megatron_s3ac.trainer.batch import RolloutMeta
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity (pids is a tensor)
 class Submitted:
     """One prefetched batch: the step it trains at, its prompts and selection stats, the weights version that
     generates it, and (rank 0) the engine's pending generation."""
@@ -79,6 +81,8 @@ class AsyncRollout:
         self.spans: list[tuple[float, float]] = []  # rank 0: engine generation spans not yet older than a step
         self.wait_s = 0.0  # rank 0: seconds spent waiting on the engine in the current step
         self.log: list[tuple[int, int, tuple[float, float] | None]] = []  # rank 0: (step, version, engine span)
+        self.restarts = 0  # engine restarts in this run (rollout/engine_restarts)
+        self._step_restarts = 0  # in the current step (bounded by rollout.max_engine_restarts)
 
     # ---- submission ---------------------------------------------------------------------------
     def _params(self, step: int, round_idx: int = 0):
@@ -97,9 +101,68 @@ class AsyncRollout:
         pids, stats = tr.select_prompts()
         e = Submitted(step, pids, stats, tr.weights_version)
         if tr.rank == 0:
-            e.pending = tr.engine.generate_async([tr.prompts[int(i)].ids for i in pids], self._params(step),
-                                                 n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on)
+            self._send(e)
         self.queue.append(e)
+
+    def _send(self, e: Submitted) -> None:
+        """Rank 0: hand ``e``'s prompts to the engine (its sampling seed is the step's, whenever it is sent)."""
+        tr = self.tr
+        e.collected = False
+        e.pending = tr.engine.generate_async([tr.prompts[int(i)].ids for i in e.pids], self._params(e.step),
+                                             n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on)
+
+    # ---- engine failure: restart, re-sync, resubmit ----------------------------------------------
+    def _await(self, entries: list) -> None:
+        """Every rank (collective): rank 0 waits for ``entries``' generations; if the engine died (its process
+        killed or crashed: ``RemoteEngineDied`` / ``EngineDied``, or timed out), every rank learns it from rank 0,
+        the engine is rebuilt and re-synced with the actor's current weights, and every batch it had not returned
+        is sent again (then tagged with the re-synced version) - at most ``rollout.max_engine_restarts`` times in
+        one step, then a RuntimeError naming the last failure."""
+        from megatron_s3ac.rollout.engine_pool import EngineDied, EngineTimeout
+        from megatron_s3ac.rollout.remote import RemoteEngineDied, RemoteEngineTimeout
+
+        tr = self.tr
+        while True:
+            verdict = [None]
+            if tr.rank == 0:
+                try:
+                    for e in entries:
+                        self._result(e)
+                except (RemoteEngineDied, RemoteEngineTimeout, EngineDied, EngineTimeout) as err:
+                    verdict = [(f"{type(err).__name__}: {err}", [q.step for q in self.queue if not q.collected]
+                                + [q.step for q in entries if not q.collected and q not in self.queue])]
+            if tr.world > 1:
+                dist.broadcast_object_list(verdict, src=0)
+            if verdict[0] is None:
+                return
+            why, lost = verdict[0]
+            self._step_restarts += 1
+            if self._step_restarts > tr.cfg.rollout.max_engine_restarts:
+                raise RuntimeError(f"the rollout engine died {self._step_restarts} times in step {tr.step_idx} "
+                                   f"(rollout.max_engine_restarts={tr.cfg.rollout.max_engine_restarts}); last: {why}")
+            self._restart(why, {s for s in lost}, entries)
+
+    def _restart(self, why: str, lost: set, entries: list) -> None:
+        from megatron_s3ac.trainer import build as B
+
+        tr = self.tr
+        self.restarts += 1
+        if tr.rank == 0:
+            print(f"s3ac: the rollout engine died ({why}); restarting it (restart {self._step_restarts} of at most "
+                  f"{tr.cfg.rollout.max_engine_restarts} in this step), re-syncing the weights and resubmitting "
+                  f"{len(lost)} batch(es)", file=sys.stderr, flush=True)
+            try:
+                getattr(tr.engine, "close", tr.engine.shutdown)()
+            except Exception:  # noqa: BLE001 - already dead; close only releases what is left
+                pass
+            tr.engine, _ = B.build_engine(tr.cfg, tr.info)
+        tr.sync_weights()  # every rank: the new engine gets the actor's weights of this moment
+        version = tr.step_idx + int(getattr(self, "_trained", False))  # after this step's update: its next version
+        for e in list(self.queue) + [q for q in entries if q not in self.queue]:
+            if e.step in lost:
+                e.version = version
+                if tr.rank == 0:
+                    self._send(e)
 
     def _result(self, e: Submitted):
         """Rank 0: the batch's samples, waiting for them if needed (counted in the trainer's wait time)."""
@@ -142,7 +205,7 @@ class AsyncRollout:
         tr = self.tr
         t0 = time.time()
         s = tr.step_idx
-        self.wait_s = 0.0
+        self.wait_s, self._step_restarts, self._trained = 0.0, 0, False
         m: dict = {"step": s}
         tr.weights_version = s  # the engine holds this step's weights (synced at the end of the last step / resume)
         tr._place(m, on=["critic"] if tr.daps is not None else [])  # DAPS scores prompts with V(s0)
@@ -152,6 +215,7 @@ class AsyncRollout:
         e = self.queue.popleft()
         if e.step != s:
             raise RuntimeError(f"asynchronous rollout: the next prefetched batch is for step {e.step}, not {s}")
+        self._await([e])  # a dead engine is restarted here (every rank joins its re-sync)
         samples, drawn, batch, fm, kept = self._collect(e, self._result(e), m)
         m.update(fm)
         if drawn is None:
@@ -183,8 +247,10 @@ class AsyncRollout:
         m["time/train"] = time.time() - t2
         tr.skipped_steps += int(m.get("actor/skipped_minibatches", 0) + m.get("critic/skipped_minibatches", 0) > 0)
         m["skipped_steps_total"] = tr.skipped_steps
-        for q in self.queue:  # the engine loads the new weights after these (its calls run in order): wait here,
-            self._result(q)  # not inside the sync's collectives
+        self._trained = True  # from here a re-sync sends the updated weights (version s + 1)
+        # the engine loads the new weights after the submitted batches (its calls run in order): wait here, not
+        # inside the sync's collectives
+        self._await(list(self.queue))
         t3 = time.time()
         tr.sync_weights()
         m["time/sync"] = time.time() - t3
@@ -195,6 +261,7 @@ class AsyncRollout:
     def _finish(self, m: dict, t0: float, kept: list) -> dict:
         t = time.time()
         m["time/step"] = t - t0
+        m["rollout/engine_restarts"] = self.restarts
         if self.tr.rank == 0:
             busy = busy_seconds(self.spans, t0, t)
             m.update({"time/trainer_wait": self.wait_s, "time/engine_busy_frac": busy / max(t - t0, 1e-9),
@@ -239,7 +306,7 @@ def state_dict(ar: "AsyncRollout") -> dict:
         groups = None if e.pending is None else [[_plain_sample(x) for x in g] for g in ar._result(e)]
         out.append({"step": e.step, "pids": e.pids.clone(), "stats": _plain_stats(e.stats), "version": e.version,
                     "groups": groups})
-    return {"version": 1, "max_staleness": ar.n, "queue": out}
+    return {"version": 1, "max_staleness": ar.n, "queue": out, "engine_restarts": ar.restarts}
 
 
 def load_state_dict(ar: "AsyncRollout", state: dict, rank: int) -> None:
@@ -249,6 +316,7 @@ def load_state_dict(ar: "AsyncRollout", state: dict, rank: int) -> None:
     if state.get("version") != 1:
         raise ValueError(f"unsupported asynchronous-rollout state version {state.get('version')}")
     ar.queue.clear()
+    ar.restarts = int(state.get("engine_restarts", 0))
     for q in state["queue"]:
         e = Submitted(int(q["step"]), q["pids"].clone(), dict(q["stats"]), int(q["version"]))
         if rank == 0:

@@ -155,9 +155,14 @@ class RolloutCfg:
     # unquantized (null = convert.fp8.DEFAULT_KEEP: router, embeddings, lm_head, GDN gates, ...)
     weights_dtype: WeightsDtype = WeightsDtype.bf16
     fp8_keep: Optional[list] = None
+    # asynchronous loop (train.max_staleness > 0): an engine whose process died is rebuilt, re-synced and its
+    # unfinished batches resubmitted, at most this many times in one step (then the step raises)
+    max_engine_restarts: int = 3
 
     def errors(self) -> list[str]:
         out = []
+        if self.max_engine_restarts < 0:
+            out.append(f"rollout.max_engine_restarts={self.max_engine_restarts} must be >= 0")
         if self.engine == EngineKind.sglang:
             from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_sglang_settings
 
