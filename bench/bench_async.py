@@ -43,8 +43,8 @@ def _run(n, overrides, steps, out_dir):
         for _ in range(steps):
             t = time.perf_counter()
             m = tr.step()
-            rows.append({"wall": time.perf_counter() - t, **{k: v for k, v in m.items()
-                                                             if k.startswith(("time/", "async/", "filter/"))}})
+            rows.append({"wall": time.perf_counter() - t, **{k: v for k, v in m.items() if k.startswith(
+                ("time/", "async/", "filter/", "mismatch/", "actor/"))}})
         return rows
     finally:
         tr.close()
@@ -83,6 +83,27 @@ def measure(args) -> dict:
     ratios = sorted(p["ratio"] for p in pairs)
     out["ratio_async_over_sync_samples_per_s"] = {"median": ratios[len(ratios) // 2], "min": ratios[0],
                                                   "max": ratios[-1]}
+    return out
+
+
+def mismatch(args) -> dict:
+    """Staleness 0 / 2 with the corrections on and off (``algo.mismatch_corrections``): the mismatch metrics of
+    each step (log pi_prox / mu; what IS, IcePoP and MIS act on) and the actor's clip / KL, on the demo model."""
+    from megatron_s3ac.testing.dist import run_distributed
+
+    over = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=16", "rollout.k=4", "rollout.max_new_tokens=8",
+            "data.num_prompts=400", "data.eval_prompts=16", "algo.actor_minibatches=2", "algo.critic_minibatches=2",
+            "algo.dynamic_sampling=false", "algo.actor_lr=1e-3", "daps.warmup_steps=0", "daps.rampup_steps=1",
+            "train.progress=false", "train.tensorboard=false", "train.eval_every=0", "rollout.placement=separate",
+            f"actor_layout.ep={args.world}"] + list(args.set)
+    keys = ("async/staleness_mean", "mismatch/train_rollout_kl", "mismatch/is_weight_mean", "mismatch/keep_frac",
+            "mismatch/icepop_masked_frac", "mismatch/mis_masked_frac", "actor/approx_kl")
+    out = {"config": over}
+    for n, corr in ((0, True), (2, True), (2, False)):
+        rows = run_distributed(_run, args.world, n, over + [f"algo.mismatch_corrections={str(corr).lower()}"],
+                               args.steps, f"/tmp/bench_async_mm_{n}_{corr}_{os.getpid()}")[0]
+        out[f"staleness{n}_corrections_{'on' if corr else 'off'}"] = [
+            {k: round(r[k], 5) for k in keys if k in r} for r in rows]
     return out
 
 
@@ -177,8 +198,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="sync/async pairs, alternating")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more trainer overrides (both modes)")
     p.add_argument("--sim-only", action="store_true")
+    p.add_argument("--mismatch", action="store_true", help="only the staleness 0 / 2, corrections on / off runs")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.mismatch:
+        print(json.dumps(mismatch(args), indent=1))
+        return 0
     res = {"simulation": simulate()}
     if not args.sim_only:
         res["measured"] = measure(args)

@@ -21,6 +21,10 @@ critic; R3 replays the routes the generating version chose.
 Prompt selection: a batch's prompts are chosen when it is submitted, so DAPS scores them with V(s0) of the critic
 of that moment (N steps before they train) and updates its counts when the batch is collected.
 
+Engine failure: rank 0 waits for the engine at two points of a step and broadcasts its verdict; a dead engine is
+rebuilt, re-synced (every rank) and its unreturned batches resubmitted, at most ``rollout.max_engine_restarts``
+times a step (``rollout/engine_restarts``). The queue is saved with the checkpoint (``state_dict``).
+
 Every rank runs ``step`` (prompt selection, the DAPO filter and the training phases are collective); rank 0 owns
 the engine, submits and waits. ``Trainer.step`` delegates here when ``train.max_staleness > 0``; the training
 phases are the synchronous step's, in its order.
