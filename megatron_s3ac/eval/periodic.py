@@ -64,7 +64,9 @@ class PeriodicEvaluator:
 
     # -- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"best_step": self.best_step, "best_score": self.best_score, "history": list(self.history)}
+        # plain numbers (a numpy float from the report would need a full unpickle to load: checkpoint.safe_load)
+        return {"best_step": None if self.best_step is None else int(self.best_step),
+                "best_score": float(self.best_score), "history": [(int(s), float(a)) for s, a in self.history]}
 
     def load_state_dict(self, state: dict) -> None:
         self.best_step, self.best_score = state["best_step"], state["best_score"]

@@ -247,6 +247,11 @@ def to_dict(e) -> dict:
                          "state_mib_per_seq_per_gpu": round(g.state_per_seq / 2**20, 2),
                          "mem_fraction": round(g.mem_fraction, 3), "capacity_seqs_at_max_len": g.capacity,
                          "needed_seqs_per_engine": g.needed}
+        from megatron_s3ac.plan.async_time import step_times
+
+        st = step_times(e)
+        if st is not None:  # separate engines: time per step, sync vs one-step async (train.max_staleness: 1)
+            out["step_time"] = st
     return out
 
 
@@ -379,6 +384,13 @@ def run(argv=None) -> int:
         print("peak GiB per GPU by phase (worst pipeline stage); host GiB per node; engine tp x sequences at max length")
         print(table(results, info, args.top))
         print(f"best: {verdict(best)}")
+        from megatron_s3ac.plan.async_time import step_times
+
+        st = step_times(best)
+        if st is not None:
+            print(f"time per step (proxy, plan/async_time.py): sync {st['sync_step_s']:g} s = generation "
+                  f"{st['generation_s']:g} + training {st['training_s']:g} + weight sync {st['weight_sync_s']:g}; "
+                  f"one-step async (train.max_staleness: 1) {st['async_step_s']:g} s ({st['async_speedup']:g}x)")
         for line in notes + sugg:
             print(line)
     return 0

@@ -34,5 +34,7 @@ SAFE_HEADROOM = 0.10  # a layout fits comfortably with this fraction of GPU (and
 GPU_TFLOPS = 400.0  # sustained bf16 TFLOP/s per GPU (H200 ~ 40% of 989 dense peak; assumed)
 NVLINK_GBPS = 350.0  # GB/s per GPU inside a node (assumed effective)
 IB_GBPS = 40.0  # GB/s per GPU across nodes (400 Gb/s NIC per GPU, assumed effective)
+HBM_TBPS = 4.8  # H200 HBM3e TB/s per GPU (sync-vs-async step-time proxy: memory-bound decode; plan.async_time)
+HBM_EFFICIENCY = 0.5  # fraction of HBM bandwidth a decode step sustains (assumed)
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}

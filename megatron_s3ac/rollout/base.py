@@ -116,9 +116,40 @@ class Sample:
                 )
 
 
+class PendingGeneration:
+    """A submitted ``generate`` (``RolloutEngine.generate_async``): ``result()`` blocks until the samples are
+    back and returns them (the engine's errors raised there, with their own type); ``timing`` is then the
+    engine's (start, end) wall-clock seconds (``time.time()``) of the generation, or None where unknown.
+    ``done()`` says without blocking whether ``result()`` would return at once."""
+
+    def __init__(self, wait, ready=None):
+        self._wait, self._ready = wait, ready
+        self._out = None
+        self.timing: Optional[tuple[float, float]] = None
+
+    def done(self) -> bool:
+        return self._out is not None or self._ready is None or bool(self._ready())
+
+    def result(self) -> list:
+        if self._out is None:
+            got = self._wait()
+            self._out, self.timing = (got[0], (float(got[1]), float(got[2]))) if isinstance(got, tuple) else (got, None)
+        return self._out
+
 
 class RolloutEngine(abc.ABC):
     """A generator whose weights follow the trainer's."""
+
+    def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                       return_routed_experts: bool = False) -> PendingGeneration:
+        """Submit ``generate`` and return at once where the engine runs elsewhere (RemoteEngine, EnginePool: a
+        Ray actor); calls made after it (a weight update) run after it. An in-process engine generates here,
+        now (nothing to overlap with)."""
+        import time
+
+        t0 = time.time()
+        out = self.generate(prompt_ids, params, n_samples, return_routed_experts)
+        return PendingGeneration(lambda: (out, t0, time.time()))
 
     @abc.abstractmethod
     def generate(

@@ -38,7 +38,7 @@ import os
 import socket
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets
+from megatron_s3ac.rollout.base import PendingGeneration, RolloutEngine, Sample, SamplingParams, iter_buckets
 from megatron_s3ac.rollout.ray_init import engine_runtime_env, init_ray
 from megatron_s3ac.rollout.remote import _death_cause, pack_bucket, unpack_bucket
 from megatron_s3ac.rollout.sglang_engine import PromptTooLongError
@@ -300,6 +300,14 @@ class EnginePool(RolloutEngine):
     # -- RolloutEngine --------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
                  return_routed_experts: bool = False) -> list[list[Sample]]:
+        return self.generate_async(prompt_ids, params, n_samples, return_routed_experts).result()
+
+    def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                       return_routed_experts: bool = False) -> PendingGeneration:
+        """Submit every engine's chunk and return at once (``generate`` = this + ``result()``); each engine
+        runs its calls in order, so a weight update sent after it loads after this generation."""
+        import ray
+
         self._check()
         prompts = [[int(t) for t in p] for p in prompt_ids]
         chunks = [(e, lo, hi) for e, (lo, hi) in enumerate(split_evenly(len(prompts), self.num_engines)) if lo < hi]
@@ -312,20 +320,28 @@ class EnginePool(RolloutEngine):
             refs.append((e, self.actors[e].generate.remote(prompts[lo:hi], p, int(n_samples),
                                                            bool(return_routed_experts))))
             spans.append((lo, hi))
-        try:
-            results = self.wait(refs, "generate")
-        except PromptTooLongError:
-            # the context was unknown up front and an engine learnt it from sglang's refusal: name the global index
-            infos = self.wait([(e, self.actors[e].ready.remote()) for e, _, _ in chunks], "ready()")
-            check_prompt_lengths(prompts, params.max_new_tokens, chunks,
-                                 {e: i.get("context_length") for (e, _, _), i in zip(chunks, infos)}, self.label)
-            raise
-        out: list = []
-        for (lo, hi), groups in zip(spans, results):
-            if len(groups) != hi - lo:
-                raise EnginePoolError(f"an engine returned {len(groups)} groups for {hi - lo} prompts")
-            out.extend(groups)
-        return out
+
+        def wait():
+            try:
+                results = self.wait(refs, "generate")
+            except PromptTooLongError:
+                # the context was unknown up front and an engine learnt it from sglang's refusal: name the global
+                # index
+                infos = self.wait([(e, self.actors[e].ready.remote()) for e, _, _ in chunks], "ready()")
+                check_prompt_lengths(prompts, params.max_new_tokens, chunks,
+                                     {e: i.get("context_length") for (e, _, _), i in zip(chunks, infos)}, self.label)
+                raise
+            out: list = []
+            for (lo, hi), groups in zip(spans, results):
+                if len(groups) != hi - lo:
+                    raise EnginePoolError(f"an engine returned {len(groups)} groups for {hi - lo} prompts")
+                out.extend(groups)
+            return out
+
+        def ready() -> bool:
+            return not refs or not ray.wait([r for _, r in refs], num_returns=len(refs), timeout=0)[1]
+
+        return PendingGeneration(wait, ready=ready)
 
     def begin_weight_update(self) -> None:
         self._all("begin_weight_update")

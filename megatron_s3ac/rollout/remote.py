@@ -34,7 +34,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets
+from megatron_s3ac.rollout.base import PendingGeneration, RolloutEngine, Sample, SamplingParams, iter_buckets
 from megatron_s3ac.rollout.ray_init import init_ray
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -138,6 +138,12 @@ class EngineHost:
         check = getattr(self.engine, "check_weights", None)
         if callable(check):
             check(names, shapes, dtypes)
+
+    def generate_timed(self, prompt_ids, params, n_samples, return_routed_experts):
+        """generate + the (start, end) wall-clock seconds it ran (the engine's busy time, for async metrics)."""
+        t0 = time.time()
+        out = self.engine.generate(prompt_ids, params, n_samples, return_routed_experts)
+        return out, t0, time.time()
 
     def load_bucket(self, records) -> int:
         bucket, nbytes = unpack_bucket(records)
@@ -280,6 +286,18 @@ class RemoteEngine(RolloutEngine):
         prompts = [[int(t) for t in p] for p in prompt_ids]
         return self._call("generate", prompts, params, int(n_samples), bool(return_routed_experts),
                           what="generate()")
+
+    def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                       return_routed_experts: bool = False) -> PendingGeneration:
+        """Submit generate() to the actor and return at once; the actor runs its calls in order, so a weight
+        update sent after it loads after this generation. ``result()`` waits (timeout_s, as every call)."""
+        import ray
+
+        self._check()
+        prompts = [[int(t) for t in p] for p in prompt_ids]
+        ref = self._actor.generate_timed.remote(prompts, params, int(n_samples), bool(return_routed_experts))
+        return PendingGeneration(lambda: self._get(ref, "generate()"),
+                                 ready=lambda: bool(ray.wait([ref], timeout=0)[0]))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None) -> None:
         """Stream (hf_name, tensor) pairs to the engine in buckets of <= bucket_bytes (default: the

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -83,6 +84,69 @@ OPTIM_FORMATS = DIST_FORMATS + ("per_rank",)
 META_FILE = "checkpoint_meta.json"
 _LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers")
 _announced: set = set()  # (model, reason) already logged by this process
+
+
+class CheckpointFileError(RuntimeError):
+    """A checkpoint file that would need to unpickle arbitrary Python objects to load (or is not a torch file)."""
+
+
+# numpy's array reconstruction: what ``rng_rank*.pt`` of checkpoints written before the plain RNG format held
+# (numpy's legacy state tuple). Its items go through the same restricted unpickler, so it runs no code.
+_NUMPY_GLOBALS = ("numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct")
+
+
+def _numpy_safe_globals() -> list:
+    import importlib
+
+    out = [np.ndarray, np.dtype] + [type(np.dtype(t)) for t in (np.uint32, np.float64, np.int64)]
+    for name in _NUMPY_GLOBALS:
+        mod, _, attr = name.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(mod), attr))
+        except (ImportError, AttributeError):
+            pass
+    return out
+
+
+def safe_load(path: str):
+    """``torch.load`` of a checkpoint file that never unpickles arbitrary objects: torch's ``weights_only``
+    unpickler (tensors, containers, numbers, strings; numpy arrays for old RNG files). Checkpoints are files
+    users share: anything else (a pickled class, a ``__reduce__`` payload) is refused naming the file."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):  # torch.save's format is a zip archive; anything else is a raw pickle or junk
+        if not os.path.exists(path):
+            raise FileNotFoundError(path)
+        raise CheckpointFileError(f"{path}: not a readable torch checkpoint file (torch.save writes a zip archive; "
+                                  f"a raw pickle or another format is refused)")
+    try:
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = next((ln.strip() for ln in str(e).splitlines() if "WeightsUnpickler error" in ln), type(e).__name__)
+        raise CheckpointFileError(
+            f"{path}: refused to load: it holds Python objects that only a full unpickle could rebuild (which can "
+            f"run arbitrary code); checkpoint files must contain only tensors, numbers, strings and containers "
+            f"({why[:300]})") from None
+    except (RuntimeError, EOFError) as e:
+        raise CheckpointFileError(f"{path}: not a readable torch checkpoint file ({type(e).__name__}: {e})") from None
+
+
+def _plain_rng() -> dict:
+    """Every RNG this process draws from, as tensors and plain numbers (loadable by ``safe_load``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+
+
+def _restore_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    n = rng["numpy"]
+    if isinstance(n, dict):
+        n = (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    np.random.set_state(n)
 
 
 class CheckpointLayoutError(RuntimeError):
@@ -224,7 +288,7 @@ def _load_optimizer(tr, name: str, model, opt, path: str, entry: dict) -> None:
                 f"at {_fmt_layout(was)}, and this run uses {_fmt_layout(now)}: per-rank optimizer state resumes "
                 f"only at the same layout. Resume at that layout, or set train.resume_optimizer=false to load the "
                 f"weights with fresh optimizer state")
-        states = torch.load(os.path.join(directory, f"rank{tr.rank}.pt"), weights_only=False)
+        states = safe_load(os.path.join(directory, f"rank{tr.rank}.pt"))
         for o, sd in zip(_inner(opt), states):
             o.load_state_dict(sd)
         return
@@ -429,14 +493,14 @@ def _save_checkpoint(tr, keep_last: int) -> str:
         meta["models"][name_] = _save_optimizer(tr, name_, model, opt, os.path.join(tmp, f"{name_}_optim"))
         if name_ == "actor":
             faults.mid_save(tmp, tr.step_idx, tr.rank)  # testing seam (no-op unless its env var is set)
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-               os.path.join(tmp, f"rng_rank{tr.rank}.pt"))
+    torch.save(_plain_rng(), os.path.join(tmp, f"rng_rank{tr.rank}.pt"))
     if tr.rank == 0:
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
         torch.save({"step": tr.step_idx, "skipped_steps": tr.skipped_steps, "stream": tr.stream.state_dict(),
                     "daps": tr.daps.state_dict() if tr.daps is not None else None,
-                    "evaluator": tr.evaluator.state_dict() if getattr(tr, "evaluator", None) is not None else None},
+                    "evaluator": tr.evaluator.state_dict() if getattr(tr, "evaluator", None) is not None else None,
+                    **_async_state(tr)},
                    os.path.join(tmp, "trainer_state.pt"))
     _fsync_own_files(tmp, tr.rank)
     dist.barrier()  # every rank's files are written and on disk
@@ -461,6 +525,17 @@ def _save_checkpoint(tr, keep_last: int) -> str:
     return final
 
 
+def _async_state(tr) -> dict:
+    """The asynchronous loop's generated-but-untrained batches (train.max_staleness > 0), else nothing (the
+    synchronous loop's trainer_state.pt is unchanged)."""
+    ar = getattr(tr, "async_rollout", None)
+    if ar is None:
+        return {}
+    from megatron_s3ac.trainer.async_loop import state_dict
+
+    return {"async_rollout": state_dict(ar)}
+
+
 def _load_checkpoint(tr, path: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -469,15 +544,16 @@ def _load_checkpoint(tr, path: str) -> None:
         with _scope(tr, name_):
             model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), os.path.join(path, name_)))
         _load_optimizer(tr, name_, model, opt, path, entries.get(name_, {}))
-    st = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    st = safe_load(os.path.join(path, "trainer_state.pt"))
     tr.step_idx, tr.skipped_steps = int(st["step"]), int(st["skipped_steps"])
     tr.stream.load_state_dict(st["stream"])
     if tr.daps is not None and st["daps"] is not None:
         tr.daps.load_state_dict(st["daps"])
     if getattr(tr, "evaluator", None) is not None and st.get("evaluator") is not None:
         tr.evaluator.load_state_dict(st["evaluator"])
-    rng = torch.load(os.path.join(path, f"rng_rank{tr.rank}.pt"), weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
+    if getattr(tr, "async_rollout", None) is not None and st.get("async_rollout") is not None:
+        from megatron_s3ac.trainer.async_loop import load_state_dict as load_async
+
+        load_async(tr.async_rollout, st["async_rollout"], tr.rank)
+    _restore_rng(safe_load(os.path.join(path, f"rng_rank{tr.rank}.pt")))
     getattr(tr, "sync_weights_soon", tr.sync_weights)()

@@ -29,6 +29,30 @@ import os
 import sys
 
 
+_USAGE = {
+    "train": ("s3ac-train train CONFIG.yaml [key=value ...]   (under torchrun)",
+              "RL training (trainer.loop / trainer.run): resumes from the latest complete checkpoint in "
+              "train.out_dir unless train.resume=false."),
+    "value-pretrain": ("s3ac-train value-pretrain CONFIG.yaml value_pretrain.coverage_path=cov.jsonl [key=value ...]",
+                       "pretrain the critic on a coverage jsonl; saves <out_dir>/critic_pretrained (torch_dist) "
+                       "for model.critic_init."),
+    "pipeline": ("s3ac-train pipeline CONFIG.yaml [key=value ...]   (under torchrun)",
+                 "the paper's recipe as resumable stages: warm-up (model.tiny) -> coverage data -> value "
+                 "pretraining -> RL; a stage whose DONE.json matches the config is skipped."),
+    "demo": ("s3ac-train demo CONFIG.yaml [key=value ...]   (under torchrun)",
+             "the pipeline, then the CPU demo's before/after pass-rate table."),
+    "check": ("s3ac-train check CONFIG.yaml [key=value ...] [--strict] [--for train|pipeline]",
+              "validate the config and run the planner's pre-flight (layout rules; memory fit with a cluster: "
+              "section). Layout errors exit 2; memory misfits are warnings, or exit 2 with --strict."),
+}
+_HELP = ("-h", "--help")
+
+
+def _usage(cmd: str) -> str:
+    line, what = _USAGE[cmd]
+    return f"usage: {line}\n\n{what}\nConfig keys: docs/trainer.md; overrides are OmegaConf dotted key=value."
+
+
 def _parse(argv):
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -46,6 +70,9 @@ def main(argv=None) -> int:
     from megatron_s3ac.trainer.config import ConfigError, load_config, to_yaml
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) > 1 and args[0] in _USAGE and any(a in _HELP for a in args[1:]):
+        print(_usage(args[0]))  # a subcommand's --help: its usage, never "config file not found: --help"
+        return 0
     strict = "--strict" in args
     args = [a for a in args if a != "--strict"]
     check_for = "train"

@@ -155,9 +155,14 @@ class RolloutCfg:
     # unquantized (null = convert.fp8.DEFAULT_KEEP: router, embeddings, lm_head, GDN gates, ...)
     weights_dtype: WeightsDtype = WeightsDtype.bf16
     fp8_keep: Optional[list] = None
+    # asynchronous loop (train.max_staleness > 0): an engine whose process died is rebuilt, re-synced and its
+    # unfinished batches resubmitted, at most this many times in one step (then the step raises)
+    max_engine_restarts: int = 3
 
     def errors(self) -> list[str]:
         out = []
+        if self.max_engine_restarts < 0:
+            out.append(f"rollout.max_engine_restarts={self.max_engine_restarts} must be >= 0")
         if self.engine == EngineKind.sglang:
             from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_sglang_settings
 
@@ -502,6 +507,11 @@ class TrainCfg:
     # (trainer.rank0). Longer than the longest of those phases; a real hang is reported after it
     dist_timeout_s: float = 3600.0
 
+    # bounded-staleness asynchronous rollout (trainer.async_loop; docs/trainer.md "Asynchronous rollout"): 0 = the
+    # synchronous loop; 1 = one-step off-policy (the next batch generates while this one trains); N: a sample
+    # generated with weights version v trains at step s only if s - v <= N. Needs rollout.placement=separate
+    max_staleness: int = 0
+
     def errors(self) -> list[str]:
         out = [] if self.r3 in R3_MODES else [f"train.r3={self.r3!r} must be auto, on or off"]
         if not self.dist_timeout_s > 0:
@@ -516,6 +526,8 @@ class TrainCfg:
                 out.append("train.wandb_project is set but wandb is not installed (pip install 'megatron_s3ac[wandb]')")
         if self.keep_last < 1:
             out.append("train.keep_last must be >= 1")
+        if isinstance(self.max_staleness, bool) or self.max_staleness < 0:
+            out.append(f"train.max_staleness={self.max_staleness} must be an integer >= 0 (0 = synchronous)")
         from megatron_s3ac.models.recompute import recompute_kwargs
 
         try:
@@ -618,6 +630,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             and cfg.model.tiny is None:
         errs.append("pipeline.policies: step numbers name warm-up snapshots, and only model.tiny runs a warm-up; "
                     "give HF dirs")
+    if cfg.train.max_staleness > 0 and Placement(r.placement) != Placement.separate:
+        errs.append(f"train.max_staleness={cfg.train.max_staleness} overlaps generation with training: needs "
+                    f"rollout.placement=separate (got {Placement(r.placement).value}; colocated engines share the "
+                    f"trainer's devices and sleep while it trains)")
     if a.entropy_control != "none" and r.k < 2:
         errs.append(f"algo.entropy_control={a.entropy_control} shapes group advantages: needs rollout.k >= 2")
     if r.engine == EngineKind.sglang and cfg.train.dist_timeout_s < float(r.sglang.timeout_s):

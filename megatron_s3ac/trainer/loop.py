@@ -93,6 +93,9 @@ class Trainer(EngineSide, RolloutPhases):
                                 if a.entropy_control != "none" else None)
         self.rank0.share("engine start")  # not inside the sync's first collective
         self.sync_weights()
+        from megatron_s3ac.trainer.async_loop import make_async_rollout
+
+        self.async_rollout = make_async_rollout(self)  # train.max_staleness > 0: generation overlaps training
 
     # ---- construction ------------------------------------------------------------------------
     def _build_models(self, par: "B.ParallelSetup") -> None:
@@ -275,6 +278,8 @@ class Trainer(EngineSide, RolloutPhases):
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> dict:
+        if getattr(self, "async_rollout", None) is not None:
+            return self.async_rollout.step()  # trainer.async_loop: the same phases, the next batches in flight
         t0 = time.time()
         m: dict = {"step": self.step_idx}
         self._place(m, on=["critic"] if self.daps is not None else [])  # DAPS scores prompts with V(s0)

@@ -22,6 +22,12 @@ PANELS = [  # (title, metric keys, file); an entry of None = the per-benchmark k
     ("masked by corrections (IcePoP: tokens, MIS: responses)", ["mismatch/icepop_masked_frac",
                                                                 "mismatch/mis_masked_frac"], "masked.png"),
     ("R3 routing agreement (native vs replayed)", ["r3/agreement"], "routing_agreement.png"),
+    # asynchronous rollout (train.max_staleness; trainer.async_loop)
+    ("async: staleness of trained tokens (weight versions)", ["async/staleness_mean", "async/staleness_max"],
+     "async_staleness.png"),
+    ("async: engine busy fraction / trainer wait (s)", ["time/engine_busy_frac", "time/trainer_wait"],
+     "async_engine.png"),
+    ("async: end-to-end trained tokens / s", ["time/tokens_per_s"], "async_throughput.png"),
 ]
 
 
@@ -50,7 +56,7 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     out_dir = out_dir or os.path.join(run_dir, "plots")
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    fig_all, axes = plt.subplots(3, 4, figsize=(21, 10))  # one cell per panel (zip would drop extras)
+    fig_all, axes = plt.subplots(4, 4, figsize=(21, 13))  # one cell per panel (zip would drop extras)
     panels = PANELS + [("value pretraining loss", ["vpt/value_loss"], "vpt_loss.png"),
                        ("value pretraining explained variance", ["vpt/explained_variance"], "vpt_ev.png")]
     for ax_all, (title, keys, fname) in zip(axes.ravel(), panels):

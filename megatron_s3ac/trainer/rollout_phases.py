@@ -44,11 +44,13 @@ class RolloutPhases:
         self._last_v0 = v0
         return v0
 
-    def rollout(self, pids: torch.Tensor, round_idx: int = 0) -> list[dict]:
+    def rollout(self, pids: torch.Tensor, round_idx: int = 0, groups=None) -> list[dict]:
         """Rank 0 generates and scores. Returns one dict per kept sample on every rank: its metadata
         ("pid", "reward", "finish", "plen", "rlen"); on rank 0 also the sample itself ("prompt_ids",
         "response_ids", "logprobs", "routes"), which only ``distribute`` sends on.
-        round_idx: the refill round within the step (0 = the step's first rollout), for its own seed."""
+        round_idx: the refill round within the step (0 = the step's first rollout), for its own seed.
+        groups: rank 0's samples already generated for ``pids`` (the asynchronous loop's prefetched batch), else
+        None: generate now."""
         from megatron_s3ac.rollout.base import SamplingParams
 
         r = self.cfg.rollout
@@ -57,8 +59,9 @@ class RolloutPhases:
         if self.rank == 0:
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                     seed=self.cfg.train.seed * 1_000_003 + self.step_idx + 7919 * round_idx)
-            groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
-                                          return_routed_experts=self.r3_on)
+            if groups is None:
+                groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
+                                              return_routed_experts=self.r3_on)
             # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
             # need all K samples; counted in rollout/aborted*
             aborted = sum(s.finish_reason == "abort" for g in groups for s in g)
@@ -152,22 +155,27 @@ class RolloutPhases:
         batch = None if keep is None else self.distribute([samples[i] for i in keep.tolist()])
         return samples, drawn, batch, {**stats, **fm}
 
-    def rollout_refilled(self) -> tuple[list[dict], RolloutMeta | None, RolloutBatch | None, dict]:
+    def rollout_refilled(self, first=None) -> tuple[list[dict], RolloutMeta | None, RolloutBatch | None, dict]:
         """DAPO dynamic sampling with refill (``algo.dynamic_sampling_refill``): select and roll out
         prompt groups until ``prompts_per_step`` informative ones are kept, drawing at most
         ``refill_max_factor`` x prompts_per_step groups (algorithms.filters.dynamic_sampling_refill).
         Returns (every drawn sample, their metadata, this rank's shard of the kept batch or None,
-        metrics); DAPS sees every drawn group's outcomes."""
+        metrics); DAPS sees every drawn group's outcomes. first: the first round already selected and generated
+        (pids, selection stats, rank 0's groups or None, their weights version; the asynchronous loop, which then
+        finds each sample's "version": the first round's, or the engine's current one for a refill), else None."""
         import math
 
         k, target = self.cfg.rollout.k, self.cfg.rollout.prompts_per_step
         drawn, stats, rounds, aborted = [], {}, [0], [0, 0]
 
         def draw(n):
-            pids, st = self.select_prompts(n)
+            pids, st, groups = first[:3] if first is not None and rounds[0] == 0 else (*self.select_prompts(n), None)
             for key, v in st.items():
                 stats.setdefault(key, v)  # the first round's selection statistics
-            samples = self.rollout(pids, round_idx=rounds[0])
+            samples = self.rollout(pids, round_idx=rounds[0], groups=groups)
+            if first is not None:  # asynchronous loop: the weights version that generated each sample
+                for d in samples:
+                    d["version"] = first[3] if rounds[0] == 0 else self.weights_version
             rounds[0] += 1
             aborted[0] += self._aborted[0]
             aborted[1] += self._aborted[1]
@@ -189,6 +197,7 @@ class RolloutPhases:
              "refill/rounds": st["rounds"], "refill/drawn_groups": st["drawn_groups"],
              "refill/surplus_groups": st["surplus_groups"], "refill/reached_target": float(st["reached_target"])}
         self._aborted = tuple(aborted)
+        self._kept = [s for g in kept for s in g]  # the trained samples (the asynchronous loop's staleness metrics)
         if not drawn:
             return drawn, None, None, m
         all_meta = RolloutMeta.of(drawn)

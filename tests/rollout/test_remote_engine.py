@@ -157,6 +157,21 @@ def test_update_weights_changes_logprobs_as_locally(engines):
                 local.generate(PROMPTS, GREEDY, n_samples=1, return_routed_experts=True))
 
 
+def test_generate_async_runs_before_a_later_weight_update(engines):
+    """generate_async returns at once; a weight update sent right after it loads after that generation (the actor
+    runs its calls in order): the samples are the old weights', the next generate the new ones'."""
+    remote, local = engines
+    old = local.generate(PROMPTS, SAMPLED, n_samples=2, return_routed_experts=True)
+    pending = remote.generate_async(PROMPTS, SAMPLED, n_samples=2, return_routed_experts=True)
+    new = list(hf_state(seed=2).items())
+    remote.update_weights(iter(new))  # sent while the generation may still run
+    local.update_weights(iter(new))
+    assert_same(pending.result(), old)
+    assert pending.done() and pending.timing[0] <= pending.timing[1]
+    assert_same(remote.generate(PROMPTS, SAMPLED, n_samples=2, return_routed_experts=True),
+                local.generate(PROMPTS, SAMPLED, n_samples=2, return_routed_experts=True))
+
+
 def test_bucket_cap_respected(engines):
     remote, local = engines
     sd = dict(local.model.named_parameters())

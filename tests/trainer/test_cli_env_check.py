@@ -60,3 +60,12 @@ def test_not_called_on_cpu(monkeypatch, tmp_path, no_demo):
     monkeypatch.setattr(s3ac_env, "check_environment", boom)
     assert train_cli.main(["demo", DEMO, f"train.out_dir={tmp_path}"]) == 0
     assert len(no_demo) == 1
+
+
+@pytest.mark.parametrize("cmd", ["train", "value-pretrain", "pipeline", "demo", "check"])
+@pytest.mark.parametrize("flag", [["--help"], ["-h"], [DEMO, "--help"]])
+def test_subcommand_help_prints_its_usage(cmd, flag, capsys, no_demo):
+    assert train_cli.main([cmd] + flag) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith(f"usage: s3ac-train {cmd} CONFIG.yaml") and "not found" not in out.out + out.err
+    assert not no_demo  # nothing ran

@@ -1,0 +1,345 @@
+"""Bounded-staleness asynchronous rollout (``train.max_staleness: N >= 1``; docs/trainer.md "Asynchronous rollout").
+
+The synchronous step (``Trainer.step``) generates, scores and trains in turn while a separate engine idles during
+training. Here the engine (``rollout.placement: separate``: a Ray actor, ``RemoteEngine`` / ``EnginePool``) always
+has the next batches queued: at step s the batches for steps s .. s+N are in flight or done, and the one for step
+s+N is submitted at the start of step s, before training, with the engine's weights of that moment (version s).
+The engine's actor runs its calls in order, so that generation runs while step s trains, and the weight sync at the
+end of step s loads after it.
+
+Weights version: the engine holds version v once the weights after trainer step v-1 are synced (v = 0 at start).
+A sample generated with version v is trained at step s with staleness s - v: N for a prefetched batch in the
+steady state (fewer in the first N steps), 0 for a DAPO refill round (generated now, synchronously). The bound
+s - v <= N is checked on every trained sample.
+
+What keeps the update correct off-policy (docs/algorithms.md "Off-policy update"): every response token carries its
+behaviour log-prob (the engine's) and its weights version; the old log-probs are recomputed by the current actor
+(the proximal policy of decoupled PPO, ``Trainer.old_logprobs``); token IS weights old/behaviour with
+``algo.tis_cap``, IcePoP and MIS act on that ratio (``Trainer.advantages``); values and GAE come from the current
+critic; R3 replays the routes the generating version chose.
+
+Prompt selection: a batch's prompts are chosen when it is submitted, so DAPS scores them with V(s0) of the critic
+of that moment (N steps before they train) and updates its counts when the batch is collected.
+
+Engine failure: rank 0 waits for the engine at two points of a step and broadcasts its verdict; a dead engine is
+rebuilt, re-synced (every rank) and its unreturned batches resubmitted, at most ``rollout.max_engine_restarts``
+times a step (``rollout/engine_restarts``). The queue is saved with the checkpoint (``state_dict``).
+
+Every rank runs ``step`` (prompt selection, the DAPO filter and the training phases are collective); rank 0 owns
+the engine, submits and waits. ``Trainer.step`` delegates here when ``train.max_staleness > 0``; the training
+phases are the synchronous step's, in its order.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_s3ac.trainer.batch import RolloutMeta
+
+
+@dataclasses.dataclass(eq=False)  # compared by identity (pids is a tensor)
+class Submitted:
+    """One prefetched batch: the step it trains at, its prompts and selection stats, the weights version that
+    generates it, and (rank 0) the engine's pending generation."""
+
+    step: int
+    pids: torch.Tensor
+    stats: dict
+    version: int
+    pending: object = None
+    collected: bool = False  # rank 0: its samples are back (and its engine span recorded)
+
+
+def staleness_metrics(samples: list[dict], step: int) -> dict:
+    """``async/staleness_*`` over the trained samples (each with "version" and "rlen"): the mean over response
+    tokens, the mean over samples and the max, in weight versions (step - version)."""
+    if not samples:
+        return {}
+    st = torch.tensor([step - int(d["version"]) for d in samples], dtype=torch.float64)
+    n = torch.tensor([int(d["rlen"]) for d in samples], dtype=torch.float64)
+    return {"async/staleness_mean": float((st * n).sum() / n.sum().clamp(min=1.0)),
+            "async/staleness_sample_mean": float(st.mean()), "async/staleness_max": float(st.max()),
+            "async/trained_tokens": float(n.sum())}
+
+
+def busy_seconds(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] covered by the (start, end) generation spans (an engine runs one call at a time, so
+    the spans do not overlap)."""
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+
+
+class AsyncRollout:
+    """The asynchronous step of a ``Trainer`` (see the module docstring). ``tr``: the trainer; ``max_staleness``:
+    N >= 1."""
+
+    def __init__(self, tr, max_staleness: int):
+        if max_staleness < 1:
+            raise ValueError(f"max_staleness={max_staleness} must be >= 1 for the asynchronous loop")
+        self.tr, self.n = tr, int(max_staleness)
+        self.queue: collections.deque[Submitted] = collections.deque()
+        self.spans: list[tuple[float, float]] = []  # rank 0: engine generation spans not yet older than a step
+        self.wait_s = 0.0  # rank 0: seconds spent waiting on the engine in the current step
+        self.log: list[tuple[int, int, tuple[float, float] | None]] = []  # rank 0: (step, version, engine span)
+        self.restarts = 0  # engine restarts in this run (rollout/engine_restarts)
+        self._step_restarts = 0  # in the current step (bounded by rollout.max_engine_restarts)
+
+    # ---- submission ---------------------------------------------------------------------------
+    def _params(self, step: int, round_idx: int = 0):
+        """The synchronous rollout's sampling params for ``step`` (same seed rule: a prefetched batch draws as the
+        synchronous loop would at the step it trains at)."""
+        from megatron_s3ac.rollout.base import SamplingParams
+
+        r, tr = self.tr.cfg.rollout, self.tr
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                              seed=tr.cfg.train.seed * 1_000_003 + step + 7919 * round_idx)
+
+    def submit(self, step: int) -> None:
+        """Every rank: choose the prompts of ``step``'s batch now (DAPS: the critic of this moment); rank 0 hands
+        them to the engine without waiting."""
+        tr = self.tr
+        pids, stats = tr.select_prompts()
+        e = Submitted(step, pids, stats, tr.weights_version)
+        if tr.rank == 0:
+            self._send(e)
+        self.queue.append(e)
+
+    def _send(self, e: Submitted) -> None:
+        """Rank 0: hand ``e``'s prompts to the engine (its sampling seed is the step's, whenever it is sent)."""
+        tr = self.tr
+        e.collected = False
+        e.pending = tr.engine.generate_async([tr.prompts[int(i)].ids for i in e.pids], self._params(e.step),
+                                             n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on)
+
+    # ---- engine failure: restart, re-sync, resubmit ----------------------------------------------
+    def _await(self, entries: list) -> None:
+        """Every rank (collective): rank 0 waits for ``entries``' generations; if the engine died (its process
+        killed or crashed: ``RemoteEngineDied`` / ``EngineDied``, or timed out), every rank learns it from rank 0,
+        the engine is rebuilt and re-synced with the actor's current weights, and every batch it had not returned
+        is sent again (then tagged with the re-synced version) - at most ``rollout.max_engine_restarts`` times in
+        one step, then a RuntimeError naming the last failure."""
+        from megatron_s3ac.rollout.engine_pool import EngineDied, EngineTimeout
+        from megatron_s3ac.rollout.remote import RemoteEngineDied, RemoteEngineTimeout
+
+        tr = self.tr
+        while True:
+            verdict = [None]
+            if tr.rank == 0:
+                try:
+                    for e in entries:
+                        self._result(e)
+                except (RemoteEngineDied, RemoteEngineTimeout, EngineDied, EngineTimeout) as err:
+                    verdict = [(f"{type(err).__name__}: {err}", [q.step for q in self.queue if not q.collected]
+                                + [q.step for q in entries if not q.collected and q not in self.queue])]
+            if tr.world > 1:
+                dist.broadcast_object_list(verdict, src=0)
+            if verdict[0] is None:
+                return
+            why, lost = verdict[0]
+            self._step_restarts += 1
+            if self._step_restarts > tr.cfg.rollout.max_engine_restarts:
+                raise RuntimeError(f"the rollout engine died {self._step_restarts} times in step {tr.step_idx} "
+                                   f"(rollout.max_engine_restarts={tr.cfg.rollout.max_engine_restarts}); last: {why}")
+            self._restart(why, {s for s in lost}, entries)
+
+    def _restart(self, why: str, lost: set, entries: list) -> None:
+        from megatron_s3ac.trainer import build as B
+
+        tr = self.tr
+        self.restarts += 1
+        tr.close_weight_sync()  # every rank: the dead engine's sync sessions / groups (the next sync reconnects)
+        if tr.rank == 0:
+            print(f"s3ac: the rollout engine died ({why}); restarting it (restart {self._step_restarts} of at most "
+                  f"{tr.cfg.rollout.max_engine_restarts} in this step), re-syncing the weights and resubmitting "
+                  f"{len(lost)} batch(es)", file=sys.stderr, flush=True)
+            try:
+                getattr(tr.engine, "close", tr.engine.shutdown)()
+            except Exception:  # noqa: BLE001 - already dead; close only releases what is left
+                pass
+            tr.engine, _ = B.build_engine(tr.cfg, tr.info)
+            tr.sync_strategy.attach(tr.engine)
+        tr.sync_weights()  # every rank: the new engine gets the actor's weights of this moment
+        version = tr.step_idx + int(getattr(self, "_trained", False))  # after this step's update: its next version
+        for e in list(self.queue) + [q for q in entries if q not in self.queue]:
+            if e.step in lost:
+                e.version = version
+                if tr.rank == 0:
+                    self._send(e)
+
+    def _result(self, e: Submitted):
+        """Rank 0: the batch's samples, waiting for them if needed (counted in the trainer's wait time)."""
+        if e.pending is None:
+            return None
+        t = time.time()
+        groups = e.pending.result()
+        self.wait_s += time.time() - t
+        if not e.collected:
+            e.collected = True
+            if e.pending.timing is not None:
+                self.spans.append(e.pending.timing)
+            self.log.append((e.step, e.version, e.pending.timing))
+        return groups
+
+    # ---- collection ---------------------------------------------------------------------------
+    def _collect(self, e: Submitted, groups, m: dict):
+        """(every drawn sample, their metadata, this rank's shard of the kept batch, metrics, the kept samples):
+        ``Trainer.rollout_once`` / ``rollout_refilled`` with the first round already generated."""
+        tr = self.tr
+        if tr.cfg.algo.dynamic_sampling_refill:
+            tr._place(m, off=["actor"])  # as the synchronous step (a no-op unless train.offload_idle)
+            samples, drawn, batch, fm = tr.rollout_refilled(first=(e.pids, e.stats, groups, e.version))
+            return samples, drawn, batch, fm, (getattr(tr, "_kept", []) if batch is not None else [])
+        samples = tr.rollout(e.pids, groups=groups)
+        for d in samples:
+            d["version"] = e.version
+        if not samples:
+            return samples, None, None, e.stats, []
+        drawn = RolloutMeta.of(samples)
+        if tr.daps is not None:
+            tr.daps.update(drawn.pid, drawn.scores, step=tr.step_idx)
+        keep, fm = tr.filter_groups(drawn)
+        kept = [] if keep is None else [samples[i] for i in keep.tolist()]
+        batch = None if keep is None else tr.distribute(kept)
+        return samples, drawn, batch, {**e.stats, **fm}, kept
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> dict:
+        tr = self.tr
+        t0 = time.time()
+        s = tr.step_idx
+        self.wait_s, self._step_restarts, self._trained = 0.0, 0, False
+        m: dict = {"step": s}
+        tr.weights_version = s  # the engine holds this step's weights (synced at the end of the last step / resume)
+        tr._place(m, on=["critic"] if tr.daps is not None else [])  # DAPS scores prompts with V(s0)
+        last = max(tr.cfg.train.steps, s + 1)  # no batch for a step that will not run
+        while len(self.queue) <= self.n and s + len(self.queue) < last:
+            self.submit(s + len(self.queue))
+        e = self.queue.popleft()
+        if e.step != s:
+            raise RuntimeError(f"asynchronous rollout: the next prefetched batch is for step {e.step}, not {s}")
+        self._await([e])  # a dead engine is restarted here (every rank joins its re-sync)
+        samples, drawn, batch, fm, kept = self._collect(e, self._result(e), m)
+        m.update(fm)
+        if drawn is None:
+            m.update({"rollout/aborted": tr._aborted[0], "rollout/aborted_groups": tr._aborted[1]})
+        else:
+            m.update(tr.rollout_metrics(samples, drawn))
+        m["time/rollout"] = time.time() - t0
+        if batch is None:  # nothing to train on: the weights (and so the version) carry over to the next step
+            tr._place(m, on=["actor", "critic"])
+            tr.step_idx += 1
+            tr.weights_version = tr.step_idx
+            return self._finish(m, t0, [])
+        st = staleness_metrics(kept, s)
+        if st and st["async/staleness_max"] > self.n:
+            raise RuntimeError(f"asynchronous rollout: a sample {st['async/staleness_max']:g} weight versions old "
+                               f"would train at step {s}, above train.max_staleness={self.n}")
+        m.update(st)
+        t1 = time.time()
+        tr._place(m, on=["actor", "critic"])
+        m.update(tr.old_logprobs(batch))  # the current actor: the proximal policy
+        m.update(tr.advantages(batch))  # the current critic; IS old/behaviour
+        m["time/old_logp_values"] = time.time() - t1
+        t2 = time.time()
+        tr._place(m, off=["critic"])
+        m.update(tr.update_actor(batch))
+        tr._place(m, on=["critic"], off=["actor"])
+        m.update(tr.update_critic(batch))
+        tr._place(m, on=["actor"])
+        m["time/train"] = time.time() - t2
+        tr.skipped_steps += int(m.get("actor/skipped_minibatches", 0) + m.get("critic/skipped_minibatches", 0) > 0)
+        m["skipped_steps_total"] = tr.skipped_steps
+        self._trained = True  # from here a re-sync sends the updated weights (version s + 1)
+        # the engine loads the new weights after the submitted batches (its calls run in order): wait here, not
+        # inside the sync's collectives
+        self._await(list(self.queue))
+        t3 = time.time()
+        tr.sync_weights()
+        m["time/sync"] = time.time() - t3
+        tr.step_idx += 1
+        tr.weights_version = tr.step_idx
+        return self._finish(m, t0, kept)
+
+    def _finish(self, m: dict, t0: float, kept: list) -> dict:
+        t = time.time()
+        m["time/step"] = t - t0
+        m["rollout/engine_restarts"] = self.restarts
+        if self.tr.rank == 0:
+            busy = busy_seconds(self.spans, t0, t)
+            m.update({"time/trainer_wait": self.wait_s, "time/engine_busy_frac": busy / max(t - t0, 1e-9),
+                      "time/engine_idle_frac": 1.0 - busy / max(t - t0, 1e-9),
+                      "time/tokens_per_s": sum(int(d["rlen"]) for d in kept) / max(t - t0, 1e-9),
+                      "time/samples_per_s": len(kept) / max(t - t0, 1e-9), "async/in_flight": len(self.queue)})
+            self.spans = [sp for sp in self.spans if sp[1] > t]  # later steps only see what is still running
+        return m
+
+
+# ---- checkpoint: the batches generated but not trained yet -----------------------------------------------
+def _plain_sample(smp) -> dict:
+    """A ``rollout.base.Sample`` as tensors, numbers and strings (``checkpoint.safe_load`` reads it back)."""
+    import numpy as np
+
+    return {"prompt_ids": [int(t) for t in smp.prompt_ids], "response_ids": [int(t) for t in smp.response_ids],
+            "logprobs": torch.from_numpy(np.asarray(smp.logprobs, dtype=np.float32).copy()),
+            "finish_reason": str(smp.finish_reason), "response_text": smp.response_text,
+            "routed_experts": None if smp.routed_experts is None else torch.from_numpy(np.ascontiguousarray(
+                smp.routed_experts))}
+
+
+def _sample(d: dict):
+    from megatron_s3ac.rollout.base import Sample
+
+    return Sample(prompt_ids=list(d["prompt_ids"]), response_ids=list(d["response_ids"]),
+                  logprobs=d["logprobs"].numpy(), finish_reason=d["finish_reason"],
+                  routed_experts=None if d["routed_experts"] is None else d["routed_experts"].numpy(),
+                  response_text=d["response_text"])
+
+
+def _plain_stats(stats: dict) -> dict:
+    # type(), not isinstance: numpy's float64 is a float subclass, and would pickle as a numpy scalar
+    return {str(k): (v if type(v) in (bool, int, float, str) or v is None else float(v)) for k, v in stats.items()}
+
+
+def state_dict(ar: "AsyncRollout") -> dict:
+    """The queue (rank 0: with every batch's samples; checkpoints are saved after a step, when rank 0 has waited
+    for every submitted batch), so a resumed run trains exactly what the uninterrupted one would."""
+    out = []
+    for e in ar.queue:
+        groups = None if e.pending is None else [[_plain_sample(x) for x in g] for g in ar._result(e)]
+        out.append({"step": e.step, "pids": e.pids.clone(), "stats": _plain_stats(e.stats), "version": e.version,
+                    "groups": groups})
+    return {"version": 1, "max_staleness": ar.n, "queue": out, "engine_restarts": ar.restarts}
+
+
+def load_state_dict(ar: "AsyncRollout", state: dict, rank: int) -> None:
+    """Restore the queue saved by ``state_dict`` (rank 0 gets the samples back as done generations)."""
+    from megatron_s3ac.rollout.base import PendingGeneration
+
+    if state.get("version") != 1:
+        raise ValueError(f"unsupported asynchronous-rollout state version {state.get('version')}")
+    ar.queue.clear()
+    ar.restarts = int(state.get("engine_restarts", 0))
+    for q in state["queue"]:
+        e = Submitted(int(q["step"]), q["pids"].clone(), dict(q["stats"]), int(q["version"]))
+        if rank == 0:
+            if q["groups"] is None:
+                raise ValueError("the checkpoint's asynchronous-rollout queue has no samples (saved by a rank other "
+                                 "than 0?)")
+            groups = [[_sample(x) for x in g] for g in q["groups"]]
+            e.pending = PendingGeneration(lambda g=groups: g)
+            e.collected = True  # generated before the checkpoint: not this run's engine time
+        ar.queue.append(e)
+
+
+def make_async_rollout(tr):
+    """The trainer's asynchronous step when ``train.max_staleness > 0``, else None (the synchronous loop)."""
+    n = int(getattr(tr.cfg.train, "max_staleness", 0) or 0)
+    return AsyncRollout(tr, n) if n > 0 else None
+
+
+__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "load_state_dict", "make_async_rollout", "staleness_metrics",
+           "state_dict"]
