@@ -39,8 +39,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 SGLANG_ENGINE_CLS = None
 
 
-class ConfigError(ValueError):
-    """A config value is invalid; the message starts with the dotted key."""
+from megatron_s3ac.rollout.errors import ConfigError  # noqa: E402,F401 - its home; re-exported here
 
 
 @dataclasses.dataclass

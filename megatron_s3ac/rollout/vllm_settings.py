@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Optional
 
-from megatron_s3ac.rollout.factory import ConfigError
+from megatron_s3ac.rollout.errors import ConfigError
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
