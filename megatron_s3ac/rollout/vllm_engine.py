@@ -288,6 +288,23 @@ class VLLMEngine(RolloutEngine):
         t.join()
         self._group = box["g"]
 
+    def open_sender_group(self, group: str, host: str, port: int, timeout_s: Optional[float] = None) -> None:
+        """Have the engine's workers join sender group ``group`` (its rank 0, e.g. a pipeline stage's leader in
+        another process, hosts the store at host:port and joins at the same time)."""
+        info = {"master_address": host, "master_port": int(port), "world_size": 1 + self.settings.tp_size,
+                "rank_offset": 1, "timeout_s": float(timeout_s or self.settings.timeout_s), "group": group}
+        self._call("init_weight_transfer", f"init_weight_transfer_engine (group {group!r})", init_info=info)
+
+    def receive_bucket(self, meta: dict, group: str) -> None:
+        """Inside the open session: receive one bucket that group ``group``'s sender broadcasts (blocks until it
+        has arrived); ``meta``: its names / dtype_names / shapes, checked here first."""
+        if not self._session_open:
+            raise VLLMEngineError(f"{self.name}: receive_bucket outside a weight-update session")
+        self.check_weights(meta["names"], meta["shapes"], f"bucket of group {group!r}")
+        what = f"update_weights (group {group!r}, {meta['names'][0]} .. {meta['names'][-1]}, " \
+               f"{len(meta['names'])} tensors)"
+        self._call("update_weights", what, update_info={**meta, "group": group})
+
     def begin_weight_update(self) -> None:
         """Open one weight-update session (the engine loads nothing until finish_weight_update)."""
         if self._session_open:

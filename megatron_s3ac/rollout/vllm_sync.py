@@ -92,3 +92,135 @@ class VLLMSessionSync:
         self.engine.shutdown()
         self.engine = None
         return True
+
+
+class VLLMStageSync(VLLMSessionSync):
+    """Separate placement: each pipeline stage's export leader sends its own stage's buckets straight to the
+    engine's workers, over a group of its own (``pp<stage>``: the leader is its rank 0, the workers 1..tp), as
+    ``StageBroadcastSync`` does for sglang; nothing of another stage goes through rank 0. Rank 0 (the controller,
+    which leads stage 0) only drives the engine: per bucket it receives the bucket's (names, dtypes, shapes) from
+    the stage's leader, checks them, asks the engine to receive and lets the leader broadcast. Stages take turns in
+    stage order. One weight-update session around the whole sync, checked whole before it opens (``_open``).
+    On CPU the groups are gloo; the same code on NCCL is the GPU plan (docs/rollout.md, what is left)."""
+
+    def _connect(self, group) -> None:
+        import socket
+
+        from megatron_s3ac.rollout.broadcast import _recv_obj, _send_obj
+        from megatron_s3ac.rollout.gloo_transfer import join_group
+        from megatron_s3ac.rollout.broadcast import free_port as _free_port
+        from megatron_s3ac.rollout.weight_sync import _comm_device, _roles
+
+        ctl, leaders, stage, leader = _roles(self.engine is not None, group)
+        self.roles = {"controller": ctl, "leaders": leaders, "stage": stage, "leader": leader}
+        me, dev = dist.get_rank(), _comm_device()
+        if me == ctl and leaders.get(stage) != ctl:
+            raise ValueError(f"the rank driving the vLLM engine (rank {ctl}) must lead its own pipeline stage")
+        world = 1 + (self.settings.tp_size if self.settings is not None else 1)
+        timeout = self.settings.timeout_s if self.settings is not None else 600.0
+        self.group = None
+        if me == leader:
+            host = "127.0.0.1" if me == ctl else socket.gethostname()
+            port = _free_port()
+            if me != ctl:
+                _send_obj([host, port], ctl, dev)
+                self.group = join_group(host, port, 0, world, timeout)
+        if me == ctl:
+            import threading
+
+            for s in sorted(leaders):
+                if leaders[s] == ctl:
+                    box = {}
+                    t = threading.Thread(target=lambda: box.update(g=join_group(host, port, 0, world, timeout)),
+                                         daemon=True)
+                    t.start()
+                    self.engine.open_sender_group(f"pp{s}", host, port)
+                    t.join()
+                    self.group = box["g"]
+                else:
+                    h, p = _recv_obj(leaders[s], dev)
+                    self.engine.open_sender_group(f"pp{s}", h, p)
+        dist.barrier()
+
+    def sync(self, chunks, info):
+        import threading
+        import time
+
+        from megatron.core import parallel_state as ps
+
+        from megatron_s3ac.convert.export import export_hf_weights
+        from megatron_s3ac.rollout.broadcast import _recv_obj, _send_obj
+        from megatron_s3ac.rollout.gloo_transfer import bucket_meta, pack
+        from megatron_s3ac.rollout.weight_sync import SyncStats, _comm_device
+
+        group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        if getattr(self, "roles", None) is None:
+            self._connect(group)
+        self._open(info)
+        ctl, leaders, stage, leader = (self.roles[k] for k in ("controller", "leaders", "stage", "leader"))
+        me, dev = dist.get_rank(), _comm_device()
+        stats = SyncStats(engine_rank=ctl)
+        t0 = time.perf_counter()
+        bucket_bytes = self.settings.bucket_bytes if self.settings is not None else 256 << 20
+
+        def receive_async(meta, s):
+            box = {}
+
+            def post():
+                try:
+                    self.engine.receive_bucket(meta, f"pp{s}")
+                except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                    box["error"] = e
+            t = threading.Thread(target=post, daemon=True)
+            t.start()
+            return t, box
+
+        try:
+            for bucket in export_hf_weights(chunks, info, bucket_bytes, group=group):
+                if me != leader or not bucket:
+                    continue
+                meta, flat = bucket_meta(bucket), pack(bucket)
+                if me == ctl:  # its own stage: receive and send here
+                    t, box = receive_async(meta, stage)
+                else:
+                    _send_obj(meta, ctl, dev)
+                    if not _recv_obj(ctl, dev):
+                        raise RuntimeError(f"rank {me}: the rank driving the vLLM engine stopped the weight sync at "
+                                           f"bucket {meta['names'][0]} .. {meta['names'][-1]}")
+                self.group.broadcast(flat, 0).wait()
+                if me == ctl:
+                    t.join()
+                    if "error" in box:
+                        raise box["error"]
+                stats.bytes += flat.numel()
+                stats.tensors += len(bucket)
+                stats.buckets += 1
+            if me == leader and me != ctl:
+                _send_obj(None, ctl, dev)
+            if me == ctl:
+                for s in sorted(leaders):
+                    if leaders[s] == ctl:
+                        continue
+                    while (meta := _recv_obj(leaders[s], dev)) is not None:
+                        try:
+                            self.engine.check_weights(meta["names"], meta["shapes"], f"bucket of stage {s}")
+                        except BaseException:
+                            _send_obj(False, leaders[s], dev)
+                            raise
+                        t, box = receive_async(meta, s)
+                        _send_obj(True, leaders[s], dev)
+                        t.join()
+                        if "error" in box:
+                            raise box["error"]
+        except BaseException:
+            if self.engine is not None:
+                self.engine._abort_quietly()
+            raise
+        if self.engine is not None:
+            self.version += 1
+            self.engine.finish_weight_update(weight_version=str(self.version))
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+
+STRATEGIES = {"colocated": VLLMSessionSync, "separate": VLLMStageSync}  # until rollout.sync_strategy registers them

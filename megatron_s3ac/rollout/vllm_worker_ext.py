@@ -53,6 +53,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     world_size: int  # 1 (the trainer's sender) + every worker of the engine
     rank_offset: int = 1  # this engine's first worker rank in the group
     timeout_s: float = 600.0
+    group: str = "main"  # one group per sender (e.g. one per trainer pipeline stage: each stage's leader sends)
 
 
 @dataclasses.dataclass
@@ -60,6 +61,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list
     dtype_names: list
     shapes: list
+    group: str = "main"  # the sender's group (init_info.group)
 
 
 def served_checkpoint(model_dir: str) -> dict[str, tuple[str, tuple]]:
@@ -92,8 +94,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
-        self.group = None
-        self.rank = 0
+        self.groups: dict = {}  # group name -> GlooGroup (rank 0 of each: its sender)
         self.dtype = vllm_config.model_config.dtype
         self.model_dir = vllm_config.model_config.model
         self.moe = is_moe(vllm_config.model_config.hf_config)
@@ -132,11 +133,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        if self.group is not None:
-            self.shutdown()
-        self.rank = int(init_info.rank_offset) + get_tensor_model_parallel_rank()
-        self.group = join_group(init_info.master_address, init_info.master_port, self.rank, init_info.world_size,
-                                init_info.timeout_s)
+        rank = int(init_info.rank_offset) + get_tensor_model_parallel_rank()
+        self.groups[init_info.group] = join_group(init_info.master_address, init_info.master_port, rank,
+                                                  init_info.world_size, init_info.timeout_s)
 
     def start_weight_update(self) -> None:
         if self.moe and torch.device(self.device).type == "cpu" and os.environ.get(MOE_OVERRIDE) != "1":
@@ -154,8 +153,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if self.group is None:
-            raise RuntimeError("s3ac_gloo weight transfer not initialised: call init_weight_transfer_engine first")
+        group = self.groups.get(update_info.group)
+        if group is None:
+            raise RuntimeError(f"s3ac_gloo weight transfer group {update_info.group!r} not initialised (groups: "
+                               f"{sorted(self.groups)}): call init_weight_transfer_engine first")
         if self.staged is None:
             raise RuntimeError("receive_weights outside a weight update: call start_weight_update first")
         meta = {"names": list(update_info.names), "dtype_names": list(update_info.dtype_names),
@@ -164,7 +165,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         for d in meta["dtype_names"]:
             torch_dtype(d)
         flat = torch.empty(flat_nbytes(meta), dtype=torch.uint8)
-        self.group.broadcast(flat, 0).wait()
+        group.broadcast(flat, 0).wait()
         for name, t in unpack(flat, meta):
             self.staged[name] = t.to(self.dtype, copy=True)
 
@@ -184,8 +185,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group = None
+        self.groups.clear()
 
 
 if BACKEND not in WeightTransferEngineFactory._registry:

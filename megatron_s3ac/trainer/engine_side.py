@@ -88,11 +88,13 @@ class EngineSide:
         return stats
 
     def _vllm_sync(self, chunks):
-        """Every rank: one vLLM weight-update session around the rank-0 sync (checked whole before it opens)."""
-        from megatron_s3ac.rollout.vllm_sync import VLLMSessionSync
+        """Every rank: one vLLM weight-update session, checked whole before it opens; colocated: around the rank-0
+        sync (``VLLMSessionSync``), separate: each stage's leader sends its own stage (``VLLMStageSync``)."""
+        from megatron_s3ac.rollout.vllm_sync import STRATEGIES
 
         if getattr(self, "_vsync", None) is None:
-            self._vsync = VLLMSessionSync(self.engine, settings=self.cfg.rollout.vllm, quantize=fp8_quantizer(self.cfg))
+            cls = STRATEGIES[str(getattr(self.cfg.rollout.placement, "value", self.cfg.rollout.placement))]
+            self._vsync = cls(self.engine, settings=self.cfg.rollout.vllm, quantize=fp8_quantizer(self.cfg))
         if self.engine is not None and self._engine_asleep:
             self.engine.wake()
             self._engine_asleep = False

@@ -30,8 +30,9 @@ def dense_arith_dir(path):
     return save_tiny_qwen3(path, cfg, tokenizer=char_tokenizer(ARITH_CHARS))
 
 
-def three_steps(path, out_dir, dtype):
+def three_steps(path, out_dir, dtype, extra=(), steps=3):
     import torch
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     sys.path.insert(0, HERE)
@@ -41,7 +42,7 @@ def three_steps(path, out_dir, dtype):
     from vllm_fixtures import hf_model, teacher_forced
 
     tr = Trainer(load_config(None, BASE + [f"model.hf_config={path}", f"model.engine_hf_dir={path}",
-                                           f"rollout.vllm.dtype={dtype}", f"train.out_dir={out_dir}"]))
+                                           f"rollout.vllm.dtype={dtype}", f"train.out_dir={out_dir}", *extra]))
     rank0 = tr.engine is not None
 
     def gap():
@@ -51,6 +52,9 @@ def three_steps(path, out_dir, dtype):
         for bucket in export_hf_weights(chunks, tr.info, 1 << 20,
                                         group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True)):
             exported.update({n: t.detach().float().clone() for n, t in bucket})
+        parts = [None] * dist.get_world_size()  # each stage's leader holds its stage (PP): merge them (test ranks)
+        dist.all_gather_object(parts, exported)
+        exported = {n: t for part in parts for n, t in part.items()}
         if not rank0:
             return None
         want = teacher_forced(hf_model(path, exported), FIXED)
@@ -58,11 +62,14 @@ def three_steps(path, out_dir, dtype):
         return max(float(np.abs(a - b).max()) for a, b in zip(got, want))
 
     out = {"gaps": [gap()], "steps": [], "trained": []}
-    for _ in range(3):
+    for _ in range(steps):
         before = [p.detach().clone() for p in tr.actor.parameters()]
         out["steps"].append(tr.step())
         out["trained"].append(any(not torch.equal(a, b) for a, b in zip(before, tr.actor.parameters())))
         out["gaps"].append(gap())
+    st = tr.sync_weights()  # one more sync: this rank's share of it
+    out["sync"] = {"bytes": st.bytes, "tensors": st.tensors}
+    out["served"] = len(tr.engine.weight_info()) if rank0 else None
     tr.close()
     return out
 
@@ -82,3 +89,20 @@ def test_three_rl_steps_fp32_engine_follows_every_sync(arith_dir, tmp_path):
         assert m["actor/opt_steps"] >= 1
         assert m["mismatch/logprob_abs_diff"] < 1e-4  # fp32 engine: rollout log-probs == the trainer's
         assert np.isfinite(m["mismatch/is_weight_mean"])
+
+
+def stage_steps(path, out_dir):
+    """PP=2, rollout.placement=separate: each stage's leader sends its own stage (VLLMStageSync)."""
+    out = three_steps(path, out_dir, "float32", extra=["actor_layout.tp=1", "actor_layout.pp=2",
+                                                       "rollout.placement=separate"], steps=1)
+    return out
+
+
+@pytest.mark.slow
+def test_separate_pp2_each_stage_leader_sends_its_own_stage(arith_dir, tmp_path):
+    r0, r1 = run_distributed(stage_steps, 2, arith_dir, str(tmp_path), timeout=1200)
+    assert max(r0["gaps"]) < 1e-4, r0["gaps"]  # the engine follows the initial and the step's sync
+    assert all(r0["trained"])
+    # the last sync's bytes: stage 0 (embeddings, layer 0) from rank 0, stage 1 (layer 1, norm, lm_head) from rank 1
+    assert r0["sync"]["bytes"] > 0 and r1["sync"]["bytes"] > 0
+    assert r0["sync"]["tensors"] + r1["sync"]["tensors"] == r0["served"]
