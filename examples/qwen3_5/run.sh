@@ -36,7 +36,23 @@ print(m["hf_config"], m["actor_init"])
 PY
 )
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
-if [ -z "${SKIP_CONVERT:-}" ] && [ "$NODE_RANK" = 0 ] && [ ! -e "$MCORE/.metadata" ]; then
-  python -m checkpoints_convert hf-to-mcore --hf "$HF" --out "$MCORE" --workers "${CONVERT_WORKERS:-16}"
+# Node 0 converts; started by hand on every node, the other nodes wait here for the converted checkpoint (every
+# rank loads it: a filesystem all nodes see) before launch.sh joins Ray and torchrun, which would give up long
+# before a large conversion ends (RAY_JOIN_TIMEOUT). CONVERT_WAIT_TIMEOUT (s, default 4 h), CONVERT_POLL_S.
+CONVERT_WAIT_TIMEOUT=${CONVERT_WAIT_TIMEOUT:-14400}
+CONVERT_POLL_S=${CONVERT_POLL_S:-10}
+if [ -z "${SKIP_CONVERT:-}" ] && [ ! -e "$MCORE/.metadata" ]; then
+  if [ "$NODE_RANK" = 0 ]; then
+    python -m checkpoints_convert hf-to-mcore --hf "$HF" --out "$MCORE" --workers "${CONVERT_WORKERS:-16}"
+  else
+    echo "run.sh: node $NODE_RANK waits for node 0 to convert $HF into $MCORE (up to ${CONVERT_WAIT_TIMEOUT}s)" >&2
+    deadline=$((SECONDS + CONVERT_WAIT_TIMEOUT))
+    until [ -e "$MCORE/.metadata" ]; do
+      [ $SECONDS -lt $deadline ] || { echo "run.sh: node $NODE_RANK: no converted checkpoint at $MCORE/.metadata" \
+        "after ${CONVERT_WAIT_TIMEOUT}s (did node 0's conversion fail? is $MCORE on a filesystem every node sees?)" >&2
+        exit 1; }
+      sleep "$CONVERT_POLL_S"
+    done
+  fi
 fi
 exec bash "$S3AC_ROOT/$LAUNCH_REL" "$CMD" "$CFG" "$@"

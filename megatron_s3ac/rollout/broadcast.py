@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import socket
 from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_s3ac.rollout.sync_strategy import WeightSyncStrategy
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -41,6 +44,45 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
                                       backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def _loopback(addr: str) -> bool:
+    return addr.startswith("127.") or addr in ("::1", "0.0.0.0", "localhost")
+
+
+def _route_source(target: str) -> Optional[str]:
+    """The local address this host sends from towards ``target`` (a UDP connect sends nothing); None if no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(target), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def rendezvous_address() -> str:
+    """An address of this host that engines on other nodes can reach (the weight-update group's store listens on
+    it): Ray's address of this node when Ray is up (the engines are Ray actors: Ray reaches them from it), else
+    the source address of this host's route towards MASTER_ADDR (the job's rendezvous host), else of its default
+    route, else a non-loopback address its name resolves to (``getaddrinfo``); 127.0.0.1 only for a host with
+    nothing else (then every engine is on it). Not ``gethostbyname(gethostname())`` alone: stock Debian/Ubuntu hosts
+    map their name to 127.0.1.1, which no other node can reach."""
+    candidates = []
+    try:
+        import ray
+
+        if ray.is_initialized():
+            candidates.append(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    master = os.environ.get("MASTER_ADDR")
+    for target in ([master] if master else []) + ["8.8.8.8"]:  # a public address: only the route is looked up
+        candidates.append(_route_source(target))
+    try:  # every IPv4 address the host name resolves to (a loopback first one is skipped, not fatal)
+        candidates += [ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    except OSError:
+        pass
+    return next((a for a in candidates if a and not _loopback(a)), "127.0.0.1")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -75,7 +117,7 @@ class WeightBroadcaster:
                  master_port: Optional[int] = None, backend: str = "nccl", device: Optional[torch.device] = None,
                  timeout_s: float = 600.0):
         self.pool, self.group_name, self.backend = pool, group_name, backend
-        self.master_address = master_address or socket.gethostbyname(socket.gethostname())
+        self.master_address = master_address or rendezvous_address()
         self.master_port = int(master_port or free_port())
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                                  else torch.device("cpu"))
@@ -298,7 +340,7 @@ class StageBroadcastSync:
         backend = self.backend or ("nccl" if "nccl" in str(dist.get_backend()).lower() else "gloo")
         mine = None
         if me == leader:
-            addr = self.master_address or socket.gethostbyname(socket.gethostname())
+            addr = self.master_address or rendezvous_address()
             mine = (stage, addr, free_port(addr))
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, (mine, list(self.pool.tp_sizes) if me == ctl else None))
@@ -439,3 +481,26 @@ class StageBroadcastSync:
         if refs:
             self.pool.wait(refs, "destroy_weights_update_group", self.timeout_s)
         self.roles = None
+
+
+class SGLangBroadcastSync(WeightSyncStrategy):
+    """sglang engines on their own GPUs (``rollout.placement: separate``; registered in ``rollout.sync_strategy``):
+    each pipeline stage's leader broadcasts its own stage (``StageBroadcastSync``, connected on first use). The
+    engines keep their memory between rollouts (no sleep / wake). ``settings``: ``rollout.sglang`` (default: ``SGLangSettings()``)."""
+
+    def __init__(self, engine=None, *, settings=None, quantize=None):
+        from megatron_s3ac.rollout.factory import SGLangSettings
+
+        super().__init__(engine, settings=SGLangSettings() if settings is None else settings, quantize=quantize)
+        self._bsync: Optional[StageBroadcastSync] = None
+
+    def sync(self, chunks, info):
+        sg = self.settings
+        if self._bsync is None:
+            self._bsync = StageBroadcastSync(self.engine, timeout_s=sg.timeout_s)
+        return self._bsync.sync(chunks, info, sg.bucket_bytes, quantize=self.quantize)
+
+    def close(self) -> None:
+        if self._bsync is not None:
+            self._bsync.close()
+            self._bsync = None

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac.rollout import ipc
+from megatron_s3ac.rollout.sync_strategy import WeightSyncStrategy
 
 
 class ColocationError(ValueError):
@@ -253,3 +254,36 @@ class ColocatedIPCSync:
 
     def close(self) -> None:
         self.roles, self._buf, self._arena = None, None, None
+
+
+class SGLangColocatedSync(WeightSyncStrategy):
+    """sglang engines on the trainer's GPUs (``rollout.placement: colocated``; registered in
+    ``rollout.sync_strategy``): released while the models train; each sync wakes them in sglang's order,
+    ``wake(["weights"])`` -> ``ColocatedIPCSync.sync`` (every rank hands the engine TP rank on its GPU a handle to
+    each bucket) -> ``wake(["kv_cache", "cuda_graph"])``. ``settings``: ``rollout.sglang`` (default: ``SGLangSettings()``)."""
+
+    sleeps = True
+
+    def __init__(self, engine=None, *, settings=None, quantize=None):
+        from megatron_s3ac.rollout.factory import SGLangSettings
+
+        super().__init__(engine, settings=SGLangSettings() if settings is None else settings, quantize=quantize)
+        self._isync: Optional[ColocatedIPCSync] = None
+
+    def sync(self, chunks, info):
+        sg = self.settings
+        if self._isync is None:
+            self._isync = ColocatedIPCSync(self.engine, timeout_s=sg.timeout_s)
+        woke = self.engine is not None and self.asleep
+        if woke:  # weights re-allocated but stale: the sync below refills every one
+            self.engine.wake(["weights"])
+            self.asleep = False
+        stats = self._isync.sync(chunks, info, sg.bucket_bytes, quantize=self.quantize)
+        if woke:
+            self.engine.wake(["kv_cache", "cuda_graph"])
+        return stats
+
+    def close(self) -> None:
+        if self._isync is not None:
+            self._isync.close()
+            self._isync = None

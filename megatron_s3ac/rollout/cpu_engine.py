@@ -211,6 +211,41 @@ class _WeightMap:
     def names(self) -> list[str]:
         return sorted(set(self.parts) | set(self.params))
 
+    def expected(self, name: str, label: Optional[str] = None) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) the engine holds checkpoint tensor ``name`` in; KeyError naming ``label`` (default: the
+        name) with the closest known names if it holds no such tensor."""
+        name = self.resolve(name)
+        if name in self.params:
+            p = self.params[self.canonical[name]]
+            return tuple(p.shape), p.dtype
+        if name in self.parts:
+            owner, _, shape = self.parts[name]
+            return tuple(shape), self.params[owner].dtype
+        close = difflib.get_close_matches(name, self.names(), n=3)
+        raise KeyError(f"unknown weight name {label or name!r}; closest known names: {close}")
+
+    def check(self, name: str, shape: Sequence[int], dtype: Optional[torch.dtype]) -> None:
+        """Raise as ``update_weights`` would for (name, shape, dtype), before anything is loaded: KeyError for an
+        unknown name, ValueError for a wrong shape or a dtype that cannot hold the weight (not a float; an fp8
+        other than float8_e4m3fn). An fp8 pair: the float8_e4m3fn half has the weight's shape, the ``_scale_inv``
+        half its block-scale shape (``convert.fp8.scale_shape``)."""
+        from megatron_s3ac.convert.fp8 import SCALE_SUFFIX, scale_shape
+
+        shape = tuple(int(s) for s in shape)
+        if dtype is not None and (not dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"dtype mismatch for {name}: got {dtype}; the engine's weights are floating point")
+        if dtype is not None and "float8" in str(dtype) and dtype != torch.float8_e4m3fn:
+            raise ValueError(f"dtype mismatch for {name}: {dtype} is not an fp8 the engine dequantizes "
+                             f"(float8_e4m3fn with block scales only)")
+        if name.endswith(SCALE_SUFFIX):
+            base = name[: -len(SCALE_SUFFIX)]
+            want = scale_shape(self.expected(base, label=f"{name} (the fp8 scale of {base}, not a weight of "
+                                                          f"this engine)")[0])
+        else:
+            want = self.expected(name)[0]
+        if shape != want:
+            raise ValueError(f"shape mismatch for {name}: got {shape}, expected {want}")
+
     def resolve(self, name: str) -> str:
         """``name`` if known, else the same tensor under the other text-model prefix (``LM_PREFIXES``)
         if that one is known, else ``name`` unchanged (``load`` then reports it)."""
@@ -375,14 +410,38 @@ class CPUEngine(RolloutEngine):
         names are accepted under the other ``LM_PREFIXES`` prefix too, not listed here)."""
         return self._get_weight_map().names()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load (hf_name, tensor) pairs; raises KeyError on unknown names, ValueError on bad shapes.
-        Block-FP8 weights come as (name, float8_e4m3fn) + (name + "_scale_inv", float32) pairs, in either
-        order and possibly in different calls; each is loaded dequantized (q * scale_inv, convert/fp8.py)
-        once both halves have arrived, and ``generate`` refuses to run while one is unpaired."""
+    def check_weights(self, names: Sequence[str], shapes: Sequence[Sequence[int]],
+                      dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
+        """Raise naming the first tensor ``update_weights`` would refuse (KeyError: unknown name; ValueError: wrong
+        shape or dtype, see ``_WeightMap.check``); loads nothing. A caller streaming one update in several calls
+        (``RemoteEngine``) checks the whole update here first."""
         weight_map = self._get_weight_map()
-        for name, tensor in self._dequantized(named_tensors):
-            owner, part = weight_map.load(name, torch.as_tensor(tensor))
+        for i, (name, shape) in enumerate(zip(names, shapes)):
+            weight_map.check(name, shape, None if dtypes is None else _as_torch_dtype(dtypes[i]))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (hf_name, tensor) pairs, all or nothing: every name, shape and dtype is checked before the first
+        tensor is written (KeyError on an unknown name, ValueError on a bad shape or dtype, naming the tensor; the
+        engine is then exactly as before). Block-FP8 weights come as (name, float8_e4m3fn) + (name + "_scale_inv",
+        float32) pairs, in either order and possibly in different calls; each is loaded dequantized
+        (q * scale_inv, convert/fp8.py) once both halves have arrived, and ``generate`` refuses to run while one is
+        unpaired. A lazy stream is collected first (references to its tensors, no copies)."""
+        items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        items = [(name, torch.as_tensor(t)) for name, t in items]
+        self.check_weights([n for n, _ in items], [tuple(t.shape) for _, t in items], [t.dtype for _, t in items])
+        weight_map = self._get_weight_map()
+        pairs = getattr(self, "_fp8_pairs", None)
+        held = None if pairs is None else (dict(pairs.weights), dict(pairs.scales))
+        try:  # joining fp8 halves changes the pending pairs: put them back if a pair cannot be dequantized
+            ready = list(self._dequantized(items))
+        except BaseException:
+            if held is not None:
+                pairs.weights, pairs.scales = held
+            elif getattr(self, "_fp8_pairs", None) is not None:
+                self._fp8_pairs = None
+            raise
+        for name, tensor in ready:
+            owner, part = weight_map.load(name, tensor)
             if part is None:
                 self._stale.discard(owner)
                 self._partial.pop(owner, None)
@@ -631,6 +690,16 @@ def _auto_class(multimodal: bool):
     import transformers
 
     return transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
+
+
+def _as_torch_dtype(dtype) -> torch.dtype:
+    """A torch dtype, or its name ("bfloat16", "torch.float32"), as a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    got = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(got, torch.dtype):
+        raise ValueError(f"{dtype!r} is not a torch dtype")
+    return got
 
 
 def _torch_dtype(np_dtype: np.dtype) -> torch.dtype:

@@ -39,7 +39,7 @@ import socket
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets
-from megatron_s3ac.rollout.ray_init import init_ray
+from megatron_s3ac.rollout.ray_init import engine_runtime_env, init_ray
 from megatron_s3ac.rollout.remote import _death_cause, pack_bucket, unpack_bucket
 from megatron_s3ac.rollout.sglang_engine import PromptTooLongError
 
@@ -127,6 +127,11 @@ class EngineWorker:
         if hasattr(self.engine, "begin_weight_update"):
             self.engine.begin_weight_update()
 
+    def check_weights(self, names, shapes, dtypes=None):
+        """The engine's own check of a whole update (names, shapes, dtypes), before anything moves."""
+        if hasattr(self.engine, "check_weights"):
+            self.engine.check_weights(names, shapes, dtypes)
+
     def load_bucket(self, records, flattened: bool):
         bucket, nbytes = unpack_bucket(records)
         if hasattr(self.engine, "load_weights_bucket"):
@@ -195,9 +200,11 @@ class EnginePool(RolloutEngine):
                 if not self._ready(pg.ready(), start_timeout_s):
                     raise EngineTimeout(f"rollout engine {e}: no placement for {self.nnodes} x {bundle} within "
                                         f"{start_timeout_s:g} s (the Ray cluster lacks the resources; `ray status`)")
+            env = engine_runtime_env(factory)  # the driver's engine variables: Ray gives actors the raylet's
             opts = lambda pg, b: dict(num_cpus=cpus_per_engine, num_gpus=gpus_per_bundle, max_restarts=0,
                                       max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                          placement_group=pg, placement_group_bundle_index=b))
+                                          placement_group=pg, placement_group_bundle_index=b),
+                                      **({"runtime_env": env} if env else {}))
             # a task takes max_retries (Ray refuses the actor-only max_restarts / max_task_retries for tasks)
             task_opts = lambda pg, b: {**{k: v for k, v in opts(pg, b).items()
                                           if k not in ("max_restarts", "max_task_retries")}, "max_retries": 0}
@@ -342,12 +349,16 @@ class EnginePool(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None,
                        flattened: bool = False, require_complete: bool = False) -> dict:
         """One session per engine around the whole sync; each bucket is put in the object store once and loaded
-        by every engine (at most max_inflight buckets in flight). Returns {"tensors", "bytes", "buckets"}."""
+        by every engine (at most max_inflight buckets in flight). Returns {"tensors", "bytes", "buckets"}.
+        All or nothing: every engine checks every name, shape and dtype of the update (``check_weights``) before the
+        sessions open and the first bucket moves (a lazy stream is collected first: references, no copies)."""
         import ray
 
         self._check()
-        if hasattr(named_tensors, "items"):
-            named_tensors = named_tensors.items()
+        named_tensors = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        self._all("check_weights", [n for n, _ in named_tensors], [list(t.shape) for _, t in named_tensors],
+                  [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
+                  what="check_weights (every tensor of the update)")
         self.begin_weight_update()
         stats, names, pending = {"tensors": 0, "bytes": 0, "buckets": 0}, [], collections.deque()
         try:

@@ -10,6 +10,9 @@ the same way:
   tokenizer, and a Qwen3-MoE with dense layers (sglang makes every layer sparse, models/qwen3_moe.py:878).
 * ``make_engine_factory`` — a picklable ``factory(slot=None) -> RolloutEngine`` (CPU or SGLang), to call in this
   process or inside Ray actors (``EnginePool``); ``build_rollout_engine`` picks local / RemoteEngine / EnginePool.
+* ``make_sync_strategy`` (or ``factory.sync_strategy(placement, engine)``) — next to the engine, the weight-sync
+  strategy its kind registered for the placement (``rollout.sync_strategy``): the trainer calls its ``sync`` /
+  ``sleep`` / ``close`` and never branches on the engine's name.
 
 sglang 0.5.23 layout facts the validation encodes (``sglang/srt/``): one engine uses tp_size GPUs (x pp_size, not
 used here); attention data parallelism splits the TP group (``tp_size % attn_dp_size == 0``,
@@ -188,8 +191,29 @@ class EngineFactory:
     dtype: Any = None  # cpu / hf: the transformers model's torch dtype (None: fp32)
     device: Optional[str] = None  # cpu / hf: where it runs (None: the engine process decides)
 
+    def sync_strategy(self, placement: Any, engine=None, quantize=None):
+        """This factory's engine kind's weight-sync strategy at ``placement`` (``make_sync_strategy``)."""
+        return make_sync_strategy(self.kind, placement, engine, settings=self.settings, quantize=quantize)
+
+    def env_vars(self) -> dict:
+        """Environment variables its engines need in their own process (``ray_init.engine_runtime_env`` passes them
+        to engine actors; an engine built in this process gets them in ``__call__`` unless already set): sglang
+        refuses a ``context_length`` above the model's own unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is true
+        in the engine's process (configs/model_config.py:1291-1316); ``rollout.sglang.context_length`` asks for
+        it."""
+        s = self.settings
+        if self.kind != "sglang" or s is None or not s.context_length or not self.model_dir:
+            return {}
+        from megatron_s3ac.rollout.sglang_engine import _context_length, read_hf_config
+
+        hf = read_hf_config(self.model_dir) or {}
+        derived = _context_length(hf.get("text_config") or hf)
+        return {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"} if derived and s.context_length > derived else {}
+
     def __call__(self, slot=None):
         index = getattr(slot, "index", 0)
+        for k, v in self.env_vars().items():  # sglang reads them in this process (and its schedulers inherit them)
+            os.environ.setdefault(k, v)
         if self.torch_threads:
             import torch
 
@@ -248,6 +272,19 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
         engine_cls = SGLANG_ENGINE_CLS
     return EngineFactory(kind, model_dir, hf_config, settings, seed, return_routed_experts, engine_cls, torch_threads,
                          dtype, device)
+
+
+def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any = None, quantize=None):
+    """The weight-sync strategy the engine kind registered for ``placement`` (``rollout.sync_strategy``), built
+    around ``engine`` (rank 0's engine; None on the other ranks, which build the same strategy from the config).
+    ``settings``: the kind's own config section (``rollout.sglang`` ...; None for cpu / hf); ``quantize``: the
+    stage leaders' stream transform (fp8) or None. An unregistered pair raises ConfigError naming both keys."""
+    from megatron_s3ac.rollout.sync_strategy import UnknownWeightSync, make_weight_sync
+
+    try:
+        return make_weight_sync(kind, placement, engine, settings=settings, quantize=quantize)
+    except UnknownWeightSync as err:
+        raise ConfigError(str(err)) from None
 
 
 def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *, num_cpus: float = 1,

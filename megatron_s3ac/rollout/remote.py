@@ -6,7 +6,8 @@ and forwards the RolloutEngine interface to it, so the trainer can use it wherev
 engine (``weight_sync.sync_weights`` included):
 
 * ``generate`` returns exactly what the hosted engine returns (same seed -> same samples).
-* ``update_weights(named_tensors)`` streams the (name, tensor) pairs in buckets of at most
+* ``update_weights(named_tensors)`` first has the engine check the whole update (``check_weights``: names,
+  shapes, dtypes; a refusal raises before any byte moves), then streams the (name, tensor) pairs in buckets of at most
   ``bucket_bytes`` (``base.iter_buckets``, the same rule as SGLangEngine's). Each bucket is sent as
   raw bytes (a uint8 view of each tensor, any dtype incl. bfloat16): one copy into Ray's shared-memory
   object store, read zero-copy by the actor, which hands the bucket to the engine's own
@@ -131,6 +132,12 @@ class EngineHost:
 
     def generate(self, prompt_ids, params, n_samples, return_routed_experts):
         return self.engine.generate(prompt_ids, params, n_samples, return_routed_experts)
+
+    def check_weights(self, names, shapes, dtypes):
+        """The engine's own check of a whole update, before its first bucket is sent (engines without one: none)."""
+        check = getattr(self.engine, "check_weights", None)
+        if callable(check):
+            check(names, shapes, dtypes)
 
     def load_bucket(self, records) -> int:
         bucket, nbytes = unpack_bucket(records)
@@ -276,10 +283,13 @@ class RemoteEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None) -> None:
         """Stream (hf_name, tensor) pairs to the engine in buckets of <= bucket_bytes (default: the
-        constructor's); blocks until all are loaded. Stats of the call: ``self.last_update``."""
+        constructor's); blocks until all are loaded. Stats of the call: ``self.last_update``.
+        All or nothing: the hosted engine checks every name, shape and dtype (its ``check_weights``) before the first
+        bucket is sent (a lazy stream is collected first: references to its tensors, no copies)."""
         self._check()
-        if hasattr(named_tensors, "items"):  # a state dict
-            named_tensors = named_tensors.items()
+        named_tensors = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        self._call("check_weights", [str(n) for n, _ in named_tensors], [tuple(t.shape) for _, t in named_tensors],
+                   [str(t.dtype).removeprefix("torch.") for _, t in named_tensors], what="check_weights()")
         cap = int(bucket_bytes or self.bucket_bytes)
         stats = UpdateStats()
         t0 = time.perf_counter()

@@ -365,6 +365,11 @@ class SGLangEngine(RolloutEngine):
         if served_shapes is None and os.path.isdir(config.model_path):
             served_shapes = served_weight_shapes(config.model_path)
         self.served_shapes = {k: tuple(v) for k, v in served_shapes.items()} if served_shapes else None
+        # served tensors the trained model has none of (e.g. Qwen3.5's vision tower and MTP head): never sent, so
+        # not counted by the completeness check (the architecture's conversion plan says which)
+        from megatron_s3ac.convert.served import not_exported
+
+        self.not_exported = not_exported(hf) if hf is not None else frozenset()
         if self.served_shapes is None:
             logger.warning("%s: no safetensors or config at %s; weight names/shapes cannot be checked before sending",
                            name, config.model_path)
@@ -476,8 +481,9 @@ class SGLangEngine(RolloutEngine):
             raise WeightUpdateError(f"{self.name}: tensor {name!r} has shape {tuple(shape)}, the served checkpoint "
                                     f"has {want}")
 
-    def check_weights(self, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> None:
-        """check_weight for each (name, shape); the broadcast sender calls it before broadcasting a bucket."""
+    def check_weights(self, names: Sequence[str], shapes: Sequence[Sequence[int]], dtypes=None) -> None:
+        """check_weight for each (name, shape); the broadcast sender calls it before broadcasting a bucket, the pool
+        before a whole update. ``dtypes``: the common engine interface's (CPUEngine checks them); not checked here."""
         for n, s in zip(names, shapes):
             self.check_weight(n, s)
 
@@ -526,15 +532,15 @@ class SGLangEngine(RolloutEngine):
             tensor + SimpleNamespace metadata (flatten_bucket), serialized once per TP rank (rollout/ipc.py): one
             CUDA IPC handle (CPU: shared-memory segment) per bucket and rank instead of one per tensor.
         require_complete: raise if some served tensor was not sent (a full sync must cover the checkpoint).
+
+        All or nothing: every name and shape is checked before the session opens and the first bucket moves (a lazy
+        stream is collected first: references to its tensors, no copies), so a refused update leaves the engine's
+        weights as they were.
         """
         cap = int(bucket_bytes or self.bucket_bytes)
         seen: set = set()
-        if hasattr(named_tensors, "items"):
-            named_tensors = list(named_tensors.items())
-        if isinstance(named_tensors, (list, tuple)):
-            # the caller holds every tensor: check all names/shapes before the first bucket loads anything
-            # (a lazy stream is checked bucket by bucket; a refusal midway marks the weights partial)
-            self.check_weights([n for n, _ in named_tensors], [tuple(t.shape) for _, t in named_tensors])
+        named_tensors = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        self.check_weights([n for n, _ in named_tensors], [tuple(t.shape) for _, t in named_tensors])
         self.last_sync = {"tensors": 0, "bytes": 0, "buckets": 0}
         self.begin_weight_update()
         try:
@@ -639,8 +645,10 @@ class SGLangEngine(RolloutEngine):
         check that every served tensor was sent when require_complete."""
         self.end_weight_update()
         self._partial_sync = False  # every bucket of the sync loaded and the session closed
-        missing = sorted(set(self.served_shapes or ()) - set(names_sent))
+        sent = set(names_sent)
+        missing = sorted(n for n in self.served_shapes or () if n not in sent and n not in self.not_exported)
         self.last_sync["missing"] = missing
+        self.last_sync["not_exported"] = sum(n in self.not_exported for n in self.served_shapes or ())
         self.flush_cache()
         if require_complete and missing:
             raise WeightUpdateError(f"{self.name}: the sync left {len(missing)} served tensors unsent "

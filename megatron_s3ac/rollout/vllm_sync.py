@@ -10,26 +10,42 @@ Every trainer rank builds a ``VLLMSessionSync`` (rank 0 passes the engine, the o
 3. rank 0 finishes the session: the engine commits the staged tensors, reloads, flushes its prefix cache. A
    failure before the finish aborts the session: the engine keeps the weights it had (all or nothing).
 
-The same shape as ``rollout.sync_strategy``'s strategies (``sync`` / ``sleep`` / ``close`` / ``close_engine``), so
-it registers there as the (vllm, colocated) and (vllm, separate) path on CPU. The GPU paths (NCCL per stage, IPC
-colocated) are ``rollout.vllm_gpu``.
+Registered in ``rollout.sync_strategy`` as (vllm, colocated) -> ``VLLMSessionSync`` and (vllm, separate) ->
+``VLLMStageSync`` (each pipeline stage's leader sends its own stage).
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from megatron_s3ac.rollout.sync_strategy import WeightSyncStrategy
 
-class VLLMSessionSync:
-    sleeps = False  # vLLM's CPU worker ignores sleep (v1/worker/cpu_worker.py:179-184)
-    shuts_down_engine = True
+
+class VLLMSessionSync(WeightSyncStrategy):
+    """(vllm, colocated): one session around the rank-0 sync. On GPU the engine sleeps between rollouts (level 1)
+    and wakes weights -> sync -> kv_cache; on CPU vLLM ignores sleep, so nothing sleeps."""
 
     def __init__(self, engine=None, *, settings=None, quantize=None):
         if quantize is not None:
-            raise ValueError("rollout.weights_dtype: fp8 is not wired for rollout.engine=vllm on CPU (the served "
+            raise ValueError("rollout.weights_dtype: fp8 is not wired for rollout.engine=vllm (the served "
                              "checkpoint has no *_scale_inv tensors); use bf16")
-        self.engine, self.settings, self.quantize = engine, settings, quantize
+        super().__init__(engine, settings=settings, quantize=quantize)
         self._planned = None
         self.version = 0
+
+    @property
+    def sleeps(self) -> bool:  # rank 0 only decides (the engine is None elsewhere)
+        return self.engine is not None and getattr(self.engine, "device", "cpu") != "cpu"
+
+    def _wake_weights(self) -> bool:
+        if self.engine is not None and self.asleep:
+            self.engine.wake(["weights"])
+            return True
+        return False
+
+    def _wake_cache(self, woke: bool) -> None:
+        if woke:
+            self.engine.wake(["kv_cache"])
+            self.asleep = False
 
     def _open(self, info) -> None:
         """Every rank: rank 0 checks the whole export and opens the session; its verdict reaches every rank."""
@@ -66,6 +82,7 @@ class VLLMSessionSync:
     def sync(self, chunks, info):
         from megatron_s3ac.rollout.weight_sync import sync_weights
 
+        woke = self._wake_weights()
         self._open(info)
         bucket = self.settings.bucket_bytes if self.settings is not None else 256 << 20
         try:
@@ -77,25 +94,15 @@ class VLLMSessionSync:
         if self.engine is not None:
             self.version += 1
             self.engine.finish_weight_update(weight_version=str(self.version))
+        self._wake_cache(woke)
         return stats
 
-    def sleep(self) -> None:
-        if self.sleeps and self.engine is not None:
-            self.engine.sleep()
-
     def close(self) -> None:
-        """Nothing to leave: the gloo group goes with the engine."""
-
-    def close_engine(self) -> bool:
-        if self.engine is None:
-            return False
-        self.engine.shutdown()
-        self.engine = None
-        return True
+        """Nothing to leave: the gloo groups go with the engine."""
 
 
 class VLLMStageSync(VLLMSessionSync):
-    """Separate placement: each pipeline stage's export leader sends its own stage's buckets straight to the
+    """(vllm, separate): each pipeline stage's export leader sends its own stage's buckets straight to the
     engine's workers, over a group of its own (``pp<stage>``: the leader is its rank 0, the workers 1..tp), as
     ``StageBroadcastSync`` does for sglang; nothing of another stage goes through rank 0. Rank 0 (the controller,
     which leads stage 0) only drives the engine: per bucket it receives the bucket's (names, dtypes, shapes) from
@@ -156,6 +163,7 @@ class VLLMStageSync(VLLMSessionSync):
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
         if getattr(self, "roles", None) is None:
             self._connect(group)
+        woke = self._wake_weights()
         self._open(info)
         ctl, leaders, stage, leader = (self.roles[k] for k in ("controller", "leaders", "stage", "leader"))
         me, dev = dist.get_rank(), _comm_device()
@@ -219,8 +227,7 @@ class VLLMStageSync(VLLMSessionSync):
         if self.engine is not None:
             self.version += 1
             self.engine.finish_weight_update(weight_version=str(self.version))
+        self._wake_cache(woke)
         stats.seconds = time.perf_counter() - t0
         return stats
 
-
-STRATEGIES = {"colocated": VLLMSessionSync, "separate": VLLMStageSync}  # until rollout.sync_strategy registers them

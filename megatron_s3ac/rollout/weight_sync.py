@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac.convert.export import export_hf_weights
+from megatron_s3ac.rollout.sync_strategy import WeightSyncStrategy
 
 _END = -1
 
@@ -387,3 +388,24 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
         engine.flush_cache()
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+class RankZeroSync(WeightSyncStrategy):
+    """cpu / hf engines (registered in ``rollout.sync_strategy``): rank 0's engine receives every pipeline stage's
+    tensors through ``sync_weights`` (in process, or a ``RemoteEngine`` at ``rollout.placement: separate``). A
+    sleeping engine is woken whole first: its weights come back re-allocated but stale, the sync refills every one."""
+
+    def sync(self, chunks, info):
+        if self.engine is not None and self.asleep:
+            self.engine.wake()
+            self.asleep = False
+        q = self.quantize  # every rank: stage leaders quantize before the transfer
+        return sync_weights(chunks, info, self.engine, **({} if q is None else {"quantize": q}))
+
+
+class ColocatedRankZeroSync(RankZeroSync):
+    """The rank-0 path with the engine in rank 0's process: released while the models train (``sleep``), and left
+    to the process at the end of a run (no processes of its own to shut down)."""
+
+    sleeps = True
+    shuts_down_engine = False

@@ -300,8 +300,10 @@ def build_engine(cfg: Config, info):
         return make_engine_factory("vllm", model_dir=engine_model_dir(cfg), settings=r.vllm, seed=cfg.train.seed)(), \
             False
     if kind == "sglang":
+        # sglang records routes only for R3 (a dense model has none to record: the engine refuses the flag)
+        _, routes = r3_setting(cfg, info)
         factory = make_engine_factory("sglang", model_dir=engine_model_dir(cfg), settings=r.sglang,
-                                      seed=cfg.train.seed, torch_threads=threads)
+                                      seed=cfg.train.seed, torch_threads=threads, return_routed_experts=routes)
     elif cfg.model.engine_hf_dir:
         factory = make_engine_factory(kind, model_dir=cfg.model.engine_hf_dir, torch_threads=threads, **dev)
     else:

@@ -1,30 +1,9 @@
-"""The trainer's engine side: the one weight path actor -> engine (SGLang sessions, FP8 quantizer,
-colocated wake order), colocated sleep, idle-model host offload, and reward scoring (rank 0).
+"""The trainer's engine side: the one weight path actor -> engine (the engine kind's registered sync strategy,
+FP8 quantizer), colocated sleep, idle-model host offload, and reward scoring (rank 0).
 A mixin of ``trainer.loop.Trainer``: it uses the Trainer's engine, models, config and reward pool."""
 from __future__ import annotations
 
 from functools import partial
-
-
-def broadcast_sync(cfg) -> bool:
-    """SGLang engines on their own GPUs take the broadcast path (decided from the config: the same on every rank,
-    though only rank 0 holds the pool)."""
-    r = cfg.rollout
-    return str(getattr(r.engine, "value", r.engine)) == "sglang" and \
-        str(getattr(r.placement, "value", r.placement)) == "separate"
-
-
-def colocated_sglang(cfg) -> bool:
-    """SGLang engines on the trainer's GPUs take the per-GPU handle path (``rollout.colocated``)."""
-    r = cfg.rollout
-    return str(getattr(r.engine, "value", r.engine)) == "sglang" and \
-        str(getattr(r.placement, "value", r.placement)) == "colocated"
-
-
-def vllm_session_sync(cfg) -> bool:
-    """vLLM engines take one weight-update session around the rank-0 sync (``rollout.vllm_sync``). Interim wiring
-    until the engine's registered strategy (rollout.sync_strategy) replaces these predicates."""
-    return str(getattr(cfg.rollout.engine, "value", cfg.rollout.engine)) == "vllm"
 
 
 def fp8_quantizer(cfg):
@@ -37,77 +16,51 @@ def fp8_quantizer(cfg):
     return partial(quantize_stream, keep=DEFAULT_KEEP if keep is None else tuple(keep))
 
 
+def sync_strategy_for(cfg, engine=None):
+    """The weight-sync strategy ``rollout.engine`` registered for ``rollout.placement`` (``rollout.sync_strategy``),
+    around ``engine`` (rank 0) or None (every other rank: the same strategy, derived from the config alone). The
+    kind's own config section ``rollout.<kind>`` (e.g. ``rollout.sglang``; None if it has none) is its settings."""
+    from megatron_s3ac.rollout.factory import make_sync_strategy
+
+    r = cfg.rollout
+    section = getattr(r, str(getattr(r.engine, "value", r.engine)), None)
+    return make_sync_strategy(r.engine, r.placement, engine, settings=section, quantize=fp8_quantizer(cfg))
+
+
+def _strategy(tr):
+    """The trainer's weight-sync strategy (built by ``Trainer.__init__``; built here for a stand-in trainer)."""
+    s = getattr(tr, "sync_strategy", None)
+    if s is None:
+        s = tr.sync_strategy = sync_strategy_for(tr.cfg, tr.engine)
+    return s
+
+
 class EngineSide:
+
     def sync_weights(self):
-        """The one weight path, actor -> engine. Collective: every rank joins the export.
-        SGLang engines on their own GPUs (``rollout.placement: separate``): each pipeline stage's leader broadcasts
-        its own stage to the engines (``rollout.broadcast.StageBroadcastSync``). SGLang engines on the trainer's GPUs
-        (``colocated``): every rank hands the engine TP rank on its GPU a handle to each bucket
-        (``rollout.colocated.ColocatedIPCSync``). In both, rank 0 only drives the engines and each sync is one
-        weight-update session per engine, checked complete. CPU / hf engine: rank 0's engine receives every pipeline
-        stage's tensors (``rollout.weight_sync``). A colocated engine wakes in sglang's order: weights -> sync ->
-        kv_cache + cuda_graph."""
-        from megatron_s3ac.rollout.weight_sync import sync_weights
-
+        """The one weight path, actor -> engine. Collective: every rank joins the export. The engine kind's
+        registered strategy for ``rollout.placement`` does it (``rollout.sync_strategy``), waking a sleeping engine
+        in its own order first: cpu / hf -> rank 0's engine receives every pipeline stage's tensors
+        (``rollout.weight_sync``); sglang separate -> each stage's leader broadcasts its stage
+        (``rollout.broadcast.StageBroadcastSync``); sglang colocated -> every rank hands the engine TP rank on its
+        GPU a handle to each bucket (``rollout.colocated.ColocatedIPCSync``), woken weights -> sync ->
+        kv_cache + cuda_graph. Returns this rank's stats."""
         chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
-        if broadcast_sync(self.cfg):
-            return self._stage_broadcast(chunks)
-        if colocated_sglang(self.cfg):
-            return self._colocated_sync(chunks)
-        if vllm_session_sync(self.cfg):
-            return self._vllm_sync(chunks)
-        if self.engine is not None and self._engine_asleep:
-            self.engine.wake()  # weights re-allocated but stale: the sync below refills every one
-            self._engine_asleep = False
-        q = fp8_quantizer(self.cfg)  # every rank: stage leaders quantize before the transfer
-        return sync_weights(chunks, self.info, self.engine, **({} if q is None else {"quantize": q}))
-
-    def _stage_broadcast(self, chunks):
-        """Every rank: the per-stage broadcast sync (connects the stage leaders and the engines on first use)."""
-        from megatron_s3ac.rollout.broadcast import StageBroadcastSync
-
-        sg = self.cfg.rollout.sglang
-        if getattr(self, "_bsync", None) is None:
-            self._bsync = StageBroadcastSync(self.engine, timeout_s=sg.timeout_s)
-        return self._bsync.sync(chunks, self.info, sg.bucket_bytes, quantize=fp8_quantizer(self.cfg))
-
-    def _colocated_sync(self, chunks):
-        """Every rank: the colocated SGLang sync, between wake(["weights"]) and wake(["kv_cache", "cuda_graph"])."""
-        from megatron_s3ac.rollout.colocated import ColocatedIPCSync
-
-        sg = self.cfg.rollout.sglang
-        if getattr(self, "_isync", None) is None:
-            self._isync = ColocatedIPCSync(self.engine, timeout_s=sg.timeout_s)
-        woke = self.engine is not None and self._engine_asleep
-        if woke:  # weights re-allocated but stale: the sync below refills every one
-            self.engine.wake(["weights"])
-            self._engine_asleep = False
-        stats = self._isync.sync(chunks, self.info, sg.bucket_bytes, quantize=fp8_quantizer(self.cfg))
-        if woke:
-            self.engine.wake(["kv_cache", "cuda_graph"])
-        return stats
-
-    def _vllm_sync(self, chunks):
-        """Every rank: one vLLM weight-update session, checked whole before it opens; colocated: around the rank-0
-        sync (``VLLMSessionSync``), separate: each stage's leader sends its own stage (``VLLMStageSync``)."""
-        from megatron_s3ac.rollout.vllm_sync import STRATEGIES
-
-        if getattr(self, "_vsync", None) is None:
-            cls = STRATEGIES[str(getattr(self.cfg.rollout.placement, "value", self.cfg.rollout.placement))]
-            self._vsync = cls(self.engine, settings=self.cfg.rollout.vllm, quantize=fp8_quantizer(self.cfg))
-        if self.engine is not None and self._engine_asleep:
-            self.engine.wake()
-            self._engine_asleep = False
-        return self._vsync.sync(chunks, self.info)
+        return _strategy(self).sync(chunks, self.info)
 
     def close_weight_sync(self) -> None:
-        """Leave the broadcast groups (stage leaders and engines); before the engines shut down."""
-        if getattr(self, "_bsync", None) is not None:
-            self._bsync.close()
-            self._bsync = None
-        if getattr(self, "_isync", None) is not None:
-            self._isync.close()
-            self._isync = None
+        """Leave the weight-update groups (stage leaders and engines); before the engines shut down."""
+        s = getattr(self, "sync_strategy", None)
+        if s is not None:
+            s.close()
+
+    def _close_engine(self) -> bool:
+        """Rank 0 at the end of a run: shut the engine's processes down if its strategy says it has any (an
+        in-process CPU engine has none); True if it did."""
+        if getattr(self, "engine", None) is None or not _strategy(self).close_engine():
+            return False
+        self.engine = None
+        return True
 
     # ---- idle-model offload (train.offload_idle) -------------------------------------------------
     def _place(self, m: dict, on=(), off=()) -> None:
@@ -134,10 +87,8 @@ class EngineSide:
                 m["time/offload"] = m.get("time/offload", 0.0) + h.onload().seconds
 
     def _engine_sleep(self) -> None:
-        """Colocated placement: release the engine's weights while the models train (rank 0)."""
-        if self.engine is not None and self.cfg.rollout.placement == "colocated":
-            self.engine.sleep()
-            self._engine_asleep = True
+        """Release the engine's memory while the models train (rank 0; the strategies of colocated placements)."""
+        _strategy(self).sleep()
 
     def _reward_pool(self):
         """One verifier pool per run (rank 0), shared by rollouts and evaluation."""

@@ -10,7 +10,7 @@
   advantages       the algorithm's registered estimator (critic values for S3AC), IS corrections
   update_actor     the registered policy loss over ``actor_minibatches`` x ``actor_epochs``
   update_critic    clipped value loss, ``critic_epochs`` epochs (S3AC only)
-  sync_weights     actor -> engine (the one weight path)
+  sync_weights     actor -> engine (the one weight path: the engine kind's registered sync strategy)
 
 The rollout phases (select_prompts .. rollout_refilled) live in trainer.rollout_phases, the engine side
 (sync_weights, sleep, idle-model offload, scoring) in trainer.engine_side, both mixins of Trainer.
@@ -35,7 +35,7 @@ from megatron_s3ac.algorithms.registry import get_algo
 from megatron_s3ac.trainer import build as B
 from megatron_s3ac.trainer.batch import RolloutBatch, collate
 from megatron_s3ac.trainer.config import Config, model_info_for, validate
-from megatron_s3ac.trainer.engine_side import EngineSide
+from megatron_s3ac.trainer.engine_side import EngineSide, sync_strategy_for
 from megatron_s3ac.trainer.losses import actor_loss, critic_loss, forward_outputs
 from megatron_s3ac.trainer import shard_metrics as S
 from megatron_s3ac.trainer.metrics import masked_sums, ratio, token_means, world_mean
@@ -75,7 +75,7 @@ class Trainer(EngineSide, RolloutPhases):
         self.vocab, self.prompts, self.eval_prompts = data.vocab, data.prompts, data.eval_prompts
         self.data_stats, self.stream, self.daps = data.stats, data.stream, data.daps
         self.engine, self._owns_ray = B.build_engine(cfg, self.info) if self.rank == 0 else (None, False)
-        self._engine_asleep = False
+        self.sync_strategy = sync_strategy_for(cfg, self.engine)  # every rank: the same path, from the config
         self.reward_pool = None
         self._build_eval()
         self.step_idx, self.skipped_steps, self._last_v0 = 0, 0, None
@@ -319,10 +319,7 @@ class Trainer(EngineSide, RolloutPhases):
         if getattr(self, "reward_pool", None) is not None:
             self.reward_pool.close()
             self.reward_pool = None
-        if getattr(self, "engine", None) is not None and (self.cfg.rollout.placement == "separate"
-                                                          or hasattr(self.engine, "begin_weight_update")):
-            getattr(self.engine, "close", self.engine.shutdown)()  # the engine's own processes
-            self.engine = None
+        if self._close_engine():  # the engine's own processes, where its strategy says it has any
             if getattr(self, "_owns_ray", False):
                 import ray
 

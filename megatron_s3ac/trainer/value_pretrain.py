@@ -43,7 +43,10 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
     from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
 
     vc = tr.cfg.value_pretrain
+    # on the trainer's device like build.build_critic's: megatron allocates its own layers there, but this project's
+    # modules (norms, the value head) start on the host, and DDP moves only trainable params (the frozen ones stay)
     critic = build_critic(tr.info, tr.critic_config, ValueHeadConfig(kind=tr.cfg.model.critic_head))
+    critic = critic.to(trainer_device())
     critic.load_state_dict(tr.critic.state_dict())
     frozen = freeze_attention_and_router(critic) if vc.freeze_attention_and_router else []
     ddp = wrap_ddp(critic, tr.critic_config)

@@ -154,6 +154,68 @@ def test_update_weights_rejects_bad_names_and_shapes(moe_engine):
         moe_engine.update_weights([("model.embed_tokens.weight", torch.zeros(3, 32))])
 
 
+def _bad_updates():
+    """(update list, error type, the tensor the error must name): a valid first tensor (the norm zeroed, a change
+    that moves every log-prob) before the bad one, as in issue 26."""
+    from megatron_s3ac.convert.fp8 import quantize_blockwise
+
+    good = ("model.norm.weight", torch.zeros(32))
+    w = torch.randn(32, 16)  # layer 0 is sparse: expert 0's down_proj [hidden 32, moe_intermediate 16]
+    q, scale = quantize_blockwise(w)
+    down = "model.layers.0.mlp.experts.0.down_proj.weight"
+    return [
+        ([good, ("model.layers.0.mlp.no_such_proj.weight", torch.zeros(16, 32))], KeyError,
+         "model.layers.0.mlp.no_such_proj.weight"),
+        ([good, ("model.layers.0.self_attn.q_proj.weight", torch.zeros(32, 31))], ValueError,
+         "model.layers.0.self_attn.q_proj.weight"),
+        ([good, ("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 32, dtype=torch.int64))], ValueError,
+         "model.layers.0.self_attn.k_proj.weight"),
+        ([good, (down, q), (down + "_scale_inv", torch.ones(scale.shape[0] + 1, scale.shape[1]))], ValueError,
+         down + "_scale_inv"),
+        ([good, ("model.layers.2.mlp.experts.7.up_proj.weight", torch.zeros(16, 32)),
+          ("model.layers.2.mlp.experts.8.up_proj.weight", torch.zeros(16, 32))], KeyError,
+         "model.layers.2.mlp.experts.8.up_proj.weight"),  # 8 experts: index 8 does not exist
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_refused_update_loads_nothing(tokenizer, case):
+    """All or nothing: an update with an unknown name, a wrong shape, a non-float dtype or a bad fp8 scale raises
+    naming that tensor, and the engine then generates exactly what an untouched engine generates (tokens and
+    log-probs, sampled and greedy) and holds the same weights; a valid update after it still loads."""
+    named, err, culprit = _bad_updates()[case]
+    engine = CPUEngine.from_config(tiny_moe_config(), tokenizer=tokenizer, seed=0)
+    untouched = CPUEngine.from_config(tiny_moe_config(), tokenizer=tokenizer, seed=0)
+    with pytest.raises(err, match=culprit.replace(".", r"\.")):
+        engine.update_weights(named)
+    for params in (SamplingParams(temperature=1.0, max_new_tokens=8, seed=5, ignore_eos=True),
+                   SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)):
+        got, ref = engine.generate(PROMPTS, params, n_samples=2), untouched.generate(PROMPTS, params, n_samples=2)
+        assert [s.response_ids for g in got for s in g] == [s.response_ids for g in ref for s in g]
+        for g, r in zip(got, ref):
+            for x, y in zip(g, r):
+                np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    for (n, a), b in zip(engine.model.state_dict().items(), untouched.model.state_dict().values()):
+        assert torch.equal(a, b), n
+    engine.update_weights([named[0]])  # the engine still takes a good update (no half-joined fp8 pair left)
+    assert torch.equal(engine.model.model.norm.weight, torch.zeros(32))
+    changed = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    assert [s.logprobs.tolist() for g in changed for s in g] != \
+        [s.logprobs.tolist() for g in untouched.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8,
+                                                                                 ignore_eos=True)) for s in g]
+
+
+def test_check_weights_names_the_tensor(moe_engine):
+    """check_weights (what RemoteEngine asks before streaming an update) refuses like update_weights, loading nothing;
+    dtypes may come as names (the remote records' spelling)."""
+    moe_engine.check_weights(["model.norm.weight", "lm_head.weight"], [(32,), (moe_engine.config.vocab_size, 32)],
+                             ["float32", torch.bfloat16])
+    with pytest.raises(KeyError, match="model.norm.weights"):
+        moe_engine.check_weights(["model.norm.weights"], [(32,)])
+    with pytest.raises(ValueError, match="dtype mismatch for model.norm.weight"):
+        moe_engine.check_weights(["model.norm.weight"], [(32,)], ["bool"])
+
+
 def test_tied_embeddings_dense_model():
     cfg = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)

@@ -165,6 +165,29 @@ def test_colocated_sleep_wake_order(pool, weights):
     assert all(np.isfinite(g[0].logprobs).all() for g in out)
 
 
+@pytest.mark.parametrize("bad", ["unknown name", "wrong shape"])
+def test_refused_update_loads_nothing_on_any_engine(pool, weights, bad):
+    """All or nothing through the fan-out (issue 26): every engine checks the whole update before the sessions open,
+    so a lazy stream whose last tensor is bad is refused naming it, no engine opened a session or loaded a bucket,
+    each serves exactly its weights from before and the pool generates the same tokens and log-probs."""
+    p, _ = pool
+    before = [served(p, e) for e in range(2)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    gen_before = p.generate(PROMPTS, greedy)
+    calls_before = [len(c) for c in p.call_all("engine.calls.copy")]
+    items = list(weights[1].items())
+    culprit = (("model.extra.weight", items[0][1]) if bad == "unknown name" else (items[-1][0], items[-1][1][:1]))
+    with pytest.raises(WeightUpdateError, match=culprit[0].replace(".", r"\.")):
+        p.update_weights(iter(items[:-1] + [culprit]), bucket_bytes=16 * 1024)
+    for e, calls in enumerate(p.call_all("engine.calls.copy")):
+        assert "begin_weight_update" not in calls[calls_before[e]:]
+        got = served(p, e)
+        assert all(torch.equal(got[n], t) for n, t in before[e].items())
+    gen_after = p.generate(PROMPTS, greedy)
+    assert [s.response_ids for g in gen_after for s in g] == [s.response_ids for g in gen_before for s in g]
+    assert all(np.array_equal(a.logprobs, b.logprobs) for g, h in zip(gen_after, gen_before) for a, b in zip(g, h))
+
+
 def test_dead_and_late_engines_are_named(pool):
     p, _ = pool
     ray.kill(p.actors[1], no_restart=True)

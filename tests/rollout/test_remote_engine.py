@@ -211,6 +211,26 @@ def test_engine_errors_keep_their_type_and_the_actor(engines):
     assert_same(remote.generate(PROMPTS, GREEDY), local.generate(PROMPTS, GREEDY))
 
 
+@pytest.mark.parametrize("bad", ["unknown name", "wrong shape", "integer dtype"])
+def test_refused_multi_bucket_update_loads_nothing(engines, bad):
+    """All or nothing across buckets (issue 26): an update streamed in several buckets whose last tensor is bad is
+    refused, naming that tensor, before the first bucket is sent; the remote engine then generates exactly what the
+    local mirror (which never saw the update) generates."""
+    remote, local = engines
+    items = list(hf_state(seed=3).items())
+    norm = next(t for n, t in items if n == "model.norm.weight")
+    culprit = {"unknown name": ("model.layers.0.mlp.no_such_proj.weight", torch.zeros(16, 32)),
+               "wrong shape": ("model.norm.weight", torch.zeros(norm.numel() + 1)),
+               "integer dtype": ("model.norm.weight", torch.zeros(norm.shape, dtype=torch.int32))}[bad]
+    err = KeyError if bad == "unknown name" else ValueError
+    with pytest.raises(err, match=culprit[0].replace(".", r"\.")):
+        remote.update_weights(iter(items + [culprit]), bucket_bytes=4096)
+    assert remote.alive
+    assert_same(remote.generate(PROMPTS, GREEDY), local.generate(PROMPTS, GREEDY))
+    assert_same(remote.generate(PROMPTS, SAMPLED, n_samples=2, return_routed_experts=True),
+                local.generate(PROMPTS, SAMPLED, n_samples=2, return_routed_experts=True))
+
+
 def test_sleep_wake_forwarded(engines):
     remote, local = engines
     state = {k: v.detach().clone() for k, v in local.model.state_dict().items()}

@@ -204,17 +204,50 @@ def test_a_list_is_checked_whole_before_the_first_bucket(ckpt, other_weights):
     assert "begin_weight_update" not in fake.calls and "update_weights_from_tensor" not in fake.calls
 
 
+def _greedy(engine):
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    return [s.response_ids for g in out for s in g], [s.logprobs.tolist() for g in out for s in g]
+
+
+@pytest.mark.parametrize("bad", ["unknown name", "wrong shape"])
+def test_a_lazy_stream_is_checked_whole_before_the_first_bucket(ckpt, other_weights, bad):
+    """All or nothing (issue 26): a lazy stream whose last tensor is bad is refused naming that tensor before the
+    session opens and before the first bucket moves (the stand-in, like sglang, would have loaded the buckets before
+    it); the engine then serves exactly an untouched engine's weights and generates the same tokens and log-probs."""
+    engine, fake = make(ckpt)
+    untouched, ref_fake = make(ckpt)
+    items = list(other_weights.items())
+    name = items[0][0]
+    culprit = ("model.extra.weight", items[0][1]) if bad == "unknown name" else (name, items[0][1][:1])
+    fake.calls.clear()
+    with pytest.raises(WeightUpdateError, match=culprit[0].replace(".", r"\.")):
+        engine.update_weights(iter(items[1:] + [culprit]), bucket_bytes=16 * 1024)
+    assert "begin_weight_update" not in fake.calls and "update_weights_from_tensor" not in fake.calls
+    served, ref = fake.debug_checkpoint_state_dict(), ref_fake.debug_checkpoint_state_dict()
+    assert served.keys() == ref.keys() and all(torch.equal(served[n], ref[n]) for n in ref)
+    assert _greedy(engine) == _greedy(untouched)
+
+
 def test_a_sync_failed_midway_blocks_generation_until_a_full_sync(ckpt, other_weights):
-    """A lazy stream is checked bucket by bucket: a refusal after some buckets loaded leaves a mix of old and new
-    weights (sglang's advice: discard them), so generate refuses until a sync completes."""
+    """An engine that fails a bucket after earlier ones loaded (here the stand-in answers (False, msg) for the
+    second bucket) leaves a mix of old and new weights (sglang's advice: discard them), so generate refuses until a
+    sync completes."""
     engine, fake = make(ckpt)
     items = list(other_weights.items())
     params = SamplingParams(max_new_tokens=2)
-    with pytest.raises(WeightUpdateError, match="model.extra.weight"):
-        engine.update_weights(iter(items + [("model.extra.weight", items[0][1])]), bucket_bytes=16 * 1024)
-    assert fake.calls.count("update_weights_from_tensor") > 1 and fake.session is None
+    real, calls = fake.update_weights_from_tensor, []
+
+    def second_fails(**kw):
+        calls.append(1)
+        return (False, "Failed to update: disk on fire") if len(calls) == 2 else real(**kw)
+
+    fake.update_weights_from_tensor = second_fails
+    with pytest.raises(WeightUpdateError, match="bucket 1 .*disk on fire"):
+        engine.update_weights(iter(items), bucket_bytes=16 * 1024)
+    assert len(calls) == 2 and fake.session is None
     with pytest.raises(RuntimeError, match="sglang engine 0: generate after a weight sync failed midway"):
         engine.generate(PROMPTS, params)
+    fake.update_weights_from_tensor = real
     engine.update_weights(iter(items), bucket_bytes=16 * 1024, require_complete=True)
     assert len(engine.generate(PROMPTS, params)) == 2
 

@@ -72,3 +72,19 @@ def test_factory_defaults_to_the_built_environment(qwen3_dir, monkeypatch):
 
     with pytest.raises(VLLMEngineError, match="run `make vllm-env`"):
         VLLMEngine(qwen3_dir, VLLMSettings(python="/nonexistent/python"))
+
+
+@pytest.mark.parametrize("placement, cls_name", [("colocated", "VLLMSessionSync"), ("separate", "VLLMStageSync")])
+def test_vllm_registers_its_weight_sync(placement, cls_name, qwen3_dir):
+    """rollout.sync_strategy finds vLLM's strategies by (engine, placement); built on every rank from the config."""
+    from megatron_s3ac.rollout import vllm_sync
+    from megatron_s3ac.rollout.factory import make_sync_strategy
+    from megatron_s3ac.trainer.engine_side import sync_strategy_for
+
+    s = make_sync_strategy("vllm", placement)
+    assert type(s) is getattr(vllm_sync, cls_name) and not s.sleeps  # no engine on this rank: nothing to sleep
+    cfg = _cfg(qwen3_dir, f"rollout.placement={placement}")
+    t = sync_strategy_for(cfg)
+    assert type(t) is type(s) and isinstance(t.settings, VLLMSettings)  # rollout.vllm is its section
+    with pytest.raises(ValueError, match="fp8 is not wired for rollout.engine=vllm"):
+        make_sync_strategy("vllm", placement, quantize=lambda b: b)

@@ -14,7 +14,9 @@ trainer's log-prob loss and prints:
     formula (``gpu`` = TE / flash / fla, ``cpu`` = this project's torch spec), and the ratio;
   * the CUDA peak (``max_memory_allocated``) above the static states, vs the planner's held + rebuild +
     working + logits;
-  * CUDA context (device used minus torch-reserved at start), allocator fragmentation
+  * CUDA context: the device memory the driver counts in use (NVML, which needs no CUDA context; else
+    ``nvidia-smi``) just before this process creates its context and just after, minus what torch reserved;
+    measured first thing, before any other CUDA call (each creates the context). Allocator fragmentation
     (reserved / allocated at the peak - 1);
   * the constants to adopt in megatron_s3ac/plan/constants.py (FRAGMENTATION, CUDA_CONTEXT_GIB, and a
     per-backend activation scale if the ratio is off by more than 10%).
@@ -44,12 +46,58 @@ def slice_config(experts: int) -> dict:
     return tc
 
 
+def _nvml_index() -> tuple[str, str]:
+    """("index" | "uuid", value) of CUDA device 0 for NVML, which numbers GPUs ignoring CUDA_VISIBLE_DEVICES."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    return ("index", first) if first.isdigit() else ("uuid", first)
+
+
+def device_used_bytes() -> "int | None":
+    """Bytes in use on CUDA device 0 as the driver counts them (every process's allocations and contexts), read
+    without creating a CUDA context: NVML (pynvml), else ``nvidia-smi``; None when neither is available."""
+    kind, dev = _nvml_index()
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            h = (pynvml.nvmlDeviceGetHandleByIndex(int(dev)) if kind == "index"
+                 else pynvml.nvmlDeviceGetHandleByUUID(dev))
+            return int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+        finally:
+            pynvml.nvmlShutdown()
+    except ImportError:
+        pass
+    except Exception as err:  # pynvml.NVMLError: no driver / no such device
+        print(f"plan_calibration: NVML: {err}", file=sys.stderr)
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", dev],
+                             capture_output=True, text=True, check=True, timeout=30).stdout
+        return int(float(out.split()[0]) * 1024**2)  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def measure_cuda_context(torch, before: "int | None") -> "float | None":
+    """GiB of this process's CUDA context on device 0: ``before`` (device_used_bytes with no context yet) vs the
+    same reading once ``set_device`` + ``mem_get_info`` created it, minus torch's reservation; None if unreadable."""
+    torch.cuda.set_device(0)
+    torch.cuda.mem_get_info()  # needs the context: it exists from here on
+    after = device_used_bytes()
+    if before is None or after is None:
+        return None
+    return (after - before - torch.cuda.memory_reserved()) / 1024**3
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--experts", type=int, default=64)
     args = p.parse_args(argv)
 
+    before = device_used_bytes()  # first: every CUDA call below creates the context
     import torch
 
     if not torch.cuda.is_available():
@@ -59,8 +107,9 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
-    free0, total = torch.cuda.mem_get_info()
-    torch.cuda.set_device(0)
+    context = measure_cuda_context(torch, before)
+    print("CUDA context: " + (f"{context:.2f} GiB (NVML before/after this process's context)" if context is not None
+                              else "not measured (neither pynvml nor nvidia-smi can read the device)"), flush=True)
     dist.init_process_group("nccl", rank=0, world_size=1)
     from megatron_s3ac.models import cpu_compat
     from megatron_s3ac.models.actor_critic import build_actor, build_transformer_config
@@ -73,9 +122,6 @@ def main(argv=None) -> int:
 
     cpu_compat.enable()
     t0 = time.time()
-    torch.zeros(1, device="cuda")
-    free1, _ = torch.cuda.mem_get_info()
-    context = (free0 - free1 - torch.cuda.memory_reserved()) / C.GIB
     info = model_info(slice_config(args.experts))
     layout = ParallelLayout()
     initialize_model_parallel(layout)
@@ -90,7 +136,7 @@ def main(argv=None) -> int:
     static = torch.cuda.memory_allocated()
     print(f"slice: {info.num_layers} layers {layer_kinds(info)}, {args.experts} experts, GDN kernel {kernel}; "
           f"params {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B, static {static / C.GIB:.2f} GiB, "
-          f"CUDA context ~{context:.2f} GiB", flush=True)
+          f"CUDA context {'~%.2f GiB' % context if context is not None else 'not measured'}", flush=True)
     ratios = {"gpu": [], "cpu": []}
     frag = []
     for s in args.tokens:
@@ -118,7 +164,8 @@ def main(argv=None) -> int:
         model.zero_grad(set_to_none=True)
         del logits, lp
     print("constants to adopt (megatron_s3ac/plan/constants.py):")
-    print(f"  CUDA_CONTEXT_GIB = {max(context, 0.0):.2f}")
+    print(f"  CUDA_CONTEXT_GIB = {max(context, 0.0):.2f}" if context is not None
+          else "  CUDA_CONTEXT_GIB: not measured (install nvidia-ml-py or put nvidia-smi on PATH)")
     print(f"  FRAGMENTATION = {max(frag):.2f}")
     backend = "cpu" if kernel.startswith("torch") else "gpu"
     r = sum(ratios[backend]) / len(ratios[backend])

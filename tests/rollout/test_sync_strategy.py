@@ -1,0 +1,164 @@
+"""The weight-sync registry (rollout.sync_strategy): each (engine kind, placement) brings its own strategy, the
+trainer's engine side calls it without knowing the engine's name, and a new engine plugs in by registering."""
+import ast
+import pathlib
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_s3ac.rollout import sync_strategy as ss
+from megatron_s3ac.rollout.broadcast import SGLangBroadcastSync
+from megatron_s3ac.rollout.colocated import SGLangColocatedSync
+from megatron_s3ac.rollout.factory import ConfigError, SGLangSettings, make_engine_factory, make_sync_strategy
+from megatron_s3ac.rollout.weight_sync import ColocatedRankZeroSync, RankZeroSync
+from megatron_s3ac.trainer.config import EngineKind, Placement, load_config
+from megatron_s3ac.trainer.engine_side import EngineSide, sync_strategy_for
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """A private copy of the registry: registrations made by a test vanish after it."""
+    monkeypatch.setattr(ss, "_REGISTRY", dict(ss._REGISTRY))
+    return ss
+
+
+@pytest.mark.parametrize("kind, placement, cls", [
+    ("cpu", "colocated", ColocatedRankZeroSync), ("cpu", "separate", RankZeroSync),
+    ("hf", "colocated", ColocatedRankZeroSync), ("hf", "separate", RankZeroSync),
+    ("sglang", "separate", SGLangBroadcastSync), ("sglang", "colocated", SGLangColocatedSync)])
+def test_builtin_strategies(kind, placement, cls):
+    """Strings and the config's Enum members find the same registration; the trainer's config gives it."""
+    assert type(make_sync_strategy(kind, placement)) is cls
+    if kind == "sglang":  # without a section: sglang's defaults
+        assert make_sync_strategy(kind, placement).settings == SGLangSettings()
+    assert type(make_sync_strategy(EngineKind(kind), Placement(placement))) is cls
+    cfg = load_config(None, ["model.tiny=arithmetic_moe", f"rollout.placement={placement}"])
+    cfg.rollout.engine = EngineKind(kind)  # (sglang refuses the tiny model at load time; the kind is what matters)
+    s = sync_strategy_for(cfg)
+    assert type(s) is cls and s.engine is None  # every rank builds it, engine or not
+    assert s.sleeps == (placement == "colocated")
+    if kind == "sglang":
+        assert isinstance(s.settings, SGLangSettings)  # the kind's own section, rollout.sglang
+    f = make_engine_factory(kind, model_dir="/nonexistent") if kind == "sglang" else \
+        make_engine_factory(kind, hf_config=object())
+    assert type(f.sync_strategy(placement)) is cls  # next to the engine, from the factory
+
+
+def test_unregistered_pair_names_both_keys(registry):
+    with pytest.raises(ConfigError, match="rollout.engine='trtllm' with rollout.placement='separate'.*registered: "
+                                          r"\['cpu/colocated'"):
+        make_sync_strategy("trtllm", "separate")
+    with pytest.raises(TypeError, match="neither a WeightSyncStrategy subclass"):
+        registry.register_weight_sync("vllm", "separate", object)
+    registry.register_weight_sync("vllm", "separate", "megatron_s3ac.rollout.weight_sync:RankZeroSync")  # lazy
+    assert type(make_sync_strategy("vllm", "separate")) is RankZeroSync
+    registry.register_weight_sync("vllm", "colocated", "megatron_s3ac.rollout.weight_sync:SyncStats")
+    with pytest.raises(TypeError, match="is not a WeightSyncStrategy"):
+        make_sync_strategy("vllm", "colocated")
+
+
+class _Engine:
+    def __init__(self, log):
+        self.log = log
+
+    def sleep(self):
+        self.log.append("engine.sleep")
+
+    def wake(self, tags=None):
+        self.log.append(("engine.wake", tags))
+
+    def close(self):
+        self.log.append("engine.close")
+
+
+class ToySync(ss.WeightSyncStrategy):
+    """A third engine's colocated path: wakes in its own order around its own transfer."""
+
+    sleeps = True
+
+    def sync(self, chunks, info):
+        log = self.settings.log
+        if self.engine is not None and self.asleep:
+            self.engine.wake(["weights"])
+            self.asleep = False
+        log.append(("transfer", len(chunks), info, self.engine is not None))
+        return SimpleNamespace(bytes=7)
+
+    def close(self):
+        self.settings.log.append("leave groups")
+
+
+def _toy_trainer(log, engine):
+    rollout = SimpleNamespace(engine="toy", placement="colocated", weights_dtype="bf16", fp8_keep=None,
+                              toy=SimpleNamespace(log=log))
+    return SimpleNamespace(cfg=SimpleNamespace(rollout=rollout), engine=engine, actor=[object(), object()],
+                           info="info")
+
+
+@pytest.mark.parametrize("rank0", [True, False])
+def test_a_new_engine_plugs_in_by_registering(registry, rank0):
+    """The trainer's engine side drives a registered engine kind it has never heard of: sleep, sync (waking in the
+    strategy's order), close of the groups, then of the engine; ranks without an engine run the same collective."""
+    registry.register_weight_sync("toy", "colocated", ToySync)
+    log = []
+    tr = _toy_trainer(log, _Engine(log) if rank0 else None)
+    EngineSide._engine_sleep(tr)
+    assert EngineSide.sync_weights(tr).bytes == 7
+    EngineSide.close_weight_sync(tr)
+    closed = EngineSide._close_engine(tr)
+    if rank0:
+        assert log == ["engine.sleep", ("engine.wake", ["weights"]), ("transfer", 2, "info", True), "leave groups",
+                       "engine.close"]
+        assert closed and tr.engine is None
+    else:
+        assert log == [("transfer", 2, "info", False), "leave groups"] and not closed
+    assert type(tr.sync_strategy) is ToySync
+
+
+def test_sglang_colocated_wake_order(monkeypatch):
+    """Moved unchanged from trainer/engine_side.py: sleep -> wake(["weights"]) -> ColocatedIPCSync.sync ->
+    wake(["kv_cache", "cuda_graph"]); a sync with the engine awake wakes nothing."""
+    import megatron_s3ac.rollout.colocated as colocated
+
+    log = []
+
+    class Recorder:
+        def __init__(self, engine, timeout_s):
+            log.append(("connect", timeout_s))
+
+        def sync(self, chunks, info, bucket_bytes, quantize=None):
+            log.append(("sync", bucket_bytes, quantize))
+            return "stats"
+
+        def close(self):
+            log.append("close")
+
+    monkeypatch.setattr(colocated, "ColocatedIPCSync", Recorder)
+    s = make_sync_strategy("sglang", "colocated", _Engine(log), settings=SGLangSettings(bucket_mb=2, timeout_s=9.0),
+                           quantize="q")
+    s.sleep()
+    assert s.sync(["c"], "info") == "stats"
+    s.sync(["c"], "info")
+    s.close()
+    assert log == ["engine.sleep", ("connect", 9.0), ("engine.wake", ["weights"]), ("sync", 2 << 20, "q"),
+                   ("engine.wake", ["kv_cache", "cuda_graph"]), ("sync", 2 << 20, "q"), "close"]
+    assert s.close_engine() and log[-1] == "engine.close"
+
+
+def test_cpu_colocated_engine_is_left_to_its_process():
+    """The rank-0 path in process: Trainer.close does not shut the engine down (as before the registry)."""
+    log = []
+    s = make_sync_strategy("cpu", "colocated", _Engine(log))
+    assert not s.close_engine() and s.engine is not None and log == []
+    assert make_sync_strategy("cpu", "separate", _Engine(log)).close_engine() and log == ["engine.close"]
+
+
+def test_trainer_never_compares_engine_or_placement_names():
+    """The engine side and the loop hold no comparison with an engine kind or placement literal."""
+    root = pathlib.Path(__file__).resolve().parents[2] / "megatron_s3ac" / "trainer"
+    names = {k.value for k in EngineKind} | {p.value for p in Placement} | {"vllm"}
+    for f in ("engine_side.py", "loop.py"):
+        for node in ast.walk(ast.parse((root / f).read_text())):
+            if isinstance(node, ast.Compare):
+                consts = {c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)}
+                assert not consts & names, f"{f}:{node.lineno} compares with {consts & names}"
