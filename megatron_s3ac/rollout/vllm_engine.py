@@ -158,8 +158,8 @@ class VLLMEngine(RolloutEngine):
         """POST /route; raises VLLMEngineError naming the engine, the call and the server's error."""
         what = what or route
         if getattr(self, "proc", None) is None or self.proc.poll() is not None:
-            raise VLLMEngineError(f"{self.name}: {what}: the vLLM server is not running"
-                                  f"{'' if getattr(self, 'proc', None) is None else ' (exit ' + str(self.proc.returncode) + ')'}")
+            code = "" if getattr(self, "proc", None) is None else f" (exit {self.proc.returncode})"
+            raise VLLMEngineError(f"{self.name}: {what}: the vLLM server is not running{code}")
         req = urllib.request.Request(self.url + "/" + route, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
@@ -214,8 +214,10 @@ class VLLMEngine(RolloutEngine):
         if params.stop_strings and not self.has_tokenizer:
             raise ValueError(f"{self.name}: stop_strings need the model's tokenizer ({self.model_dir} has none)")
         if return_routed_experts and not self.return_routed_experts:
+            why = ("a dense model" if not self.moe else "vLLM needs Model Runner V2, i.e. Triton: not on CPU"
+                   if self.device == "cpu" else "started without return_routed_experts")
             raise VLLMEngineError(f"{self.name}: routed experts were asked for but the engine does not return them "
-                                  f"({'a dense model' if not self.moe else 'vLLM needs Model Runner V2, i.e. Triton: not on CPU' if self.device == 'cpu' else 'started without return_routed_experts'})")
+                                  f"({why})")
         prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
         base = self._seed_base + self._calls * 1_000_000 if params.seed is None else int(params.seed)
         self._calls += 1
@@ -229,7 +231,8 @@ class VLLMEngine(RolloutEngine):
         for ids, o in zip(prompts, out):
             routes = self._routes(ids, o) if return_routed_experts and o["finish_reason"] != "abort" else None
             samples.append(Sample(prompt_ids=ids, response_ids=list(o["token_ids"]),
-                                  logprobs=np.asarray(o["logprobs"], dtype=np.float32), finish_reason=o["finish_reason"],
+                                  logprobs=np.asarray(o["logprobs"], dtype=np.float32),
+                                  finish_reason=o["finish_reason"],
                                   routed_experts=routes, response_text=o.get("text")))
         return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
 

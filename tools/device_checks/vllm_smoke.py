@@ -15,8 +15,8 @@ layers, 8 experts top-2, head_dim 64, character tokenizer). ``--cpu``: a dense Q
    the same weights: argmax agreement, max |d log-prob|, router top-k agreement (sglang_smoke's criteria).
 2. update: other weights (seed 1) through ``VLLMEngine.update_weights`` (one session, checked first), then the
    same comparison against the new weights' teacher; tokens must change.
-3. memory (GPU): free memory before the engine / awake / after sleep() (level 1) / after wake(["weights"]) + update / after
-   wake(["kv_cache"]); sleep must free >= 50 % of what the engine held.
+3. memory (GPU): free memory before the engine / awake / after sleep() (level 1) / after wake(["weights"]) +
+   update / after wake(["kv_cache"]); sleep must free >= 50 % of what the engine held.
 
 Not covered (not implemented yet, docs/rollout.md): the NCCL / IPC weight-transfer backends.
 Exit status 0 when every check passes.
