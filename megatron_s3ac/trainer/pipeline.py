@@ -56,12 +56,12 @@ _RL_EXCLUDE = ["-pipeline.warmup_dir", "-pipeline.coverage_timeout_s", "-pipelin
 
 
 def _leaf_keys(cls=Config, prefix: str = "") -> list[str]:
-    """Dotted keys of the schema's leaves (an Optional section such as critic_layout, and rollout.sglang,
-    are one leaf each)."""
+    """Dotted keys of the schema's leaves (an Optional section such as critic_layout, and rollout.sglang /
+    rollout.vllm, are one leaf each)."""
     out = []
     for f in dataclasses.fields(cls):
         sub = f.default_factory
-        if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub) and f.name != "sglang":
+        if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub) and f.name not in ("sglang", "vllm"):
             out += _leaf_keys(sub, f"{prefix}{f.name}.")
         else:
             out.append(f"{prefix}{f.name}")

@@ -38,5 +38,6 @@ def test_engine_flag_choices():
     base = ["--model", "m", "--bench", "b=x.jsonl"]
     assert cli.parse_args(base).engine == "cpu"
     assert cli.parse_args(base + ["--engine", "hf"]).engine == "hf"
+    assert cli.parse_args(base + ["--engine", "vllm"]).engine == "vllm"  # a vLLM engine in its own environment
     with pytest.raises(SystemExit):
-        cli.parse_args(base + ["--engine", "vllm"])
+        cli.parse_args(base + ["--engine", "trtllm"])

@@ -74,8 +74,8 @@ def test_models_sglang_cannot_serve_are_refused_naming_rollout_engine(tmp_path, 
     validate_rollout_engine("sglang", model_dir=servable)
     with pytest.raises(ConfigError, match="^rollout.engine: sglang cannot serve the built-in tiny model"):
         validate_rollout_engine("sglang", tiny="arithmetic_moe")
-    with pytest.raises(ConfigError, match="^rollout.engine: 'vllm' is not one of"):
-        validate_rollout_engine("vllm", model_dir=servable)
+    with pytest.raises(ConfigError, match="^rollout.engine: 'trtllm' is not one of"):
+        validate_rollout_engine("trtllm", model_dir=servable)
     dense = save_tiny_qwen3_moe(tmp_path / "dense", mlp_only_layers=[1])
     char_tokenizer().save_pretrained(dense)
     with pytest.raises(ConfigError, match="^rollout.engine: .*Qwen3-MoE with dense layers"):

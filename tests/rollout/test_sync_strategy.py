@@ -45,9 +45,9 @@ def test_builtin_strategies(kind, placement, cls):
 
 
 def test_unregistered_pair_names_both_keys(registry):
-    with pytest.raises(ConfigError, match="rollout.engine='vllm' with rollout.placement='separate'.*registered: "
+    with pytest.raises(ConfigError, match="rollout.engine='trtllm' with rollout.placement='separate'.*registered: "
                                           r"\['cpu/colocated'"):
-        make_sync_strategy("vllm", "separate")
+        make_sync_strategy("trtllm", "separate")
     with pytest.raises(TypeError, match="neither a WeightSyncStrategy subclass"):
         registry.register_weight_sync("vllm", "separate", object)
     registry.register_weight_sync("vllm", "separate", "megatron_s3ac.rollout.weight_sync:RankZeroSync")  # lazy
