@@ -209,6 +209,11 @@ class Arch:
                           moe_shared_expert_gate=True)
         return kw
 
+    def context_parallel_error(self, info: ModelInfo, layout) -> str | None:
+        """Why ``layout`` (cp > 1) cannot split this architecture's sequences, or None. Attention-only
+        models take any cp (the core attention all-gathers K/V, models/context_parallel.py)."""
+        return None
+
     def block_spec(self, config, info: ModelInfo, use_te: bool | None, pp_rank: int | None = None):
         from megatron_s3ac.models.specs import decoder_block_spec
 
