@@ -5,7 +5,12 @@ The sequences are 13 tokens long (not a multiple of 2 x CP): the CP runs pad the
 As in test_parallel_equivalence, the reference saves its weights with dist_checkpointing, each CP
 run loads them at its layout, runs forward + backward through megatron's schedule (DDP over DP x CP,
 finalize_model_grads) and saves its gradients as a sharded checkpoint that the reference layout reads
-back. Errors are relative to the reference tensor's largest entry (<= 1e-5).
+back. Errors are max |diff| relative to the reference tensor's largest entry (<= 1e-5); for gradients
+that scale is floored at 1e-4 of the model's largest gradient entry: Qwen3.5's GDN decay parameters
+(A_log, dt_bias) have near-zero gradients (~1e-6 against ~1e-1 elsewhere) whose fp32 cancellation
+noise (~1e-10 absolute) reads as 1e-4 "relative" in every layout, TP=2 without CP included. Even
+floored, those two tensors differ by up to 1.1e-5 at TP=2 without CP (the tp*cp=4 model below, measured
+with CP_TEST_DEBUG=1), so they get REL_DECAY = 5e-5; every other tensor is held to 1e-5.
 """
 import os
 
@@ -18,6 +23,7 @@ from megatron_s3ac.testing.tiny_models import tiny_config
 B, S = 2, 13
 PACK = (5, 8)  # the packed case: two samples in one row, block-diagonal causal mask
 REL = 1e-5
+REL_DECAY = 5e-5  # Qwen3.5 GDN A_log / dt_bias gradients (see the module docstring)
 
 
 def test_split_positions_and_mask():
@@ -181,15 +187,21 @@ def check(refs, tmp_path, model_type, layout_kw, world, packed=False, **override
     grads = run_distributed(read_ckpt, 1, cfg, ParallelLayout(), str(tmp_path / "g"))[0]
     assert grads.keys() == ref_grads.keys()
     worst, nonzero = 0.0, 0
+    floor = 1e-4 * max(ref.abs().max().item() for ref in ref_grads.values())
     for k, ref in ref_grads.items():
         if ref.abs().max() == 0:
             assert grads[k].abs().max() == 0, k
             continue
         nonzero += 1
-        err = rel_err(grads[k], ref)
-        worst = max(worst, err)
-        assert err <= REL, f"{k}: grad rel err {err:.2e}"
-    print(f"{model_type} {layout_kw} packed={packed}: worst grad rel err {worst:.2e} over {nonzero} tensors")
+        err = ((grads[k] - ref).abs().max() / max(ref.abs().max().item(), floor)).item()
+        worst = max(worst, err) if not k.endswith((".A_log", ".dt_bias")) else worst
+        if os.environ.get("CP_TEST_DEBUG"):
+            print(f"  {k}: {err:.2e} max|ref| {ref.abs().max().item():.2e}")
+            continue
+        tol = REL_DECAY if k.endswith((".A_log", ".dt_bias")) else REL
+        assert err <= tol, f"{k}: grad rel err {err:.2e}"
+    print(f"{model_type} {layout_kw} packed={packed}: worst grad rel err {worst:.2e} over {nonzero} tensors "
+          "(A_log / dt_bias apart)")
     assert nonzero > len(ref_grads) // 2  # the comparison is not vacuous
 
 
@@ -207,3 +219,14 @@ def test_cp2_tp2_matches_single_rank(refs, tmp_path, model_type):
 def test_cp2_packed_mask_matches_single_rank(refs, tmp_path):
     """A packed row (block-diagonal mask over the whole sequence) split over CP ranks."""
     check(refs, tmp_path, "qwen3", dict(cp=2), 2, packed=True)
+
+
+def test_qwen3_5_cp2_matches_single_rank(refs, tmp_path):
+    """Qwen3.5-MoE: the GDN's head-parallel all-to-all and the gated attention's K/V all-gather."""
+    check(refs, tmp_path, "qwen3_5_moe", dict(cp=2), 2)
+
+
+@pytest.mark.slow
+def test_qwen3_5_cp2_tp2_matches_single_rank(refs, tmp_path):
+    # 4 key / 8 value GDN heads: tp*cp = 4 ranks each hold one key head
+    check(refs, tmp_path, "qwen3_5_moe", dict(cp=2, tp=2), 4, linear_num_key_heads=4, linear_num_value_heads=8)
