@@ -36,3 +36,4 @@ NVLINK_GBPS = 350.0  # GB/s per GPU inside a node (assumed effective)
 IB_GBPS = 40.0  # GB/s per GPU across nodes (400 Gb/s NIC per GPU, assumed effective)
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+MAX_CP = 16  # largest context-parallel size the layout search tries (powers of two)
