@@ -1,8 +1,11 @@
 """s3ac-convert verify --cp N: megatron at context parallel vs transformers (fp32), on a sequence whose
 length is not a multiple of 2 x cp (padded inside verify, the real positions compared)."""
+import pytest
+
 from checkpoints_convert import main
 
 
+@pytest.mark.slow
 def test_verify_cli_cp2(hf_dirs, mcore_dirs, capsys):
     assert main(["verify", "--hf", hf_dirs["qwen3_moe"], "--mcore", mcore_dirs["qwen3_moe"], "--cp", "2",
                  "--ep", "2", "--seq-len", "13"]) == 0

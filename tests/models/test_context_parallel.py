@@ -205,7 +205,7 @@ def check(refs, tmp_path, model_type, layout_kw, world, packed=False, **override
     assert nonzero > len(ref_grads) // 2  # the comparison is not vacuous
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", [pytest.param("qwen3", marks=pytest.mark.slow), "qwen3_moe"])
 def test_cp2_matches_single_rank(refs, tmp_path, model_type):
     check(refs, tmp_path, model_type, dict(cp=2), 2)
 

@@ -59,6 +59,7 @@ def _load_cp1(path, out_dir):
     return res
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
     saved = run_distributed(_save_cp2, 2, str(tmp_path / "a"))
     loaded = run_distributed(_load_cp1, 2, saved[0]["path"], str(tmp_path / "b"))
