@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--pp", type=int, default=1)
     v.add_argument("--ep", type=int, default=1)
     v.add_argument("--etp", type=int, default=None, help="expert TP (default: tp without EP, else 1)")
+    v.add_argument("--cp", type=int, default=1, help="context parallel: the sequence split over cp ranks")
     v.add_argument("--batch", type=int, default=2)
     v.add_argument("--seq-len", type=int, default=16)
     v.add_argument("--atol", type=float, default=1e-4, help="max abs logit difference allowed")
@@ -88,8 +89,8 @@ def _verify(args) -> int:
     from megatron_s3ac.convert.verify import verify
 
     r = verify(args.hf, args.mcore, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, batch=args.batch,
-               seq=args.seq_len)
-    print(f"verify tp={args.tp} pp={args.pp} ep={args.ep}: {r.summary()}")
+               seq=args.seq_len, cp=args.cp)
+    print(f"verify tp={args.tp} pp={args.pp} ep={args.ep} cp={args.cp}: {r.summary()}")
     if args.dump_logits:
         torch.save({"hf": r.hf_logits, "mcore": r.mcore_logits}, args.dump_logits)
     ok = r.max_abs_diff <= args.atol and r.top1_agreement >= args.min_top1

@@ -1,9 +1,11 @@
 """Check a converted checkpoint numerically: transformers vs megatron logits on the same tokens.
 
-``verify(hf_dir, mcore_dir, tp, pp, ep)`` starts ``pp * lcm(tp, etp * ep)`` CPU gloo ranks, builds the
+``verify(hf_dir, mcore_dir, tp, pp, ep, cp=1)`` starts ``pp * lcm(tp * cp, etp * ep)`` CPU gloo ranks, builds the
 actor at that layout (fp32; layers that do not divide by pp are split by ``ParallelLayout.resolve``), loads the torch_dist checkpoint with ``dist_checkpointing.load``, runs a
 fixed random batch through megatron's pipeline schedule, gathers the TP-sharded logits [b, s, Vp] and
-compares them over the real vocab with transformers' logits of the HF checkpoint.
+compares them over the real vocab with transformers' logits of the HF checkpoint. With ``cp`` > 1 the
+batch is right-padded to the layout's ``seq_multiple`` (causal: the real positions are unaffected), every
+CP rank computes its load-balanced chunks, and the logits are gathered over CP before the comparison.
 """
 from __future__ import annotations
 
@@ -42,16 +44,16 @@ def load_actor(hf_config, mcore_dir: str, layout, dtype=torch.float32):
     return info, model.eval()
 
 
-def make_layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None):
+def make_layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, cp: int = 1):
     """ParallelLayout with the usual expert-TP choice: etp = tp without EP, 1 with EP."""
     from megatron_s3ac.models.parallel import ParallelLayout
 
-    return ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp if etp is not None else (tp if ep == 1 else 1))
+    return ParallelLayout(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp if etp is not None else (tp if ep == 1 else 1))
 
 
 def world_size_for(layout) -> int:
-    """Smallest world that fits both the dense (tp*pp) and the expert (etp*ep*pp) grids."""
-    a, b = layout.tp, layout.etp * layout.ep
+    """Smallest world that fits both the dense (tp*cp*pp) and the expert (etp*ep*pp) grids."""
+    a, b = layout.tp * layout.cp, layout.etp * layout.ep
     return layout.pp * (a * b // math.gcd(a, b))
 
 
@@ -65,19 +67,25 @@ def _rank_logits(hf_config, mcore_dir: str, layout, tokens: torch.Tensor):
     tp, pp = layout.tp, layout.pp
     _, model = load_actor(hf_config, mcore_dir, layout)
 
-    def keep_logits(batch, output):
-        return output.sum() * 0, torch.tensor(1), {"logits": output.detach()}
+    from megatron_s3ac.models.context_parallel import gather_from_cp, pad_len
 
+    def keep_logits(batch, output):
+        return output.sum() * 0, torch.tensor(1), {"logits": gather_from_cp(output.detach(), 1)}
+
+    n = tokens.shape[1]
+    padded = torch.zeros(tokens.shape[0], pad_len(n, layout.seq_multiple), dtype=tokens.dtype)
+    padded[:, :n] = tokens
     with torch.no_grad():
-        out = forward_backward([model], [{"input_ids": tokens}], keep_logits, forward_only=True)
+        out = forward_backward([model], [{"input_ids": padded}], keep_logits, forward_only=True)
     if not (pp == 1 or ps.is_pipeline_last_stage()):
         return None
-    local = out[0]["logits"]  # [b, s, Vp / tp]
+    local = out[0]["logits"][:, :n]  # [b, s, Vp / tp]
     if tp > 1:
         parts = [torch.empty_like(local) for _ in range(tp)]
         dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
         local = torch.cat(parts, dim=-1)
-    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    first = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+             and ps.get_context_parallel_rank() == 0)
     return local if first else None
 
 
@@ -97,7 +105,7 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-           batch: int = 2, seq: int = 16, seed: int = 0) -> VerifyResult:
+           batch: int = 2, seq: int = 16, seed: int = 0, cp: int = 1) -> VerifyResult:
     from megatron_s3ac.models.registry import load_hf_config, model_info
 
     cfg = load_hf_config(hf_dir)
@@ -110,10 +118,10 @@ def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, e
 
     # Layers that do not divide by pp are split automatically (ParallelLayout.resolve).
     try:
-        layout = make_layout(tp, pp, ep, etp if info.is_moe else None).resolve(info.num_layers)
+        layout = make_layout(tp, pp, ep, etp if info.is_moe else None, cp).resolve(info.num_layers)
         layout.validate(info, world_size_for(layout))  # fail here, not inside N ranks
     except LayoutError as e:
-        raise ConversionError(f"layout tp={tp} pp={pp} ep={ep}: {e}") from None
+        raise ConversionError(f"layout tp={tp} pp={pp} ep={ep} cp={cp}: {e}") from None
     got = megatron_logits(cfg, mcore_dir, tokens, layout)[..., :info.vocab_size].float()
     diff = (got - ref).abs().max().item()
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()

@@ -51,6 +51,12 @@ def build_transformer_config(info: ModelInfo, layout: ParallelLayout, dtype: tor
         kw["pipeline_dtype"] = dtype
     kw.update(recompute_kwargs(recompute, recompute_modules, recompute_num_layers))
     kw.update(overrides)
+    cp = kw.get("context_parallel_size", 1)
+    if cp > 1 and get_arch(info.model_type).own_context_parallel:
+        # megatron's only cp check for it is "not supported yet" (the GDN's); nothing is derived from cp
+        config = TransformerConfig(**{**kw, "context_parallel_size": 1})
+        config.context_parallel_size = cp
+        return config
     return TransformerConfig(**kw)
 
 

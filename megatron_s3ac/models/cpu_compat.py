@@ -9,7 +9,7 @@ all-to-all dispatcher, and a ``te_general_gemm`` name referenced without Transfo
   * ``torch.cuda`` functions megatron calls become CPU-safe stand-ins (streams are no-ops, the "CUDA"
     RNG state is a CPU generator state so ``get_cuda_rng_tracker().fork()`` works);
   * a ``TorchFunctionMode`` rewrites any CUDA ``device=`` argument (``"cuda"``, ``cuda:N``, an int)
-    to CPU, makes ``Tensor.cuda()`` a no-op, and reports CPU tensors' ``Tensor.type()`` as the CUDA
+    to CPU, drops ``pin_memory=True``, makes ``Tensor.cuda()`` a no-op, and reports CPU tensors' ``Tensor.type()`` as the CUDA
     type name the optimizers dispatch on;
   * ``moe_utils.te_general_gemm`` is defined as None.
 
@@ -94,6 +94,8 @@ class _CpuDeviceMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # no pinned allocator without CUDA (rope_utils' CP index tensor)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

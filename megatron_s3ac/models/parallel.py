@@ -1,4 +1,4 @@
-"""Parallel layout (TP/SP, PP, EP, ETP, DP): validation with errors that name the rule, and set-up."""
+"""Parallel layout (TP/SP, CP, PP, EP, ETP, DP): validation with errors that name the rule, and set-up."""
 from __future__ import annotations
 
 import os
@@ -18,6 +18,9 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    # Context parallel: every sequence split over cp ranks (megatron's load-balanced 2 x cp chunks,
+    # models/context_parallel.py); the dense data-parallel size is world / (tp * cp * pp).
+    cp: int = 1
     # Expert tensor parallel. None -> tp when ep == 1 (experts are TP-sharded like dense MLPs), else 1
     # (the usual EP choice: whole experts per rank).
     etp: int | None = None
@@ -36,7 +39,14 @@ class ParallelLayout:
         return self.tp > 1
 
     def dp(self, world_size: int) -> int:
-        return world_size // (self.tp * self.pp)
+        return world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def seq_multiple(self) -> int:
+        """Every micro-batch's sequence length is a multiple of this: 2 x cp chunks (load-balanced
+        split), each chunk pair split again over TP under sequence parallelism: 2 * cp * tp (tp when
+        cp == 1, as before)."""
+        return self.tp * (2 * self.cp if self.cp > 1 else 1)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -65,11 +75,12 @@ class ParallelLayout:
 
     def validate(self, info: ModelInfo, world_size: int) -> None:
         """Raise LayoutError naming the first rule this layout breaks for ``info`` on ``world_size`` ranks."""
-        for name in ("tp", "pp", "ep", "etp"):
+        for name in ("tp", "cp", "pp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)} must be >= 1")
-        if world_size % (self.tp * self.pp):
-            raise LayoutError(f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp}")
+        if world_size % (self.tp * self.cp * self.pp):
+            raise LayoutError(
+                f"world size {world_size} is not divisible by tp*cp*pp = {self.tp}*{self.cp}*{self.pp}")
         if world_size % (self.etp * self.ep * self.pp):
             raise LayoutError(
                 f"world size {world_size} is not divisible by etp*ep*pp = {self.etp}*{self.ep}*{self.pp}")
@@ -92,6 +103,12 @@ class ParallelLayout:
                 raise LayoutError(f"with ep=1, etp must equal tp (got etp={self.etp}, tp={self.tp})")
         elif self.ep > 1:
             raise LayoutError(f"ep={self.ep} > 1 needs an MoE model; {info.model_type} is dense")
+        if self.cp > 1:
+            from megatron_s3ac.models.registry import get_arch
+
+            why = get_arch(info.model_type).context_parallel_error(info, self)
+            if why:
+                raise LayoutError(f"cp={self.cp}: {why}")
         self.resolve(info.num_layers)._validate_pipeline(info.num_layers)
 
     def _validate_pipeline(self, num_layers: int) -> None:
@@ -120,6 +137,7 @@ class ParallelLayout:
 
     def transformer_config_kwargs(self) -> dict:
         kw = dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                  context_parallel_size=self.cp,
                   expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
                   sequence_parallel=self.sequence_parallel)
         if self.first_stage_layers is not None:
@@ -191,12 +209,13 @@ def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     ws = dist.get_world_size()
-    if ws % (layout.tp * layout.pp) or ws % (layout.etp * layout.ep * layout.pp):
+    if ws % (layout.tp * layout.cp * layout.pp) or ws % (layout.etp * layout.ep * layout.pp):
         raise LayoutError(f"world size {ws} does not fit layout {layout}")
     # megatron builds timedelta(minutes=...) from this: a fraction of a minute is kept
     kw = {} if timeout_s is None else {"distributed_timeout_minutes": float(timeout_s) / 60.0}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp, **kw)
     model_parallel_cuda_manual_seed(seed)
 

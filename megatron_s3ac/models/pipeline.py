@@ -9,6 +9,12 @@ A micro-batch is a dict with ``input_ids`` [b, s], optional ``position_ids`` and
 number of micro-batches nor averages over DP; ``finalize_model_grads`` divides the summed gradients by
 the total token count of the whole mini-batch across micro-batches and DP ranks: a true global
 token-mean, as the algorithms require.
+
+Context parallel (cp > 1): the model sees this CP rank's two chunks of ``input_ids`` / ``position_ids``
+(``context_parallel.split_for_cp``; the attention mask stays whole), so ``loss_fn`` receives the
+output of the rank's tokens [b, s / cp, ...]. megatron sums gradients and ``num_tokens`` over the
+DP x CP group: a loss_fn returns either its own tokens' sum and count, or (after
+``context_parallel.gather_from_cp``) the whole sequence's, with the count on CP rank 0 only.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from functools import partial
 from typing import Callable
 
 import torch
+
+from megatron_s3ac.models.context_parallel import cp_group_info, split_for_cp
 
 
 def prepare_config(config) -> None:
@@ -30,6 +38,12 @@ def _forward_step(data_iterator, model, loss_fn):
     pos = batch.get("position_ids")
     if pos is None:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    _, cp, _ = cp_group_info()
+    if cp > 1:
+        if ids.shape[1] % (2 * cp):
+            raise ValueError(f"context parallel cp={cp}: micro-batch length {ids.shape[1]} is not a multiple of "
+                             f"2 x cp (pad to the layout's seq_multiple)")
+        ids, pos = split_for_cp(ids, 1), split_for_cp(pos, 1)
     out = model(ids, pos, batch.get("attention_mask"))
     return out, partial(loss_fn, batch)
 

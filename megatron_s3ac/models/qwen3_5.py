@@ -26,6 +26,8 @@ Kernels: without flash-linear-attention (CPU, or a GPU without fla) the GDN runs
 l2norm, decay ``-exp(A_log) * softplus(.)``, chunked recurrence) is computed in fp32 and only its output
 is cast back, as in transformers and fla (bit-identical to before in fp32). megatron-core 0.16.1's GDN
 ignores the attention mask, so packed sequences and left padding are refused (``TorchGatedDeltaNet``).
+Context parallel: the gated attention all-gathers K/V like every attention layer here, the GDN runs a
+head-parallel all-to-all (``TorchGatedDeltaNet._forward_cp``, docs/context_parallel.md).
 The megatron modules and layer specs are in ``qwen3_5_spec.py`` (imported when a model is built).
 """
 from __future__ import annotations
@@ -91,6 +93,8 @@ class Qwen35Moe(Arch):
 
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
     qk_norm = True
+    # megatron-core's TransformerConfig refuses cp > 1 with a GDN; this project's GDN implements it
+    own_context_parallel = True
 
     def from_checkpoint(self, cfg: dict, hf_dir: str) -> dict:
         """The expert layout from the tensor names (``mlp.experts.0.`` = per expert), unless set."""
@@ -149,13 +153,21 @@ class Qwen35Moe(Arch):
         )
         return kw
 
+    def context_parallel_error(self, info: ModelInfo, layout) -> str | None:
+        """The GDN's head-parallel all-to-all gives every CP rank 1/cp of each TP rank's heads."""
+        tc = text_config(info.hf)
+        for name, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32)):
+            n = tc.get(name, default)
+            if n % (layout.tp * layout.cp):
+                return (f"{name} {n} is not divisible by tp*cp = {layout.tp}*{layout.cp} (the Gated DeltaNet "
+                        "splits its heads over CP ranks)")
+        return None
+
     def block_spec(self, config, info: ModelInfo, use_te: bool | None, pp_rank: int | None = None):
         if getattr(config, "mtp_num_layers", None):
             raise UnsupportedModelError(
                 "qwen3_5_moe MTP layers are not supported (mtp_num_layers must be unset): the converter "
                 "drops the mtp.* tensors and the model is built without the MTP head")
-        if config.context_parallel_size > 1:
-            raise UnsupportedModelError("qwen3_5_moe: megatron-core 0.16.1's Gated DeltaNet has no context parallel")
         from megatron_s3ac.models.qwen3_5_spec import qwen3_5_block_spec
 
         return qwen3_5_block_spec(config, use_te=bool(use_te), pp_rank=pp_rank)

@@ -45,7 +45,7 @@ def _gdn_class():
     cpu_compat.patch_missing_fla()
 
     class TorchGatedDeltaNet(gdn.GatedDeltaNet):
-        """megatron's GatedDeltaNet with three changes:
+        """megatron's GatedDeltaNet with four changes:
 
         * an attention mask other than causal is refused, because megatron-core 0.16.1's GDN ignores
           masks (packed samples would leak state into each other, left padding would feed pad tokens
@@ -59,10 +59,19 @@ def _gdn_class():
           is the same computation, bit for bit (tests/qwen3_5/test_bf16.py);
         * the gated output norm runs eagerly (megatron wraps it in torch.compile, which needs a
           compiler toolchain on CPU and changes nothing numerically).
+        * context parallelism (megatron-core 0.16.1 has none for GDN): ``_forward_cp``, a head-parallel
+          all-to-all over the CP group (the non-CP path is unchanged).
 
         The kernels (``l2norm``, ``chunk_gated_delta_rule``) are looked up in megatron's module at
         call time: fla's, or the fp32 torch kernels bound by ``cpu_compat.patch_missing_fla``.
         """
+
+        def __init__(self, config, *args, **kwargs):
+            from megatron.core import parallel_state
+
+            super().__init__(config, *args, **kwargs)
+            cp = config.context_parallel_size
+            self.cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
 
         def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                     attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
@@ -77,6 +86,8 @@ def _gdn_class():
                 return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
                                        attention_bias, packed_seq_params, sequence_len_offset,
                                        inference_params=inference_params, **kwargs)
+            if self.cp_group is not None:
+                return self._forward_cp(hidden_states)
             seq_len, batch, _ = hidden_states.shape
             seq_len = seq_len * self.sp_size
             qkvzba, _ = self.in_proj(hidden_states)
@@ -96,8 +107,19 @@ def _gdn_class():
                 qkv = gdn.causal_conv1d_fn(x=qkv, weight=self.conv1d.weight.squeeze(1), bias=self.conv1d.bias,
                                            activation=self.activation)
             qkv = qkv.transpose(1, 2)
+            norm_out = self._gated_delta(qkv, gate, beta, alpha, self.A_log, self.dt_bias)
+            norm_out = norm_out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
+            return self.out_proj(norm_out)
+
+        def _gated_delta(self, qkv, gate, beta, alpha, A_log, dt_bias):
+            """After the conv: l2norm, decay, the chunked delta rule, the gated norm. qkv [b, s, C] (this
+            rank's heads: C = 2 nk dk + nv dv), gate [b, s, nv, dv], beta / alpha [b, s, nv], A_log /
+            dt_bias [nv] -> [b, s, nv, dv] (nk / nv: the key / value heads held here)."""
+            batch, seq_len = qkv.shape[:2]
+            nv = A_log.shape[0]
+            nk = nv * self.num_key_heads // self.num_value_heads
             query, key, value = torch.split(
-                qkv, [self.qk_dim // self.tp_size, self.qk_dim // self.tp_size, self.v_dim // self.tp_size], dim=-1)
+                qkv, [nk * self.key_head_dim, nk * self.key_head_dim, nv * self.value_head_dim], dim=-1)
             query = query.reshape(batch, seq_len, -1, self.key_head_dim)
             key = key.reshape(batch, seq_len, -1, self.key_head_dim)
             value = value.reshape(batch, seq_len, -1, self.value_head_dim)
@@ -110,7 +132,7 @@ def _gdn_class():
             query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
             gate, beta, alpha = gate.contiguous(), beta.contiguous(), alpha.contiguous()
 
-            g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)  # fp32 (see class doc)
+            g = -A_log.float().exp() * F.softplus(alpha.float() + dt_bias)  # fp32 (see class doc)
             beta = beta.sigmoid()
 
             kernel = gdn.chunk_gated_delta_rule
@@ -118,9 +140,50 @@ def _gdn_class():
                 kernel = gdn.torch_chunk_gated_delta_rule  # megatron's choice next to fla
             core_attn_out, _ = kernel(query, key, value, g=g, beta=beta, initial_state=None,
                                       output_final_state=False, use_qk_l2norm_in_kernel=False)
-            norm_out = self._apply_gated_norm(core_attn_out, gate)
-            norm_out = norm_out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
-            return self.out_proj(norm_out)
+            return self._apply_gated_norm(core_attn_out, gate)
+
+        def _forward_cp(self, hidden_states):
+            """Context parallel: a head-parallel all-to-all (docs/context_parallel.md). hidden_states
+            [s/cp(/tp under SP), b, h] of this CP rank's two load-balanced chunks -> (out [same], bias).
+
+            in_proj on the rank's tokens; all-to-all over CP: every rank gets the whole sequence for
+            1/cp of this TP rank's heads (the chunks put back in sequence order), so the causal conv1d
+            (depthwise: per channel) and the delta rule (per head) run exactly as without CP on the
+            rank's heads, with its slices of conv1d / A_log / dt_bias; the reverse all-to-all returns
+            the rank's tokens with all heads for out_proj. Backward: the all-to-alls' transposes
+            (megatron's ``all_to_all``); the sliced parameters' gradients are summed over DP x CP by DDP."""
+            from megatron.core.ssm.mamba_context_parallel import (
+                _all_to_all_cp2hp, _all_to_all_hp2cp, _redo_attention_load_balancing,
+                _undo_attention_load_balancing)
+
+            cp, r = self.cp_group.size(), self.cp_group.rank()
+            qkvzba, _ = self.in_proj(hidden_states)  # [s/cp, b, D/tp]
+            s_loc, batch, _ = qkvzba.shape
+            nk, nv = self.num_key_heads // self.tp_size, self.num_value_heads // self.tp_size
+            dk, dv = self.key_head_dim, self.value_head_dim
+            parts = torch.split(qkvzba, [nk * dk, nk * dk, nv * dv, nv * dv, nv, nv], dim=-1)
+            # head blocks per CP rank: [s/cp, b, cp, X] with rank j's heads of every part in block j
+            x = torch.cat([t.reshape(s_loc, batch, cp, -1) for t in parts], -1).reshape(s_loc, batch, -1)
+            x = _undo_attention_load_balancing(_all_to_all_cp2hp(x, self.cp_group), cp)  # [s, b, X]
+            seq_len = x.shape[0]
+            nk_c, nv_c = nk // cp, nv // cp
+            q, k, v, gate, beta, alpha = torch.split(
+                x.transpose(0, 1), [nk_c * dk, nk_c * dk, nv_c * dv, nv_c * dv, nv_c, nv_c], dim=-1)
+            # this rank's conv channels: its q, k and v heads inside the TP rank's [q | k | v] channels
+            dev = x.device
+            ch = torch.cat([torch.arange(r * nk_c * dk, (r + 1) * nk_c * dk, device=dev),
+                            nk * dk + torch.arange(r * nk_c * dk, (r + 1) * nk_c * dk, device=dev),
+                            2 * nk * dk + torch.arange(r * nv_c * dv, (r + 1) * nv_c * dv, device=dev)])
+            w = self.conv1d.weight.index_select(0, ch)
+            bias = None if self.conv1d.bias is None else self.conv1d.bias.index_select(0, ch)
+            qkv = torch.cat([q, k, v], -1).transpose(1, 2)  # [b, C, s]
+            qkv = self.act_fn(F.conv1d(qkv, w, bias, padding=self.conv_kernel_dim - 1, groups=len(ch))[..., :seq_len])
+            heads = slice(r * nv_c, (r + 1) * nv_c)
+            out = self._gated_delta(qkv.transpose(1, 2), gate.reshape(batch, seq_len, nv_c, dv), beta, alpha,
+                                    self.A_log[heads], self.dt_bias[heads])
+            out = out.reshape(batch, seq_len, -1).transpose(0, 1)  # [s, b, nv_c dv]
+            out = _all_to_all_hp2cp(_redo_attention_load_balancing(out.contiguous(), cp), self.cp_group)
+            return self.out_proj(out)  # [s/cp, b, nv dv] -> hidden
 
         def _apply_gated_norm(self, x, gate):
             x_dtype = x.dtype

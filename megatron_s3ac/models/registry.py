@@ -140,6 +140,9 @@ class Arch:
 
     model_types: ClassVar[tuple[str, ...]] = ()
     qk_norm: ClassVar[bool] = False
+    # True: megatron-core's TransformerConfig asserts cp == 1 for this architecture but the project's
+    # modules implement CP (the config is built at cp = 1 and given the real cp afterwards)
+    own_context_parallel: ClassVar[bool] = False
 
     def qkv_bias(self, cfg: dict) -> bool:
         return bool(cfg.get("attention_bias", False))
@@ -208,6 +211,11 @@ class Arch:
                 kw.update(moe_shared_expert_intermediate_size=info.shared_expert_size,
                           moe_shared_expert_gate=True)
         return kw
+
+    def context_parallel_error(self, info: ModelInfo, layout) -> str | None:
+        """Why ``layout`` (cp > 1) cannot split this architecture's sequences, or None. Attention-only
+        models take any cp (the core attention all-gathers K/V, models/context_parallel.py)."""
+        return None
 
     def block_spec(self, config, info: ModelInfo, use_te: bool | None, pp_rank: int | None = None):
         from megatron_s3ac.models.specs import decoder_block_spec

@@ -51,7 +51,24 @@ class SDPAttention(DotProductAttention):
 
     ``attention_mask`` follows megatron's convention (bool, True = masked out, [b, 1, sq, sk]);
     None means causal. Block-diagonal masks express packed sequences.
+
+    Context parallel (cp > 1): q / k / v hold this CP rank's tokens and K / V are all-gathered over the
+    CP group (``context_parallel.cp_core_attention``); the mask, if any, covers the whole sequence.
+    megatron's ``DotProductAttention`` asserts cp == 1 (TE-only CP), so its constructor sees a copy
+    of the config with cp = 1; nothing else it builds depends on cp.
     """
+
+    def __init__(self, config, *args, **kwargs):
+        import copy
+
+        from megatron.core import parallel_state
+
+        cp = config.context_parallel_size
+        base = copy.copy(config)
+        base.context_parallel_size = 1
+        super().__init__(base, *args, **kwargs)
+        self.config = config
+        self.cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -59,6 +76,11 @@ class SDPAttention(DotProductAttention):
             raise NotImplementedError("SDPAttention takes packed sequences as a block-diagonal attention_mask")
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention has no attention_bias")
+        dropout = self.attention_dropout.p if self.training else 0.0
+        if self.cp_group is not None:
+            from megatron_s3ac.models.context_parallel import cp_core_attention
+
+            return cp_core_attention(query, key, value, attention_mask, self.softmax_scale, dropout, self.cp_group)
         sq, b, np_, hn = query.shape
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)
@@ -67,7 +89,6 @@ class SDPAttention(DotProductAttention):
             rep = np_ // k.shape[1]
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        dropout = self.attention_dropout.p if self.training else 0.0
         if attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale)
         else:

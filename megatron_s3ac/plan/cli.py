@@ -62,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-attn-dp", type=int)
     g.add_argument("--engine-mem-fraction", type=float)
     g = p.add_argument_group("layout (omit to enumerate)")
-    for name in ("tp", "pp", "ep", "etp", "first-stage-layers", "last-stage-layers"):
+    for name in ("tp", "cp", "pp", "ep", "etp", "first-stage-layers", "last-stage-layers"):
         g.add_argument(f"--{name}", type=int)
-    for name in ("tp", "pp", "ep", "etp"):
+    for name in ("tp", "cp", "pp", "ep", "etp"):
         g.add_argument(f"--critic-{name}", type=int)
     g.add_argument("--search", action="store_true", help="with --config: enumerate instead of the config's layout")
     g.add_argument("--smallest", action="store_true",
@@ -118,7 +118,7 @@ def _layout(d: dict | None, prefix: str = ""):
 
     if not d:
         return None
-    kw = {k: d[k] for k in ("tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers")
+    kw = {k: d[k] for k in ("tp", "cp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers")
           if d.get(k) is not None}
     bad = [k for k, v in kw.items() if not isinstance(v, int) or isinstance(v, bool)]
     if bad:
@@ -184,14 +184,17 @@ def resolve(args) -> tuple:
         raise PlanInputError("; ".join(errs))
     if knobs.placement == "separate" and (knobs.engine_gpus or cluster.gpus // 2) >= cluster.gpus:
         raise PlanInputError(f"--engine-gpus {knobs.engine_gpus} leaves no GPU for training out of {cluster.gpus}")
-    flag_layout = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers")}
+    flag_layout = {k: getattr(args, k) for k in ("tp", "cp", "pp", "ep", "etp", "first_stage_layers",
+                                                 "last_stage_layers")}
     fixed = None
-    if any(v is not None for v in flag_layout.values()):
+    if _cp_only(args) is not None:
+        pass  # --cp alone: search the other dimensions at that CP size (run)
+    elif any(v is not None for v in flag_layout.values()):
         fixed = _layout({k: v for k, v in flag_layout.items() if v is not None} | {"tp": flag_layout["tp"] or 1})
     elif cfg is not None and not args.search:
         fixed = _layout(cfg.get("actor_layout") or {"tp": 1}, "actor_layout.")
     critic = None
-    flag_critic = {k: getattr(args, f"critic_{k}") for k in ("tp", "pp", "ep", "etp")}
+    flag_critic = {k: getattr(args, f"critic_{k}") for k in ("tp", "cp", "pp", "ep", "etp")}
     if any(v is not None for v in flag_critic.values()):
         critic = _layout({k: v for k, v in flag_critic.items() if v is not None})
     elif cfg is not None and cfg.get("critic_layout") and not args.search:
@@ -205,7 +208,7 @@ def _gib(x: float) -> float:
 
 
 def _lay(lay) -> dict:
-    d = {k: getattr(lay, k) for k in ("tp", "pp", "ep", "etp")}
+    d = {k: getattr(lay, k) for k in ("tp", "cp", "pp", "ep", "etp")}
     for k in ("first_stage_layers", "last_stage_layers"):
         if getattr(lay, k) is not None:
             d[k] = getattr(lay, k)
@@ -218,7 +221,7 @@ def to_dict(e) -> dict:
     worst_params = max(e.stages, key=lambda s: s.params.total)
     out = {
         "fits": e.fits, "layout": _lay(lay), "critic_layout": _lay(e.critic_layout) if e.knobs.critic else None,
-        "dp": world // (lay.tp * lay.pp), "expert_dp": world // (lay.ep * lay.etp * lay.pp),
+        "dp": world // (lay.tp * lay.cp * lay.pp), "expert_dp": world // (lay.ep * lay.etp * lay.pp),
         "train_gpus": world, "peak_gib": _gib(e.peak), "headroom_gib": _gib(e.headroom),
         "phases": {k: _gib(v) for k, (v, _) in e.phases.items()},
         "worst_stage": {k: s for k, (_, s) in e.phases.items()},
@@ -262,7 +265,7 @@ def verdict(e) -> str:
     return "does not fit: " + "; ".join(e.problems)
 
 
-def suggestions(info, cluster, w, knobs, fixed, critic) -> list[str]:
+def suggestions(info, cluster, w, knobs, fixed, critic, cps=None) -> list[str]:
     """The first knob changes (cumulative) that make some layout fit, or the cluster size that does."""
     from megatron_s3ac.plan.search import search
 
@@ -277,12 +280,12 @@ def suggestions(info, cluster, w, knobs, fixed, critic) -> list[str]:
             continue
         k = dataclasses.replace(k, **change)
         applied.append(flag)
-        res = search(info, cluster, w, k, fixed, critic)
+        res = search(info, cluster, w, k, fixed, critic, cps=cps)
         if res and res[0].fits:
             return [f"fits with {' '.join(applied)}: {_lay(res[0].layout)}"]
     for mult in (2, 4, 8):
         cl = dataclasses.replace(cluster, gpus=cluster.gpus * mult)
-        res = search(info, cl, w, k, None, None)
+        res = search(info, cl, w, k, None, None, cps=cps)
         if res and res[0].fits:
             return [f"fits on {cl.gpus} GPUs with {' '.join(applied) or 'these knobs'}: {_lay(res[0].layout)}"]
     return ["no layout fits even with recompute, offload and 8x the GPUs"]
@@ -290,11 +293,12 @@ def suggestions(info, cluster, w, knobs, fixed, critic) -> list[str]:
 
 def yaml_snippet(e) -> str:
     lay = _lay(e.layout)
-    lines = ["actor_layout: {" + ", ".join(f"{k}: {v}" for k, v in lay.items() if k in ("tp", "pp", "ep", "etp")) + "}"]
+    lines = ["actor_layout: {" + ", ".join(f"{k}: {v}" for k, v in lay.items()
+                                           if k in ("tp", "cp", "pp", "ep", "etp")) + "}"]
     if e.knobs.critic and e.critic_layout != e.layout:
         cl = _lay(e.critic_layout)
         lines.append("critic_layout: {" + ", ".join(f"{k}: {v}" for k, v in cl.items()
-                                                    if k in ("tp", "pp", "ep", "etp")) + "}")
+                                                    if k in ("tp", "cp", "pp", "ep", "etp")) + "}")
     extra = {k: v for k, v in lay.items() if k.endswith("stage_layers")}
     if extra:
         lines.append(f"# uneven pipeline (not in the trainer schema yet): {extra}")
@@ -316,14 +320,14 @@ def table(results, info, top: int) -> str:
     for e in results[:top]:
         lay = e.layout
         world = e.train_gpus
-        name = f"tp{lay.tp} pp{lay.pp} ep{lay.ep} etp{lay.etp}"
+        name = f"tp{lay.tp} pp{lay.pp} ep{lay.ep} etp{lay.etp}" + (f" cp{lay.cp}" if lay.cp > 1 else "")
         if lay.first_stage_layers or lay.last_stage_layers:
             name += f" [{lay.first_stage_layers},{lay.last_stage_layers}]"
         worst_phase, (_, ws) = max(e.phases.items(), key=lambda kv: kv[1][0])
         ph = [f"{e.phases[p][0] / GIB:.1f}" for p in ("rollout", "forward", "actor_update", "critic_update",
                                                       "weight_sync")]
         eng = f"tp{e.engine.tp} x{e.engine.capacity}" if e.engine else "-"
-        rows.append((name, str(world // (lay.tp * lay.pp)), str(world // (lay.ep * lay.etp * lay.pp)),
+        rows.append((name, str(world // (lay.tp * lay.cp * lay.pp)), str(world // (lay.ep * lay.etp * lay.pp)),
                      f"{max(s.params.total for s in e.stages) / 1e9:.3f}B", *ph, f"{worst_phase}@{ws}",
                      f"{e.host_per_node / GIB:.0f}", eng, f"{e.throughput:.0f}",
                      "fits" if e.fits else "NO"))
@@ -333,11 +337,23 @@ def table(results, info, top: int) -> str:
     return "\n".join(out)
 
 
+def _cp_only(args) -> int | None:
+    """``--cp N`` given without any other actor layout flag: the CP size the search is restricted to."""
+    others = ("tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers")
+    if getattr(args, "cp", None) is not None and all(getattr(args, k) is None for k in others):
+        return args.cp
+    return None
+
+
 def run(argv=None) -> int:
     from megatron_s3ac.plan.search import layout_errors, search
 
     args = build_parser().parse_args(argv)
     info, cluster, w, knobs, fixed, critic = resolve(args)
+    cp = _cp_only(args)
+    if cp is not None and cp < 1:
+        raise PlanInputError(f"--cp {cp} must be >= 1")
+    cps = None if cp is None else (cp,)
     world = cluster.gpus - ((knobs.engine_gpus or cluster.gpus // 2) if knobs.placement == "separate" else 0)
     for name, lay in (("layout", fixed), ("critic layout", critic)):
         if lay is not None:
@@ -348,13 +364,14 @@ def run(argv=None) -> int:
         from megatron_s3ac.plan.search import smallest_cluster
 
         if fixed is not None or critic is not None:
-            raise PlanInputError("--smallest enumerates layouts: drop --tp/--pp/--ep/--etp/--critic-*")
-        results = smallest_cluster(info, cluster, w, knobs)
+            raise PlanInputError("--smallest enumerates layouts: drop --tp/--pp/--ep/--etp/--critic-* "
+                                 "(--cp alone restricts the search)")
+        results = smallest_cluster(info, cluster, w, knobs, cps=cps)
         if results is None:
             raise PlanInputError(f"no layout fits on up to 1024 GPUs of {cluster.gpu_mem_gib:g} GiB")
         cluster = results[0].cluster
     else:
-        results = search(info, cluster, w, knobs, fixed, critic)
+        results = search(info, cluster, w, knobs, fixed, critic, cps=cps)
     if not results:
         raise PlanInputError(f"no legal layout for {info.model_type} on {world} GPUs")
     best = results[0]
@@ -365,7 +382,7 @@ def run(argv=None) -> int:
     if best.engine is not None and best.engine.capacity < best.engine.needed:
         notes.append(f"note: each engine holds {best.engine.capacity} sequences at max length at once; the rollout "
                      f"batch needs {best.engine.needed} per engine (it runs in waves)")
-    sugg = [] if best.fits else suggestions(info, cluster, w, knobs, fixed, critic)
+    sugg = [] if best.fits else suggestions(info, cluster, w, knobs, fixed, critic, cps=cps)
     if args.json:
         d = to_dict(best)
         d["model_type"] = info.model_type

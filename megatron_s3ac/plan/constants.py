@@ -38,3 +38,4 @@ HBM_TBPS = 4.8  # H200 HBM3e TB/s per GPU (sync-vs-async step-time proxy: memory
 HBM_EFFICIENCY = 0.5  # fraction of HBM bandwidth a decode step sustains (assumed)
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+MAX_CP = 16  # largest context-parallel size the layout search tries (powers of two)

@@ -138,7 +138,7 @@ def opt_bytes_per_elem(knobs: Knobs) -> int:
 
 def model_states(sp: StageParams, layout, world: int, knobs: Knobs) -> States:
     b = C.DTYPE_BYTES[knobs.dtype]
-    dp = world // (layout.tp * layout.pp)
+    dp = world // (layout.tp * layout.pp)  # DP x CP: megatron shards the optimizer over both
     edp = world // (layout.ep * layout.etp * layout.pp)
     dn = buffer_numel(sp.dense_numels, dp, sp.shared_embedding)
     en = buffer_numel(sp.expert_numels, edp)
@@ -229,6 +229,10 @@ def layer_activation(info: ModelInfo, mixer: str, mlp: str, layout, knobs: Knobs
                 kept += qkv * b
         if gated:
             kept += 2 * q * b  # sigmoid(gate) and the gated output (proj input)
+        if layout.cp > 1 and cpu:
+            # the torch path all-gathers K / V over CP: SDPA keeps the whole sequence's K / V (expanded to
+            # the query heads) per local query token; TE's ring (GPU) re-sends K / V in its backward instead
+            sel += (layout.cp - 1) * 2 * q * b
     elif mixer == "gdn":
         g = _gdn_dims(info)
         qk, v, nv = g["qk"], g["v"], g["nv"]
@@ -266,7 +270,7 @@ def layer_activation(info: ModelInfo, mixer: str, mlp: str, layout, knobs: Knobs
 
 
 def _micro_tokens(w: Workload, dp: int, minibatches: int) -> tuple[int, int]:
-    """(tokens per micro-batch, micro-batches per mini-batch on a DP rank)."""
+    """(tokens per micro-batch, micro-batches per mini-batch on a DP rank); a CP rank holds 1/cp of them."""
     rows = max(1, -(-w.sequences // (minibatches * dp)))
     if w.max_tokens_per_micro_batch:
         tok = max(w.max_tokens_per_micro_batch, w.seq_len)
@@ -442,6 +446,8 @@ def throughput_proxy(info: ModelInfo, layout, cluster: Cluster, w: Workload, kno
         bw = C.NVLINK_GBPS if layout.ep * layout.etp * layout.tp <= cluster.gpus_per_node else C.IB_GBPS
         n_moe = len(info.moe_layers) / layout.pp
         t += 2 * n_moe * tok_rank / layout.tp * info.top_k * info.hidden_size * b * (layout.ep - 1) / layout.ep / (bw * 1e9)
+    if layout.cp > 1:
+        t += cp_comm_bytes(info, layout, tok_rank, b) / (cp_bandwidth(layout, cluster) * 1e9)
     return tokens / t / train_gpus if t > 0 else 0.0
 
 
@@ -479,6 +485,30 @@ def pinned_bytes(nbytes: float) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+def cp_bandwidth(layout, cluster: Cluster) -> float:
+    """GB/s of the CP group: NVLink when the TP x CP ranks fit a node, else IB."""
+    return C.NVLINK_GBPS if layout.tp * layout.cp <= cluster.gpus_per_node else C.IB_GBPS
+
+
+def cp_comm_bytes(info: ModelInfo, layout, tok_rank: float, b: int) -> float:
+    """Bytes one rank receives for context parallelism over ``tok_rank`` token-passes (forward = 1,
+    forward + backward = 3, like the TP and EP terms; backward moves what forward did, so 2/3 of the
+    token-passes are forward-and-backward volume per forward token). Per attention layer and local
+    token: the other cp-1 ranks' K / V, 2 x kv_heads/tp x head_dim (forward all-gather; backward
+    reduce-scatter of dK / dV; TE's p2p ring moves the same volume). Per GDN layer and local token:
+    the two head-parallel all-to-alls send (cp-1)/cp of the in_proj output (2 qk + 2 v + 2 nv) / tp
+    and of the core output v / tp (the same back in backward). docs/context_parallel.md."""
+    cp, tp = layout.cp, layout.tp
+    kinds = layer_kinds(info)
+    n_attn = sum(1 for m, _ in kinds if m != "gdn") / layout.pp
+    n_gdn = sum(1 for m, _ in kinds if m == "gdn") / layout.pp
+    per_tok = n_attn * (cp - 1) * 2 * info.num_kv_heads * info.head_dim / tp
+    if n_gdn:
+        g = _gdn_dims(info)
+        per_tok += n_gdn * (cp - 1) / cp * (2 * g["qk"] + 3 * g["v"] + 2 * g["nv"]) / tp
+    return per_tok * b * tok_rank * 2 / 3
+
+
 def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knobs, critic_layout=None) -> Estimate:
     """The whole estimate for one layout (``layout`` validated by the caller)."""
     critic_layout = critic_layout or layout
@@ -490,10 +520,14 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
     kinds = layer_kinds(info)
     a_params = rank_params(info, layout)
     c_params = rank_params(info, critic_layout, critic=True) if knobs.critic else None
-    dp = train_gpus // (layout.tp * layout.pp)
+    dp = train_gpus // (layout.tp * layout.cp * layout.pp)
     tokens, n_micro = _micro_tokens(w, dp, w.actor_minibatches)
-    c_dp = train_gpus // (critic_layout.tp * critic_layout.pp)
+    c_dp = train_gpus // (critic_layout.tp * critic_layout.cp * critic_layout.pp)
     c_tokens, c_micro = _micro_tokens(w, c_dp, w.critic_minibatches)
+    # context parallel: each CP rank holds 1/cp of every micro-batch's tokens (its activations, logits and
+    # log-prob / entropy buffers); the per-token outputs gathered over CP are a few bytes per token
+    tokens_micro = tokens
+    tokens, c_tokens = -(-tokens // layout.cp), -(-c_tokens // critic_layout.cp)
     fixed = (C.CUDA_CONTEXT_GIB + C.NCCL_GIB) * gib
     vocab_local = info.padded_vocab_size / layout.tp
     chunk = min(knobs.logprob_chunk, tokens) if knobs.logprob_chunk else tokens
@@ -576,6 +610,6 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
         problems.append(f"host memory {host / gib:.0f} GiB per node > {cluster.host_mem_gib:g} GiB")
     thr = throughput_proxy(info, layout, cluster, w, knobs, train_gpus, n_micro)
     return Estimate(layout=layout, critic_layout=critic_layout, cluster=cluster, workload=w, knobs=knobs,
-                    train_gpus=train_gpus, stages=stages, engine=eng, n_micro=n_micro, tokens_per_micro=tokens,
+                    train_gpus=train_gpus, stages=stages, engine=eng, n_micro=n_micro, tokens_per_micro=tokens_micro,
                     phases=phases, peak=peak, host_per_node=host, fits=not problems, problems=problems,
                     throughput=thr)

@@ -61,7 +61,7 @@ def _layout_of(d: Any):
     from megatron_s3ac.models.parallel import ParallelLayout
 
     kw = {}
-    for k in ("tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers"):
+    for k in ("tp", "cp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers"):
         v = _get(d, k)
         if v is not None:
             kw[k] = int(v)

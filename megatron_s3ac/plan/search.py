@@ -1,4 +1,4 @@
-"""Layout enumeration: every legal (TP, PP, EP, ETP) for a model on a cluster, estimated and ranked.
+"""Layout enumeration: every legal (TP, CP, PP, EP, ETP) for a model on a cluster, estimated and ranked.
 
 Legality is ``ParallelLayout.validate`` (the trainer's own rules) plus ``rules.extra_layout_errors``
 (rules megatron-core enforces later, at build time). Ranking: layouts that fit first, by the
@@ -37,24 +37,27 @@ def _neutral_world(layout: ParallelLayout) -> int:
     """A world size every divisibility rule of ``layout`` holds for (checks the world-free rules only)."""
     import math
 
-    return math.lcm(layout.tp * layout.pp, layout.etp * layout.ep * layout.pp)
+    return math.lcm(layout.tp * layout.cp * layout.pp, layout.etp * layout.ep * layout.pp)
 
 
-def candidates(info: ModelInfo, world: int, gpus_per_node: int) -> list[ParallelLayout]:
-    """Legal layouts with TP inside a node (TP across nodes is never worth it) and ETP in {1, TP}."""
+def candidates(info: ModelInfo, world: int, gpus_per_node: int, cps=None) -> list[ParallelLayout]:
+    """Legal layouts with TP inside a node (TP across nodes is never worth it), ETP in {1, TP} and
+    CP in ``cps`` (default: the powers of two up to ``MAX_CP``) where it divides the rest."""
     out = []
     for tp in _divisors(world):
         if tp > gpus_per_node:
             continue
-        for pp in _divisors(world // tp):
-            if pp > info.num_layers:
-                continue
-            eps = [d for d in _divisors(info.num_experts) if d * pp <= world] if info.is_moe else [1]
-            for ep in eps:
-                for etp in sorted({1, tp} if ep > 1 else {tp}):
-                    lay = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp)
-                    if not layout_errors(info, lay, world):
-                        out.append(lay)
+        allowed = cps if cps is not None else [c for c in _divisors(C.MAX_CP) if c & (c - 1) == 0]
+        for cp in (c for c in _divisors(world // tp) if c in allowed):
+            for pp in _divisors(world // (tp * cp)):
+                if pp > info.num_layers:
+                    continue
+                eps = [d for d in _divisors(info.num_experts) if d * pp <= world] if info.is_moe else [1]
+                for ep in eps:
+                    for etp in sorted({1, tp} if ep > 1 else {tp}):
+                        lay = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp)
+                        if not layout_errors(info, lay, world):
+                            out.append(lay)
     return out
 
 
@@ -74,12 +77,13 @@ def rank(estimates: list[Estimate]) -> list[Estimate]:
 
 
 def search(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs,
-           fixed: ParallelLayout | None = None, critic_layout: ParallelLayout | None = None) -> list[Estimate]:
-    """Estimates for ``fixed`` (validated) or for every candidate layout, ranked."""
+           fixed: ParallelLayout | None = None, critic_layout: ParallelLayout | None = None,
+           cps=None) -> list[Estimate]:
+    """Estimates for ``fixed`` (validated) or for every candidate layout (CP sizes ``cps``), ranked."""
     world = cluster.gpus
     if knobs.placement == "separate":
         world = cluster.gpus - (knobs.engine_gpus or cluster.gpus // 2)
-    layouts = [fixed] if fixed is not None else candidates(info, world, cluster.gpus_per_node)
+    layouts = [fixed] if fixed is not None else candidates(info, world, cluster.gpus_per_node, cps)
     return rank([estimate(info, lay, cluster, w, knobs, critic_layout) for lay in layouts])
 
 
@@ -87,13 +91,13 @@ CLUSTER_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def smallest_cluster(info: ModelInfo, template: Cluster, w: Workload, knobs: Knobs,
-                     sizes=CLUSTER_SIZES) -> list[Estimate] | None:
+                     sizes=CLUSTER_SIZES, cps=None) -> list[Estimate] | None:
     """Ranked estimates on the smallest GPU count (nodes of ``template.gpus_per_node``) where a layout fits."""
     import dataclasses
 
     for n in sizes:
         cl = dataclasses.replace(template, gpus=n, gpus_per_node=min(template.gpus_per_node, n))
-        res = search(info, cl, w, knobs)
+        res = search(info, cl, w, knobs, cps=cps)
         if res and res[0].fits:
             return res
     return None

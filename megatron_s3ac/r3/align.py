@@ -19,6 +19,10 @@ How the trainer's token layout maps onto router rows:
   * sequence parallel splits ``s`` contiguously across TP ranks: rank r keeps positions
     ``[r*s/tp, (r+1)*s/tp)``. Without SP every TP rank routes all tokens. EP/ETP do not matter (the
     router runs before dispatch, on the rank's own tokens);
+  * context parallel (cp > 1) first gives each CP rank its two load-balanced chunks of ``s``
+    (``models.context_parallel.local_positions``: rank r holds chunks r and 2cp-1-r of 2cp), back to
+    back; sequence parallelism then splits that local sequence contiguously over TP. Each rank replays
+    exactly the routes of its own tokens;
   * only the MoE layers of this pipeline stage (``layers``: global indices, in this rank's router
     order) are kept; dense layers never appear. Expert ids stay logical (megatron has no EPLB remap).
 
@@ -68,6 +72,14 @@ def sp_split(config) -> tuple[int, int]:
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def cp_split() -> tuple[int, int]:
+    """(rank, size) of this rank's context-parallel group (0, 1 without CP)."""
+    from megatron_s3ac.models.context_parallel import cp_group_info
+
+    rank, size, _ = cp_group_info()
+    return rank, size
 
 
 @dataclass
@@ -120,7 +132,8 @@ def _check_rows(sel: np.ndarray, num_experts: int, where: str) -> None:
 
 def align_microbatch(routes: Sequence[np.ndarray], placements: Sequence[tuple[int, int, int]],
                      shape: tuple[int, int], layers: Sequence[int], num_experts: int,
-                     sp_rank: int = 0, sp_size: int = 1, validate: bool = True) -> MicroBatchRoutes:
+                     sp_rank: int = 0, sp_size: int = 1, validate: bool = True,
+                     cp_rank: int = 0, cp_size: int = 1) -> MicroBatchRoutes:
     """Build this rank's replay rows for one micro-batch.
 
     routes:     per sample [T_i - 1, num_layers, top_k] (any integer dtype; kept compact).
@@ -129,8 +142,24 @@ def align_microbatch(routes: Sequence[np.ndarray], placements: Sequence[tuple[in
     layers:     global indices of this rank's MoE layers (``replay.local_moe_layers``).
     sp_rank, sp_size: the sequence-parallel split (``sp_split(config)``); s must divide by sp_size.
     validate:   check ids are in range and distinct per row (cheap; catches zero-filled captures).
-    Returns MicroBatchRoutes with indices [len(layers), s / sp_size * b, top_k], routed [s / sp_size * b].
+    cp_rank, cp_size: the context-parallel split (``cp_split()``), applied before the SP split.
+    Returns MicroBatchRoutes with indices [len(layers), s / cp_size / sp_size * b, top_k],
+    routed [s / cp_size / sp_size * b].
     """
+    if cp_size > 1:
+        from megatron_s3ac.models.context_parallel import local_positions
+
+        b, s = shape
+        if (s // cp_size) % sp_size or s % (2 * cp_size):
+            raise ValueError(f"sequence length {s} does not split into 2 x cp = {2 * cp_size} chunks with the "
+                             f"local part divisible by the sequence-parallel size {sp_size}")
+        full = align_microbatch(routes, placements, shape, layers, num_experts, validate=validate)
+        n_l, k = full.indices.shape[0], full.indices.shape[2]
+        pos = local_positions(s, cp_size, cp_rank)
+        s_loc = s // cp_size // sp_size
+        keep = pos[sp_rank * s_loc:(sp_rank + 1) * s_loc]
+        idx = full.indices.view(n_l, s, b, k)[:, keep].reshape(n_l, s_loc * b, k)
+        return MicroBatchRoutes(full.layers, idx.contiguous(), full.routed.view(s, b)[keep].reshape(-1).contiguous())
     if len(routes) != len(placements):
         raise ValueError(f"{len(routes)} samples but {len(placements)} placements")
     b, s = shape

@@ -46,7 +46,7 @@ class RouteReplay:
         """The rollout's routes of one micro-batch, in the order this rank's routers see its tokens
         (padded rows from position 0, every sample fed whole: its last token gets a filler row;
         only this rank's MoE layers, so dense layers are skipped)."""
-        from megatron_s3ac.r3.align import align_microbatch, pad_last_row, sp_split
+        from megatron_s3ac.r3.align import align_microbatch, cp_split, pad_last_row, sp_split
 
         # no-op rows (DP padding, filler micro-batches) keep the filler routes and are not counted as
         # routed, so they neither replay nor enter the agreement metric
@@ -59,11 +59,13 @@ class RouteReplay:
                 r = pad_last_row(r, self.num_experts)
             routes.append(r[: n - 1])
         sp_rank, sp_size = sp_split(self.actor_config)
+        cp_rank, cp_size = cp_split()
         # routes cut to this rank's MoE layers by the sender (sharded data flow): index them by position
         have = getattr(mb, "route_layers", None)
         layers = self.moe_layers if have is None else [list(have).index(x) for x in self.moe_layers]
         out = align_microbatch(routes, [mb.placements[i] for i in pick], tuple(mb.input_ids.shape),
-                               layers, self.num_experts, sp_rank=sp_rank, sp_size=sp_size)
+                               layers, self.num_experts, sp_rank=sp_rank, sp_size=sp_size,
+                               cp_rank=cp_rank, cp_size=cp_size)
         out.layers = tuple(self.moe_layers)  # the columns are looked up by global layer index
         if not any(real):
             out.routed.zero_()

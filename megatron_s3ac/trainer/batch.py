@@ -171,8 +171,32 @@ def shard_rows(rows: Tensor, dp_rank: int, dp: int) -> tuple[Tensor, Tensor]:
 
 
 def per_token(out: Tensor, mb: MicroBatch) -> Tensor:
-    """Per-position model output [b, s] (padded or packed micro-batch) -> per-response-token [n, T]."""
-    return out.reshape(-1)[mb.flat_idx]
+    """Per-position model output [b, s] (padded or packed micro-batch) -> per-response-token [n, T].
+
+    Context parallel: ``out`` holds this CP rank's positions [b, s / cp]; they are gathered over the CP
+    group first (``context_parallel.gather_from_cp``: per-token scalars, a few bytes per token; its
+    backward keeps this rank's slice), so everything downstream (losses, GAE, IS / IcePoP / MIS,
+    metrics) sees whole sequences, as at cp = 1. The identity gather when CP is off."""
+    from megatron_s3ac.models.context_parallel import gather_from_cp
+
+    return gather_from_cp(out, 1).reshape(-1)[mb.flat_idx]
+
+
+def next_token_targets(mb: MicroBatch) -> Tensor:
+    """Targets of this CP rank's positions: token p + 1 for position p, [b, s / cp] (all of them at cp = 1)."""
+    from megatron_s3ac.models.context_parallel import split_for_cp
+
+    return split_for_cp(torch.roll(mb.input_ids, -1, dims=1), 1)
+
+
+def cp_count(count: Tensor) -> Tensor:
+    """A loss's token (or sequence) count as ``forward_backward`` must report it: megatron sums counts
+    over DP x CP, and every CP rank computes the whole sequence's loss (``per_token``), so only CP
+    rank 0 reports it (0 elsewhere). Unchanged without CP."""
+    from megatron_s3ac.models.context_parallel import cp_group_info
+
+    rank, _, _ = cp_group_info()
+    return count if rank == 0 else torch.zeros_like(count)
 
 
 def _micro(batch: RolloutBatch, r: Tensor, real: Tensor, **layout) -> MicroBatch:

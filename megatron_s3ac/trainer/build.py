@@ -26,7 +26,7 @@ class ParallelSetup:
     critic_layout: object
     actor_ctx: object = None  # ParallelContext per model when the layouts differ, else None (one global layout)
     critic_ctx: object = None
-    pad_to: int = 8  # sequence length multiple: sequence parallelism splits every micro-batch over TP
+    pad_to: int = 8  # sequence length multiple: SP splits every micro-batch over TP, CP into 2 x cp chunks
 
 
 def build_parallel(cfg: Config, uses_critic: bool) -> ParallelSetup:
@@ -42,7 +42,9 @@ def build_parallel(cfg: Config, uses_critic: bool) -> ParallelSetup:
         out.critic_ctx = ParallelContext(critic_layout, seed=cfg.train.seed, timeout_s=cfg.train.dist_timeout_s)
     else:
         initialize_model_parallel(layout, seed=cfg.train.seed, timeout_s=cfg.train.dist_timeout_s)
-    out.pad_to = 8 * layout.tp * critic_layout.tp // math.gcd(layout.tp, critic_layout.tp)
+    # every micro-batch splits over both layouts: TP under sequence parallelism, 2 x CP chunks x TP with CP
+    a, c = layout.seq_multiple, critic_layout.seq_multiple
+    out.pad_to = 8 * a * c // math.gcd(a, c)
     return out
 
 

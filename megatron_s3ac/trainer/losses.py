@@ -1,7 +1,8 @@
 """Per-micro-batch loss functions for ``models.pipeline.forward_backward``: (loss_sum, count, metrics).
 
 Losses are sums; megatron divides by the global ``count`` (calculate_per_token_loss), so a mini-batch
-is a true token (or sequence) mean over micro-batches and DP ranks. ``metrics["num_tokens"]`` weighs
+is a true token (or sequence) mean over micro-batches and DP ranks (with CP, ``per_token`` gathers the
+sequence and ``cp_count`` reports the count once per CP group). ``metrics["num_tokens"]`` weighs
 this micro-batch's metrics (trainer.metrics.token_means); ``loss_sum`` lets the runner skip a step
 whose loss is not finite.
 """
@@ -11,7 +12,7 @@ import torch
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.algorithms.registry import PolicyLossInputs, get_policy_loss
-from megatron_s3ac.trainer.batch import MicroBatch, per_token
+from megatron_s3ac.trainer.batch import MicroBatch, cp_count, next_token_targets, per_token
 
 
 def actor_loss(mb: MicroBatch, logits: torch.Tensor, *, policy_loss: str, algo_cfg, vocab_size: int,
@@ -20,7 +21,7 @@ def actor_loss(mb: MicroBatch, logits: torch.Tensor, *, policy_loss: str, algo_c
     from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
 
     fn, normalizer = get_policy_loss(policy_loss)
-    targets = torch.roll(mb.input_ids, -1, dims=1)
+    targets = next_token_targets(mb)
     logp = per_token(vocab_parallel_log_probs(logits, targets, vocab_size, temperature, chunk_tokens=chunk_tokens), mb)
     mask = mb.mask
     loss, met = fn(PolicyLossInputs(logp, mb.old_logp, mb.rollout_logp, mb.adv, mask, is_weights=mb.is_w,
@@ -28,7 +29,7 @@ def actor_loss(mb: MicroBatch, logits: torch.Tensor, *, policy_loss: str, algo_c
     count = (mask.sum(1) > 0).sum() if normalizer == "seqs" else mask.sum()
     met["num_tokens"] = mask.sum()
     met["loss_sum"] = loss.detach()
-    return loss, count.long().clamp(min=0), met
+    return loss, cp_count(count.long().clamp(min=0)), met
 
 
 def critic_loss(mb: MicroBatch, values_all: torch.Tensor, *, value_clip: float):
@@ -39,7 +40,7 @@ def critic_loss(mb: MicroBatch, values_all: torch.Tensor, *, value_clip: float):
     met["num_tokens"] = mask.sum()
     met["loss_sum"] = loss.detach()
     met["value_loss_tok"] = (loss.detach() / mask.sum().clamp(min=1))
-    return loss, mask.sum().long(), met
+    return loss, cp_count(mask.sum().long()), met
 
 
 def forward_outputs(mb: MicroBatch, out: torch.Tensor, *, what: str, vocab_size: int, temperature: float,
@@ -51,7 +52,7 @@ def forward_outputs(mb: MicroBatch, out: torch.Tensor, *, what: str, vocab_size:
     if what == "values":
         res = {"values": per_token(out, mb).detach()}
     else:
-        lp = vocab_parallel_log_probs(out, torch.roll(mb.input_ids, -1, dims=1), vocab_size, temperature,
+        lp = vocab_parallel_log_probs(out, next_token_targets(mb), vocab_size, temperature,
                                       chunk_tokens=chunk_tokens)
         res = {"logp": per_token(lp, mb).detach()}
         if what == "logp":

@@ -23,13 +23,18 @@ from megatron_s3ac.trainer.device import trainer_device
 class MicroBatcher:
     """This rank's rows -> micro-batches (padded, ``mbs`` rows each, or packed under ``token_budget``),
     as many on every rank (EP all-to-alls and pipeline schedules are collective): ranks with fewer
-    get fully masked no-op ones."""
+    get fully masked no-op ones. The token budget is per rank: under context parallelism (the model
+    whose parallel state is active) a packed row holds up to cp x ``token_budget`` tokens, budget of
+    them on each CP rank."""
     mbs: int = 0
     token_budget: int = 0
     pad_to: int = 8
 
     def __call__(self, batch: RolloutBatch, rows: torch.Tensor, real: torch.Tensor) -> list[MicroBatch]:
-        mbs = micro_batches(batch, rows, real, self.mbs, token_budget=self.token_budget, pad_to=self.pad_to)
+        from megatron_s3ac.models.context_parallel import cp_group_info
+
+        budget = self.token_budget * cp_group_info()[1]
+        mbs = micro_batches(batch, rows, real, self.mbs, token_budget=budget, pad_to=self.pad_to)
         if dist.get_world_size() > 1:
             n = torch.tensor([len(mbs)], device=trainer_device())
             dist.all_reduce(n, op=dist.ReduceOp.MAX)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
-from megatron_s3ac.trainer.batch import collate, per_token
+from megatron_s3ac.trainer.batch import collate, cp_count, per_token
 from megatron_s3ac.trainer.device import trainer_device
 from megatron_s3ac.trainer.minibatch import run_minibatches, shuffled_minibatches
 
@@ -82,7 +82,7 @@ def _loss(mb, out):
     err = (ret - v.detach()) * m
     # sums for a global explained variance 1 - Var(R - V) / Var(R) over all ranks' tokens
     sums = torch.stack([m.sum(), (ret * m).sum(), (ret ** 2 * m).sum(), err.sum(), (err ** 2).sum()])
-    return loss, m.sum().long(), {"loss_sum": loss.detach(), "sums": sums.double()}
+    return loss, cp_count(m.sum().long()), {"loss_sum": loss.detach(), "sums": sums.double()}
 
 
 def _step_metrics(outputs: list, gn: float, head_sq: float, back_sq: float, clip_grad: float) -> dict:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from megatron_s3ac.trainer.batch import collate, per_token
+from megatron_s3ac.trainer.batch import collate, cp_count, next_token_targets, per_token
 from megatron_s3ac.trainer.data import EOS
 from megatron_s3ac.trainer.minibatch import run_minibatches
 
@@ -30,9 +30,8 @@ def supervised_warmup(tr, log, snapshot=None) -> dict:
     t0, acc, step = time.time(), None, 0
 
     def loss_fn(mb, out):
-        targets = torch.roll(mb.input_ids, -1, dims=1)
-        lp = per_token(vocab_parallel_log_probs(out, targets, tr.info.vocab_size), mb)
-        return -(lp * mb.mask).sum(), mb.mask.sum().long(), {"nll": -(lp * mb.mask).sum().detach()}
+        lp = per_token(vocab_parallel_log_probs(out, next_token_targets(mb), tr.info.vocab_size), mb)
+        return -(lp * mb.mask).sum(), cp_count(mb.mask.sum().long()), {"nll": -(lp * mb.mask).sum().detach()}
 
     for step in range(1, d.warmup_max_steps + 1):
         pids = torch.randint(0, len(tr.prompts), (d.warmup_batch,), generator=g)

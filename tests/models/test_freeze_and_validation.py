@@ -104,11 +104,13 @@ DENSE = tiny_config("qwen2").to_dict()
     (MOE, dict(pp=3, first_stage_layers=1), 3, "num_layers 4 .* not divisible by the 2 remaining pipeline stages"),
     (MOE, dict(pp=5), 5, "num_layers 4 is fewer than pp=5 stages"),
     (MOE, dict(pp=2, first_stage_layers=4), 2, "cannot fill pp=2 stages"),
-    (MOE, dict(tp=2), 3, "world size 3 is not divisible by tp\\*pp"),
+    (MOE, dict(tp=2), 3, "world size 3 is not divisible by tp\\*cp\\*pp"),
     (MOE, dict(tp=2, ep=4, etp=1), 2, "world size 2 is not divisible by etp\\*ep\\*pp"),
     (MOE, dict(tp=2, etp=1), 2, "with ep=1, etp must equal tp"),
     (DENSE, dict(ep=2), 2, "ep=2 > 1 needs an MoE model"),
     (MOE, dict(tp=0), 1, "tp=0 must be >= 1"),
+    (MOE, dict(cp=0), 1, "cp=0 must be >= 1"),
+    (MOE, dict(tp=2, cp=2), 2, "world size 2 is not divisible by tp\\*cp\\*pp = 2\\*2\\*1"),
 ])
 def test_invalid_layouts(cfg, layout, world, msg):
     with pytest.raises(LayoutError, match=msg):

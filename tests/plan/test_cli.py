@@ -58,7 +58,7 @@ def test_yaml_snippet_is_a_trainer_layout(capsys):
 
     assert cli.run(BASE + ["--recompute", "full", "--optimizer-offload", "1", "--offload-idle", "--yaml"]) == 0
     d = yaml.safe_load(capsys.readouterr().out)
-    assert set(d["actor_layout"]) <= {"tp", "pp", "ep", "etp"}
+    assert set(d["actor_layout"]) <= {"tp", "cp", "pp", "ep", "etp"}
     assert d["cluster"] == {"gpus": 128, "gpus_per_node": 8, "gpu_mem_gib": 141, "host_mem_gib": 2048}
 
 
@@ -73,7 +73,7 @@ def test_table_output(capsys):
     (["/nonexistent/config.json", "--gpus", "8"], "no HF config"),
     ([os.path.join(CFG, "qwen3_30b_a3b")], "--gpus"),
     ([os.path.join(CFG, "qwen3_30b_a3b"), "--gpus", "8", "--ep", "3"], "num_experts 128 is not divisible by ep 3"),
-    ([os.path.join(CFG, "qwen3_30b_a3b"), "--gpus", "12", "--tp", "8"], "not divisible by tp*pp"),
+    ([os.path.join(CFG, "qwen3_30b_a3b"), "--gpus", "12", "--tp", "8"], "not divisible by tp*cp*pp"),
     ([os.path.join(CFG, "qwen3_30b_a3b"), "--gpus", "8", "--optimizer-offload", "1.5"], "optimizer_offload"),
     ([os.path.join(CFG, "qwen3_30b_a3b"), "--gpus", "8", "--recompute", "some"], "invalid choice"),
     (["--config", "/nonexistent.yaml", "--gpus", "8"], "no such file"),
@@ -100,5 +100,18 @@ def test_trainer_yaml(tmp_path, capsys):
                  "rollout: {prompts_per_step: 8, k: 2, max_new_tokens: 16}\ndata: {max_prompt_tokens: 16}\n"
                  "cluster: {gpus: 4, gpus_per_node: 4, gpu_mem_gib: 80, host_mem_gib: 256}\n")
     d = _json(capsys, ["--config", str(p)])
-    assert d["layout"] == {"tp": 2, "pp": 1, "ep": 2, "etp": 1} and d["fits"] is True
+    assert d["layout"] == {"tp": 2, "cp": 1, "pp": 1, "ep": 2, "etp": 1} and d["fits"] is True
     assert d["train_gpus"] == 4
+
+
+def test_context_parallel_layout_for_long_responses(capsys):
+    """The 397B at 2K + 64K on 128 H200: no CP-free layout fits (forward on the last stage), a CP one does."""
+    base = [os.path.join(CFG, "qwen3_5_397b_a17b"), "--gpus", "128", "--prompt-len", "2048", "--response-len",
+            "65536", "--recompute", "full", "--optimizer-offload", "1", "--offload-idle", "--json"]
+    assert cli.run(base + ["--cp", "1"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert not d["fits"] and d["layout"]["cp"] == 1
+    assert cli.run(base) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] and d["layout"]["cp"] > 1
+    assert d["dp"] == 128 // (d["layout"]["tp"] * d["layout"]["cp"] * d["layout"]["pp"])

@@ -45,3 +45,18 @@ def test_check_world_size_rule_from_cluster(tmp_path, capsys, monkeypatch):
                            "cluster: {gpus: 3, gpus_per_node: 3, gpu_mem_gib: 80, host_mem_gib: 64}\n")
     assert train_cli.main(["check", path]) == 2
     assert "world size 3" in capsys.readouterr().err
+
+
+def test_check_context_parallel_rules(tmp_path, capsys, monkeypatch):
+    """actor_layout.cp / critic_layout.cp: the world-size rule (tp*cp*pp) and Qwen3.5's GDN-head rule."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = _yaml(tmp_path, "model: {tiny: arithmetic_moe}\nactor_layout: {ep: 2, cp: 2}\ncritic_layout: {cp: 4}\n"
+                           "cluster: {gpus: 2, gpus_per_node: 2, gpu_mem_gib: 80, host_mem_gib: 64}\n")
+    assert train_cli.main(["check", path]) == 2
+    err = capsys.readouterr().err
+    assert "critic_layout: world size 2 is not divisible by tp*cp*pp = 1*4*1" in err
+    assert "actor_layout" not in err  # cp=2 with ep=2 fits 2 ranks
+    path = _yaml(tmp_path, f"model: {{hf_config: {Q397}}}\nactor_layout: {{tp: 2, cp: 16, pp: 4, ep: 32, etp: 1}}\n"
+                           "train: {r3: off}\n")
+    assert train_cli.main(["check", path]) == 2
+    assert "linear_num_key_heads 16 is not divisible by tp*cp = 2*16" in capsys.readouterr().err

@@ -56,7 +56,8 @@ def test_bad_expert_layout_key():
         model_info(cfg)
 
 
-def test_mtp_and_cp_are_refused_cleanly():
+def test_mtp_is_refused_and_cp_checks_gdn_heads():
+    from megatron_s3ac.models.parallel import LayoutError, ParallelLayout
     from megatron_s3ac.models.registry import get_arch
 
     info = model_info(tiny_qwen3_5_config("vl").to_dict())
@@ -66,6 +67,7 @@ def test_mtp_and_cp_are_refused_cleanly():
 
     with pytest.raises(UnsupportedModelError, match="MTP"):
         get_arch(info.model_type).block_spec(Cfg(), info, None)
-    Cfg.mtp_num_layers, Cfg.context_parallel_size = None, 2
-    with pytest.raises(UnsupportedModelError, match="context parallel"):
-        get_arch(info.model_type).block_spec(Cfg(), info, None)
+    # CP splits the GDN heads over CP ranks: 2 key heads go over tp*cp = 2, not 4
+    ParallelLayout(cp=2).validate(info, 2)
+    with pytest.raises(LayoutError, match="linear_num_key_heads 2 is not divisible by tp\\*cp = 2\\*2"):
+        ParallelLayout(cp=2, tp=2).validate(info, 4)

@@ -153,7 +153,12 @@ def _assert_same_step(got, ref):
     ["actor_layout.pp=2"],
     ["actor_layout.pp=2", "algo.max_tokens_per_micro_batch=24"],
     ["actor_layout.ep=2", "critic_layout.tp=2"],
-], ids=["ep2-packed", "pp2", "pp2-packed", "actor-ep2-critic-tp2"])
+    ["actor_layout.ep=2", "actor_layout.cp=2", "critic_layout.cp=2"],
+    pytest.param(["actor_layout.ep=2", "actor_layout.cp=2", "algo.max_tokens_per_micro_batch=12"],
+                 marks=pytest.mark.slow),
+], ids=["ep2-packed", "pp2", "pp2-packed", "actor-ep2-critic-tp2", "cp2", "cp2-packed"])
 def test_first_step_is_layout_free(overrides, init_ckpts, reference, tmp_path):
     got = run_distributed(_one_step, 2, init_ckpts + overrides, str(tmp_path))
+    if "actor_layout.cp=2" in overrides:  # the sequences really were split: 2 x cp chunks (x 8)
+        assert got[0]["pad_to"] == 32
     _assert_same_step(got, reference)

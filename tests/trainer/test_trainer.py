@@ -240,13 +240,13 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
 
 
 # ---- R3: routing replay in the trainer (EP=2) ----------------------------------------------------
-def _r3(out_dir):
+def _r3(out_dir, extra=()):
     import numpy as np
 
     from megatron_s3ac.trainer.loop import Trainer
 
     cfg = load_config(None, SMALL + ["actor_layout.ep=2", "algo.name=grpo_x", "daps.enabled=false",
-                                     "algo.dynamic_sampling=false", f"train.out_dir={out_dir}"])
+                                     "algo.dynamic_sampling=false", f"train.out_dir={out_dir}", *extra])
     tr = Trainer(cfg)
     res = {"r3_on": tr.r3_on, "moe_layers": list(tr._moe_layers)}
     seen = capture_batches(tr)
