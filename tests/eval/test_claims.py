@@ -82,7 +82,7 @@ def test_schema_validation():
 def _plan(drv, out, claims=None, extra=()):
     args = drv.parse_args(["--out", out, "--seeds", "4", "5", "6", *extra] + (["--claims", *claims] if claims else []))
     chosen = [c for c in drv.claims(10) if claims is None or c.name in claims]
-    return drv.plan(args, drv.FULL, chosen)
+    return drv.plan(args, drv.CHAIN_FULL, chosen)
 
 
 def _write(path, obj=None, rows=None):
@@ -122,10 +122,10 @@ def test_arms_share_stages_by_fingerprint(tmp_path):
     for a in ("grpo_x", "k1_reinforce_pp", "k1_flash_reinforce", "no_value_pretraining"):
         assert st(a) == {"warmup": base["warmup"]}, a
     assert st("s3ac", 5)["warmup"] != base["warmup"]
-    assert f"train.steps={drv.FULL.first}" in by[("no_value_pretraining", 4)].overrides
-    assert f"train.steps={drv.FULL.steps}" in by[("grpo_x", 4)].overrides
+    assert f"train.steps={drv.CHAIN_FULL.first}" in by[("no_value_pretraining", 4)].overrides
+    assert f"train.steps={drv.CHAIN_FULL.steps}" in by[("grpo_x", 4)].overrides
     k1 = by[("k1_s3ac", 4)].overrides
-    assert "rollout.k=1" in k1 and f"rollout.prompts_per_step={drv.FULL.prompts_per_step * drv.FULL.k}" in k1
+    assert "rollout.k=1" in k1 and f"rollout.prompts_per_step={drv.CHAIN_FULL.prompts_per_step * drv.CHAIN_FULL.k}" in k1
     # every job's command line names its stage dirs and its own out dir
     j = by[("head_init_0.01", 6)]
     assert f"pipeline.value_pretrain_dir={st('head_init_0.01', 6)['value_pretrain']}" in j.overrides
