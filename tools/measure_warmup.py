@@ -3,9 +3,10 @@
     python tools/measure_warmup.py --out runs/warmup/cumsum12 -- data.task=chain rollout.reward=chain \
         data.chain=cumsum data.min_len=12 data.max_len=16 rollout.max_new_tokens=17
 
-Runs ``s3ac-train pipeline CONFIG <overrides> pipeline.stop_after=warmup`` on one rank (tp = pp = ep = 1)
-(killed after ``--timeout`` seconds) and prints the warm-up curve (greedy held-out pass rate per evaluation point, with wall seconds), the
-band reached (below / in / above 10-60%) and the wall time, as one JSON line (also OUT/summary.json).
+Runs ``s3ac-train pipeline CONFIG <overrides> pipeline.stop_after=warmup`` on one rank (tp = pp = ep = 1),
+killed after ``--timeout`` seconds, and prints the warm-up curve (greedy held-out pass rate per evaluation
+point, with wall seconds), the band reached (below / in / above 10-60%), the wall time and the load
+average, as one JSON line (also OUT/summary.json).
 """
 from __future__ import annotations
 

@@ -1,8 +1,13 @@
 """Reproduce the S3AC paper's claims in miniature, with several seeds per arm and honest statistics.
 
-    python tools/reproduce_claims.py --seeds 1 2 3 --out runs/claims            # the full report (<= 45 min)
+    python tools/reproduce_claims.py --seeds 1 2 3 --out runs/claims            # the full report (<= 1 h)
     python tools/reproduce_claims.py --quick --out runs/claims_quick              # CI-sized smoke (<= 10 min)
+    python tools/reproduce_claims.py --task arithmetic --out ...                  # the demo's a+b= task
     python tools/reproduce_claims.py --task multistep --max-operands 5 --out ...  # a variant task
+
+The default task is the digit chain ``cumsum`` at length 12 (trainer/tasks_chain.py: 12-token answers, one
+wrong token dooms the answer); on it every run records its per-token advantages (train.credit_every=1) and
+the report adds the Figure-2-style credit plot of S3AC vs GRPO-X (plots/credit.png, megatron_s3ac/eval/credit.py).
 
 Every arm x seed is one ``s3ac-train pipeline`` job (``torchrun -m megatron_s3ac.trainer.cli pipeline
 CONFIG overrides``: warm-up -> coverage -> value pretraining -> RL). Arms of one seed share stages
@@ -277,6 +282,8 @@ def claims(n_first: int, hidden: int = 64) -> list[Claim]:
 
 QUICK_CLAIMS = ("value_pretraining_explained_variance", "critic_grad_clip", "value_head_gradient_share",
                 "s3ac_vs_grpo_x")
+# the chain task's quick mode: 3 arms (S3AC, GRPO-X, clip 1) x 3 seeds fit its 10 minutes (docs/reproduction.md)
+CHAIN_QUICK_CLAIMS = ("s3ac_vs_grpo_x", "critic_grad_clip", "value_head_gradient_share")
 
 
 def base_overrides(args, size: Size) -> list[str]:
@@ -627,9 +634,11 @@ def write_report(out: str, entries: list[dict], claims_by_name: dict[str, Claim]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="train.seed of each run (default 1 2 3; quick 1 2)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="train.seed of each run (default 1 2 3; quick on the arithmetic / multistep task 1 2)")
     p.add_argument("--out", required=True, help="output directory (runs/, stages/, claims.json, report.md, plots/)")
-    p.add_argument("--quick", action="store_true", help="CI-sized smoke: short runs, claims " + ", ".join(QUICK_CLAIMS))
+    p.add_argument("--quick", action="store_true", help="CI-sized smoke: short runs, claims " + ", ".join(
+        CHAIN_QUICK_CLAIMS) + " (arithmetic / multistep: " + ", ".join(QUICK_CLAIMS) + ")")
     p.add_argument("--claims", nargs="+", default=None, help="only these claims (names in claims.json)")
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--steps", type=int, default=None, help="RL steps of the whole-run arms (default: the size's)")
@@ -652,7 +661,7 @@ def parse_args(argv=None):
                    help="launch nothing: use the runs already in OUT (a missing one counts as failed)")
     args = p.parse_args(argv)
     if args.seeds is None:
-        args.seeds = [1, 2] if args.quick else [1, 2, 3]
+        args.seeds = [1, 2] if args.quick and args.task != "chain" else [1, 2, 3]
     if len(set(args.seeds)) != len(args.seeds):
         p.error("--seeds must be distinct")
     if args.jobs < 1 or args.nproc < 1:
@@ -671,7 +680,8 @@ def main(argv=None) -> int:
 
     hidden = _hidden_size(load_config(args.config, base_overrides(args, size)))
     all_claims = claims(n_first=size.first, hidden=hidden)
-    names = args.claims or (list(QUICK_CLAIMS) if args.quick else [c.name for c in all_claims])
+    quick_claims = CHAIN_QUICK_CLAIMS if args.task == "chain" else QUICK_CLAIMS
+    names = args.claims or (list(quick_claims) if args.quick else [c.name for c in all_claims])
     unknown = set(names) - {c.name for c in all_claims}
     if unknown:
         print(f"reproduce_claims: unknown claims {sorted(unknown)}", file=sys.stderr)

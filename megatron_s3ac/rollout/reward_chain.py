@@ -12,8 +12,9 @@ Kinds (prompt -> answer; every digit string is read left to right, position 1 fi
 - ``runsum``   "3,5,1,7="    -> "3,8,9,16"    running sums of single digits (every intermediate result)
 
 The reward is +1 iff the response is exactly the chain the prompt determines (the reference, which
-trainer/tasks_chain.py computes with chain_answer and the warm-up trains on), else -1: a mistake at one step dooms the answer while the
-steps before it are right, so the response-level signal has to be assigned to the step that failed.
+trainer/tasks_chain.py computes with chain_answer and the warm-up trains on), else -1: a mistake at one
+step dooms the answer while the steps before it are right, so the response-level signal has to be
+assigned to the step that failed.
 ``first_error`` is a diagnostic (the index of the first wrong token), not a reward.
 
 Registered as "chain" by rollout/rewards.py (inline: string operations on at most MAX_RESPONSE_CHARS
