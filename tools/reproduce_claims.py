@@ -565,7 +565,8 @@ CREDIT_ARMS = {"s3ac": "S3AC", "grpo_x": "GRPO-X"}
 
 def credit_plot(run_dirs: dict[str, list[RunDirs]], path: str) -> Optional[dict]:
     """The Figure-2-style plot of the S3AC and GRPO-X arms (their seeds pooled) from the runs'
-    credit.jsonl (train.credit_every); None when neither arm recorded one. Also writes credit.json."""
+    credit.jsonl (train.credit_every): S3AC split by its V(s0) and by the group mean reward, GRPO-X by
+    the group mean reward; None when neither arm recorded one. Also writes credit.json."""
     from megatron_s3ac.eval.credit import credit_curves, plot_credit, read_credit
 
     panels = {}
@@ -574,6 +575,8 @@ def credit_plot(run_dirs: dict[str, list[RunDirs]], path: str) -> Optional[dict]
         rows = [r for f in files if os.path.exists(f) for r in read_credit(f)]
         if rows:
             panels[label] = credit_curves(rows)
+            if any(r.get("v0") is not None for r in rows):  # also split like GRPO-X, for a like-for-like view
+                panels[f"{label} (split as GRPO-X)"] = credit_curves(rows, by="group")
     if not panels:
         return None
     plot_credit(panels, path, "mean advantage by response position (all RL steps, seeds pooled)")

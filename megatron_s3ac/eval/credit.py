@@ -2,8 +2,10 @@
 (trainer/credit_record.py: per RL step, every trajectory's per-token advantages, reward and V(s0)).
 
 Each step's prompts are split at the step's median difficulty estimate into easy (above) and hard
-(at or below): the critic's V(s0) where the run has a critic (S3AC), else the prompt group's mean reward
-(GRPO-X's own baseline, the Monte Carlo estimate of V(s0) at K > 1). Each response's tokens are binned by
+(at or below): the critic's V(s0) where the run has a critic (S3AC), else (or with ``by="group"``) the
+prompt group's mean reward (GRPO-X's own baseline, the Monte Carlo estimate of V(s0) at K > 1; note that
+it is computed from the very rewards it splits, so at K = 8 a correct response on a "hard" prompt is one
+of few correct ones and gets a large GRPO advantage by construction). Each response's tokens are binned by
 progress t / T into ``bins`` equal bins; a cell's value is the mean advantage over the tokens in it
 (each response weighted by its tokens in the bin), split by correct (reward > 0) / incorrect.
 """
@@ -29,9 +31,9 @@ def read_credit(path: str) -> list[dict]:
     return rows
 
 
-def _difficulty(row: dict) -> tuple[list[float], str]:
+def _difficulty(row: dict, by: str) -> tuple[list[float], str]:
     """Per trajectory: the prompt's difficulty estimate (higher = easier) and what it is."""
-    if row.get("v0") is not None:
+    if by == "v0" and row.get("v0") is not None:
         return row["v0"], "V(s0)"
     sums, counts = defaultdict(float), defaultdict(int)
     for p, r in zip(row["pid"], row["reward"]):
@@ -46,8 +48,10 @@ def _median(v: list[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def credit_curves(rows: Iterable[dict], bins: int = 10, steps: Optional[tuple[int, int]] = None) -> dict:
-    """{"estimate": what split easy / hard, "curves": {"easy/correct": [bins] or None per bin, ...},
+def credit_curves(rows: Iterable[dict], bins: int = 10, steps: Optional[tuple[int, int]] = None,
+                  by: str = "v0") -> dict:
+    """by: "v0" (V(s0) where recorded, else the group mean reward) or "group" (the group mean reward).
+    {"estimate": what split easy / hard, "curves": {"easy/correct": [bins] or None per bin, ...},
     "tokens": {group: token count}, "responses": {group: count}, "mean": {group: mean advantage over all
     its tokens}} over the rows whose step is in [steps[0], steps[1]) (all without ``steps``)."""
     sums = {g: [0.0] * bins for g in GROUPS}
@@ -57,7 +61,7 @@ def credit_curves(rows: Iterable[dict], bins: int = 10, steps: Optional[tuple[in
     for row in rows:
         if steps is not None and not steps[0] <= row["step"] < steps[1]:
             continue
-        diff, what = _difficulty(row)
+        diff, what = _difficulty(row, by)
         # the median over prompts (one value per prompt), so easy and hard hold as many prompts
         per_prompt = {p: d for p, d in zip(row["pid"], diff)}
         med = _median(list(per_prompt.values()))

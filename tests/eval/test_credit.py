@@ -41,3 +41,11 @@ def test_step_window_and_reading(tmp_path):
     assert credit_curves(rows, bins=2)["responses"]["hard/incorrect"] == 4
     plot_credit({"S3AC": credit_curves(rows, 2), "GRPO-X": credit_curves(rows, 2)}, str(tmp_path / "c.png"))
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_group_split_ignores_v0():
+    # V(s0) says prompt 9 is the easy one; the group mean reward says prompt 7
+    rows = [_row(0, v0=[-0.5, -0.5, 0.5, 0.5])]
+    assert credit_curves(rows, bins=2)["curves"]["hard/correct"] == [1.0, 2.0]
+    g = credit_curves(rows, bins=2, by="group")
+    assert g["estimate"] == "group mean reward" and g["curves"]["easy/correct"] == [1.0, 2.0]
