@@ -73,7 +73,7 @@ def test_config_layout_checked_against_model():
 
 
 def test_example_configs_validate():
-    for name in ("cpu_demo.yaml", "cpu_demo_grpo.yaml"):
+    for name in ("cpu_demo.yaml", "cpu_demo_grpo.yaml", "cpu_demo_chain.yaml"):
         load_config(os.path.join(ROOT, "examples", name))
 
 
