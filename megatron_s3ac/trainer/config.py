@@ -119,7 +119,7 @@ class DataCfg:
     # chain task: the kind (trainer.tasks_chain.KINDS) and the chain length in [min_len, max_len]
     chain: str = "cumsum"
     min_len: int = 12
-    max_len: int = 16
+    max_len: int = 12
     max_prompt_tokens: int = 1024
     apply_chat_template: bool = True
     seed: int = 1

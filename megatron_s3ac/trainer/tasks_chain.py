@@ -57,7 +57,7 @@ class ChainSpec:
 
     kind: str = "cumsum"
     min_len: int = 12
-    max_len: int = 16
+    max_len: int = 12
 
     def __post_init__(self):
         if self.kind not in KINDS:
