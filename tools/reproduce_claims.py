@@ -1,8 +1,13 @@
 """Reproduce the S3AC paper's claims in miniature, with several seeds per arm and honest statistics.
 
-    python tools/reproduce_claims.py --seeds 1 2 3 --out runs/claims            # the full report (<= 45 min)
+    python tools/reproduce_claims.py --seeds 1 2 3 --out runs/claims            # the full report (<= 1 h)
     python tools/reproduce_claims.py --quick --out runs/claims_quick              # CI-sized smoke (<= 10 min)
+    python tools/reproduce_claims.py --task arithmetic --out ...                  # the demo's a+b= task
     python tools/reproduce_claims.py --task multistep --max-operands 5 --out ...  # a variant task
+
+The default task is the digit chain ``cumsum`` at length 12 (trainer/tasks_chain.py: 12-token answers, one
+wrong token dooms the answer); on it every run records its per-token advantages (train.credit_every=1) and
+the report adds the Figure-2-style credit plot of S3AC vs GRPO-X (plots/credit.png, megatron_s3ac/eval/credit.py).
 
 Every arm x seed is one ``s3ac-train pipeline`` job (``torchrun -m megatron_s3ac.trainer.cli pipeline
 CONFIG overrides``: warm-up -> coverage -> value pretraining -> RL). Arms of one seed share stages
@@ -68,6 +73,12 @@ class Size:
 FULL = Size(prompts_per_step=32, k=8, minibatches=4, steps=40, first=10, eval_every=8, eval_prompts=400, eval_k=4)
 QUICK = Size(prompts_per_step=32, k=8, minibatches=4, steps=8, first=4, eval_every=4, eval_prompts=200, eval_k=2,
              extra=("demo.warmup_eval_every=50", "demo.coverage_prompts=256"))
+# the chain task's answers are 3-4x longer: every rollout and update costs more (docs/reproduction.md "Sizing")
+CHAIN_FULL = Size(prompts_per_step=32, k=8, minibatches=4, steps=30, first=8, eval_every=6, eval_prompts=300, eval_k=2)
+CHAIN_QUICK = Size(prompts_per_step=32, k=8, minibatches=4, steps=8, first=4, eval_every=4, eval_prompts=200, eval_k=2,
+                   extra=("demo.coverage_prompts=256",))
+SIZES = {"chain": (CHAIN_FULL, CHAIN_QUICK), "arithmetic": (FULL, QUICK), "multistep": (FULL, QUICK)}
+CREDIT_TASKS = ("chain", "multistep")  # answers long enough for a credit-by-position plot
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,6 +282,8 @@ def claims(n_first: int, hidden: int = 64) -> list[Claim]:
 
 QUICK_CLAIMS = ("value_pretraining_explained_variance", "critic_grad_clip", "value_head_gradient_share",
                 "s3ac_vs_grpo_x")
+# the chain task's quick mode: 3 arms (S3AC, GRPO-X, clip 1) x 3 seeds fit its 10 minutes (docs/reproduction.md)
+CHAIN_QUICK_CLAIMS = ("s3ac_vs_grpo_x", "critic_grad_clip", "value_head_gradient_share")
 
 
 def base_overrides(args, size: Size) -> list[str]:
@@ -280,6 +293,17 @@ def base_overrides(args, size: Size) -> list[str]:
         o += ["actor_layout.tp=1", "actor_layout.pp=1", "actor_layout.ep=1"]
     if args.max_operand is not None:
         o.append(f"data.max_operand={args.max_operand}")
+    if args.task == "chain":
+        from megatron_s3ac.trainer.tasks_chain import ChainSpec
+
+        cs = ChainSpec(kind=args.chain, min_len=args.min_len, max_len=args.max_len)
+        o += ["data.task=chain", "rollout.reward=chain", f"data.chain={cs.kind}", f"data.min_len={cs.min_len}",
+              f"data.max_len={cs.max_len}", f"rollout.max_new_tokens={cs.max_response_tokens()}",
+              # the warm-up's pass rate jumps within ~50 steps on this task (docs/reproduction.md): evaluate
+              # often enough to stop inside the 10-60% band
+              "demo.warmup_eval_every=25"]
+    if args.task in CREDIT_TASKS:
+        o.append("train.credit_every=1")  # per-token advantages of every step: the credit plot
     if args.task == "multistep":
         from megatron_s3ac.trainer.tasks_multistep import MultistepSpec
 
@@ -536,14 +560,43 @@ def plot_claim(c: Claim, entry: dict, run_dirs: dict[str, list[RunDirs]], path: 
     plt.close(fig)
 
 
+CREDIT_ARMS = {"s3ac": "S3AC", "grpo_x": "GRPO-X"}
+
+
+def credit_plot(run_dirs: dict[str, list[RunDirs]], path: str) -> Optional[dict]:
+    """The Figure-2-style plot of the S3AC and GRPO-X arms (their seeds pooled) from the runs'
+    credit.jsonl (train.credit_every): S3AC split by its V(s0) and by the group mean reward, GRPO-X by
+    the group mean reward; None when neither arm recorded one. Also writes credit.json."""
+    from megatron_s3ac.eval.credit import credit_curves, plot_credit, read_credit
+
+    panels = {}
+    for arm, label in CREDIT_ARMS.items():
+        files = [os.path.join(d.out, "credit.jsonl") for d in run_dirs.get(arm, [])]
+        rows = [r for f in files if os.path.exists(f) for r in read_credit(f)]
+        if rows:
+            panels[label] = credit_curves(rows)
+            if any(r.get("v0") is not None for r in rows):  # also split like GRPO-X, for a like-for-like view
+                panels[f"{label} (split as GRPO-X)"] = credit_curves(rows, by="group")
+    if not panels:
+        return None
+    plot_credit(panels, path, "mean advantage by response position (all RL steps, seeds pooled)")
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(panels, f, indent=1)
+    return panels
+
+
+def _fmt_arm(a: dict) -> str:
+    if a["mean"] is None:
+        return "n/a"
+    lo, hi = a["ci95"]
+    ci = "" if lo is None else f" [{lo:.4g}, {hi:.4g}]"
+    return f"{a['mean']:.4g}{ci} (n={sum(v is not None for v in a['values'])})"
+
+
 def write_report(out: str, entries: list[dict], claims_by_name: dict[str, Claim], cmdline: str, seeds: list[int],
-                 jobs: list[Job], missing: dict[str, str], size: Size, wall_s: float) -> str:
-    def fmt(a):
-        if a["mean"] is None:
-            return "n/a"
-        lo, hi = a["ci95"]
-        ci = "" if lo is None else f" [{lo:.3g}, {hi:.3g}]"
-        return f"{a['mean']:.3g}{ci} (n={sum(v is not None for v in a['values'])})"
+                 jobs: list[Job], missing: dict[str, str], size: Size, wall_s: float,
+                 credit: Optional[dict] = None) -> str:
+    fmt = _fmt_arm
 
     lines = ["# S3AC claims in miniature", "", f"Command: `{cmdline}`", "",
              f"Seeds: {seeds}; wall time {wall_s / 60:.1f} min for {len(jobs)} pipeline jobs. RL size: "
@@ -565,6 +618,16 @@ def write_report(out: str, entries: list[dict], claims_by_name: dict[str, Claim]
         lines += ["", "## Jobs that failed (their values are null)", ""] + [f"- {j.name}: {j.note}" for j in bad]
     lines += ["", "## Jobs", "", "| job | status | wall s | CPU s |", "|---|---|---|---|"]
     lines += [f"| {j.name} | {j.status} | {j.wall_s:.0f} | {j.cpu_s:.0f} |" for j in jobs]
+    if credit:
+        lines += ["", "## Credit by response position (paper Fig. 2b)", "",
+                  "Mean advantage over all tokens of each group (all RL steps, seeds pooled; easy / hard: above / at "
+                  "or below the step's median difficulty estimate; curves in plots/credit.png, numbers in "
+                  "plots/credit.json).", "", "| arm | split by | " + " | ".join(next(iter(credit.values()))["mean"])
+                  + " |", "|---|---|" + "---|" * len(next(iter(credit.values()))["mean"])]
+        for label, c in credit.items():
+            cells = [("n/a" if v is None else f"{v:+.3f} (n={c['responses'][g]})") for g, v in c["mean"].items()]
+            lines.append(f"| {label} | {c['estimate']} | " + " | ".join(cells) + " |")
+        lines += ["", "![credit](plots/credit.png)"]
     lines += ["", "## Plots", ""] + [f"![{e['name']}](plots/{e['name']}.png)" for e in entries]
     path = os.path.join(out, "report.md")
     with open(path, "w") as f:
@@ -574,13 +637,20 @@ def write_report(out: str, entries: list[dict], claims_by_name: dict[str, Claim]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="train.seed of each run (default 1 2 3; quick 1 2)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="train.seed of each run (default 1 2 3; quick on the arithmetic / multistep task 1 2)")
     p.add_argument("--out", required=True, help="output directory (runs/, stages/, claims.json, report.md, plots/)")
-    p.add_argument("--quick", action="store_true", help="CI-sized smoke: short runs, claims " + ", ".join(QUICK_CLAIMS))
+    p.add_argument("--quick", action="store_true", help="CI-sized smoke: short runs, claims " + ", ".join(
+        CHAIN_QUICK_CLAIMS) + " (arithmetic / multistep: " + ", ".join(QUICK_CLAIMS) + ")")
     p.add_argument("--claims", nargs="+", default=None, help="only these claims (names in claims.json)")
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--steps", type=int, default=None, help="RL steps of the whole-run arms (default: the size's)")
-    p.add_argument("--task", choices=("arithmetic", "multistep"), default="arithmetic")
+    p.add_argument("--task", choices=("chain", "arithmetic", "multistep"), default="chain",
+                   help="chain (default): the digit-chain task, 12-32-token answers (trainer/tasks_chain.py); "
+                        "arithmetic: the demo's a+b=; multistep: a+b+c= written step by step")
+    p.add_argument("--chain", default="cumsum", help="chain: the kind (cumsum, add, reverse, sort, runsum)")
+    p.add_argument("--min-len", type=int, default=12, help="chain: shortest chain")
+    p.add_argument("--max-len", type=int, default=12, help="chain: longest chain")
     p.add_argument("--max-operand", type=int, default=None)
     p.add_argument("--min-operands", type=int, default=3, help="multistep: fewest operands per prompt")
     p.add_argument("--max-operands", type=int, default=5, help="multistep: most operands per prompt")
@@ -594,7 +664,7 @@ def parse_args(argv=None):
                    help="launch nothing: use the runs already in OUT (a missing one counts as failed)")
     args = p.parse_args(argv)
     if args.seeds is None:
-        args.seeds = [1, 2] if args.quick else [1, 2, 3]
+        args.seeds = [1, 2] if args.quick and args.task != "chain" else [1, 2, 3]
     if len(set(args.seeds)) != len(args.seeds):
         p.error("--seeds must be distinct")
     if args.jobs < 1 or args.nproc < 1:
@@ -605,7 +675,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.time()
-    size = QUICK if args.quick else FULL
+    size = SIZES[args.task][1 if args.quick else 0]
     if args.steps is not None:
         size = dataclasses.replace(size, steps=args.steps, eval_every=max(1, min(size.eval_every, args.steps)))
     out = os.path.abspath(args.out)
@@ -613,7 +683,8 @@ def main(argv=None) -> int:
 
     hidden = _hidden_size(load_config(args.config, base_overrides(args, size)))
     all_claims = claims(n_first=size.first, hidden=hidden)
-    names = args.claims or (list(QUICK_CLAIMS) if args.quick else [c.name for c in all_claims])
+    quick_claims = CHAIN_QUICK_CLAIMS if args.task == "chain" else QUICK_CLAIMS
+    names = args.claims or (list(quick_claims) if args.quick else [c.name for c in all_claims])
     unknown = set(names) - {c.name for c in all_claims}
     if unknown:
         print(f"reproduce_claims: unknown claims {sorted(unknown)}", file=sys.stderr)
@@ -659,10 +730,12 @@ def main(argv=None) -> int:
     write_claims(entries, os.path.join(out, "claims.json"))
     for e in entries:
         plot_claim(by_name[e["name"]], e, run_dirs, os.path.join(out, "plots", f"{e['name']}.png"))
+    credit = credit_plot(run_dirs, os.path.join(out, "plots", "credit.png"))
     cmdline = "python tools/reproduce_claims.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    rep = write_report(out, entries, by_name, cmdline, args.seeds, jobs, missing, size, time.time() - t0)
-    for e in entries:
-        print(f"{e['name']:40s} {e['verdict']}")
+    rep = write_report(out, entries, by_name, cmdline, args.seeds, jobs, missing, size, time.time() - t0, credit)
+    for e in entries:  # the verdict with the numbers it follows from (the rule of megatron_s3ac/eval/claims.py)
+        arms_s = "; ".join(f"{a} {_fmt_arm(s)}" for a, s in e["arms"].items())
+        print(f"{e['name']}: {e['verdict']}\n  arms: {arms_s}\n  rule: {e['rule']}")
     print(f"claims: {os.path.join(out, 'claims.json')}  report: {rep}  wall {time.time() - t0:.0f} s")
     return 0
 

@@ -359,3 +359,6 @@ class RewardPool:
 from megatron_s3ac.rollout.reward_multistep import multistep_reward  # noqa: E402
 
 register_reward("multistep", isolate=False)(multistep_reward)
+from megatron_s3ac.rollout.reward_chain import chain_reward  # noqa: E402
+
+register_reward("chain", isolate=False)(chain_reward)

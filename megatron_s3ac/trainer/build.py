@@ -264,6 +264,11 @@ def build_data(cfg: Config, use_daps: bool) -> PromptData:
 
         vocab, prompts, eval_prompts = multistep_data(cfg.data)
         stats = {"rows": len(prompts), "malformed": 0}
+    elif cfg.data.task == "chain":
+        from megatron_s3ac.trainer.tasks_chain import chain_data
+
+        vocab, prompts, eval_prompts = chain_data(cfg.data)
+        stats = {"rows": len(prompts), "malformed": 0}
     else:
         from transformers import AutoTokenizer
 

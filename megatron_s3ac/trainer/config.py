@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 class Task(str, enum.Enum):
     arithmetic = "arithmetic"
     multistep = "multistep"  # multi-operand arithmetic written step by step (trainer.tasks_multistep)
+    chain = "chain"  # digit chains with 12-32-token answers: cumsum, add, reverse, sort, runsum (trainer.tasks_chain)
     math = "math"
 
 
@@ -119,6 +120,10 @@ class DataCfg:
     min_operands: int = 3
     max_operands: int = 5
     ops: str = "+"
+    # chain task: the kind (trainer.tasks_chain.KINDS) and the chain length in [min_len, max_len]
+    chain: str = "cumsum"
+    min_len: int = 12
+    max_len: int = 12
     max_prompt_tokens: int = 1024
     apply_chat_template: bool = True
     seed: int = 1
@@ -133,6 +138,13 @@ class DataCfg:
                 spec_of(self)
             except ValueError as e:
                 return [f"data (task=multistep): {e}"]
+        if self.task == Task.chain:
+            from megatron_s3ac.trainer.tasks_chain import spec_of as chain_spec_of
+
+            try:
+                chain_spec_of(self)
+            except ValueError as e:
+                return [f"data (task=chain): {e}"]
         return []
 
 
@@ -491,6 +503,7 @@ class TrainCfg:
     keep_last: int = 2
     resume: bool = True
     eval_every: int = 10  # periodic held-out evaluation (see EvalCfg); 0 = never
+    credit_every: int = 0  # every N RL steps: per-token advantages to out_dir/credit.jsonl (trainer.credit_record)
     threads: int = 1
     tensorboard: bool = True
     wandb_project: Optional[str] = None  # also log to Weights & Biases (pip install 'megatron_s3ac[wandb]')
@@ -529,6 +542,8 @@ class TrainCfg:
         out = [] if self.r3 in R3_MODES else [f"train.r3={self.r3!r} must be auto, on or off"]
         if not self.dist_timeout_s > 0:
             out.append(f"train.dist_timeout_s={self.dist_timeout_s} must be > 0 (seconds)")
+        if self.credit_every < 0:
+            out.append(f"train.credit_every={self.credit_every} must be >= 0 (0: never)")
         if self.optimizer_checkpoint not in ("fully_reshardable", "dp_reshardable", "per_rank"):
             out.append(f"train.optimizer_checkpoint={self.optimizer_checkpoint!r} must be fully_reshardable, "
                        f"dp_reshardable or per_rank")
@@ -631,12 +646,17 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             errs.append(f"algo.name={a.name} needs rollout.k >= 2 (group baseline)")
     if r.prompts_per_step * r.k < a.actor_minibatches:
         errs.append(f"rollout batch {r.prompts_per_step}x{r.k} is smaller than algo.actor_minibatches={a.actor_minibatches}")
-    if cfg.model.tiny is not None and cfg.data.task not in (Task.arithmetic, Task.multistep):
-        errs.append("model.tiny=arithmetic_moe uses the character vocabulary: data.task must be arithmetic or multistep")
+    if cfg.model.tiny is not None and cfg.data.task not in (Task.arithmetic, Task.multistep, Task.chain):
+        errs.append("model.tiny=arithmetic_moe uses the character vocabulary: data.task must be arithmetic, "
+                    "multistep or chain")
     if cfg.data.task == Task.multistep and cfg.model.tiny is None:
         errs.append("data.task=multistep needs the character-vocabulary model (model.tiny=arithmetic_moe)")
     if cfg.data.task == Task.multistep and r.reward != "multistep":
         errs.append(f"data.task=multistep is scored by rollout.reward=multistep, got {r.reward!r}")
+    if cfg.data.task == Task.chain and cfg.model.tiny is None:
+        errs.append("data.task=chain needs the character-vocabulary model (model.tiny=arithmetic_moe)")
+    if cfg.data.task == Task.chain and r.reward != "chain":
+        errs.append(f"data.task=chain is scored by rollout.reward=chain, got {r.reward!r}")
     if a.dynamic_sampling_refill and not (a.dynamic_sampling and r.k > 1):
         errs.append("algo.dynamic_sampling_refill needs the group filter (algo.dynamic_sampling=true, rollout.k > 1)")
     if any(isinstance(p, int) and not isinstance(p, bool) for p in cfg.pipeline.policies or []) \

@@ -306,6 +306,10 @@ class Trainer(EngineSide, RolloutPhases):
         self._place(m, on=["actor"], off=["critic"])
         m.update(self.old_logprobs(batch))
         m.update(self.advantages(batch))
+        if self.cfg.train.credit_every and self.step_idx % self.cfg.train.credit_every == 0:
+            from megatron_s3ac.trainer.credit_record import record_credit
+
+            record_credit(self, batch)  # per-token advantages for the credit plot (tools/plot_credit.py)
         m["time/old_logp_values"] = time.time() - t1
         t2 = time.time()
         m.update(self.update_actor(batch))

@@ -142,8 +142,13 @@ def tiny_hf_config(data_cfg):
     """The tiny demo model's HF config for ``data.task`` (the vocabulary differs per task)."""
     from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
 
-    if str(getattr(data_cfg.task, "value", data_cfg.task)) == "multistep":
+    task = str(getattr(data_cfg.task, "value", data_cfg.task))
+    if task == "multistep":
         return tiny_multistep_hf_config(spec_of(data_cfg))
+    if task == "chain":
+        from megatron_s3ac.trainer import tasks_chain
+
+        return tasks_chain.tiny_chain_hf_config(tasks_chain.spec_of(data_cfg))
     return tiny_arithmetic_hf_config()
 
 

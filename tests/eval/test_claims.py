@@ -82,7 +82,7 @@ def test_schema_validation():
 def _plan(drv, out, claims=None, extra=()):
     args = drv.parse_args(["--out", out, "--seeds", "4", "5", "6", *extra] + (["--claims", *claims] if claims else []))
     chosen = [c for c in drv.claims(10) if claims is None or c.name in claims]
-    return drv.plan(args, drv.FULL, chosen)
+    return drv.plan(args, drv.CHAIN_FULL, chosen)
 
 
 def _write(path, obj=None, rows=None):
@@ -122,10 +122,10 @@ def test_arms_share_stages_by_fingerprint(tmp_path):
     for a in ("grpo_x", "k1_reinforce_pp", "k1_flash_reinforce", "no_value_pretraining"):
         assert st(a) == {"warmup": base["warmup"]}, a
     assert st("s3ac", 5)["warmup"] != base["warmup"]
-    assert f"train.steps={drv.FULL.first}" in by[("no_value_pretraining", 4)].overrides
-    assert f"train.steps={drv.FULL.steps}" in by[("grpo_x", 4)].overrides
+    assert f"train.steps={drv.CHAIN_FULL.first}" in by[("no_value_pretraining", 4)].overrides
+    assert f"train.steps={drv.CHAIN_FULL.steps}" in by[("grpo_x", 4)].overrides
     k1 = by[("k1_s3ac", 4)].overrides
-    assert "rollout.k=1" in k1 and f"rollout.prompts_per_step={drv.FULL.prompts_per_step * drv.FULL.k}" in k1
+    assert "rollout.k=1" in k1 and f"rollout.prompts_per_step={drv.CHAIN_FULL.prompts_per_step * drv.CHAIN_FULL.k}" in k1
     # every job's command line names its stage dirs and its own out dir
     j = by[("head_init_0.01", 6)]
     assert f"pipeline.value_pretrain_dir={st('head_init_0.01', 6)['value_pretrain']}" in j.overrides
@@ -296,3 +296,44 @@ def test_a_job_over_its_timeout_is_killed_and_failed(tmp_path, monkeypatch):
     pid = int(open(tmp_path / "pid").read())
     with pytest.raises(ProcessLookupError):  # the job's process is gone
         os.kill(pid, 0)
+
+
+def test_default_task_is_the_chain_and_arithmetic_stays_selectable(tmp_path):
+    """The default task is the digit chain at its own sizes (credit recorded, max_new_tokens covering the
+    answer); --task arithmetic plans the earlier task at the earlier sizes, without the chain keys."""
+    drv = _driver()
+    args = drv.parse_args(["--out", str(tmp_path)])
+    assert args.task == "chain" and args.seeds == [1, 2, 3]
+    base = drv.base_overrides(args, drv.SIZES["chain"][0])
+    for o in ("data.task=chain", "rollout.reward=chain", "data.chain=cumsum", "data.min_len=12", "data.max_len=12",
+              "rollout.max_new_tokens=13", "train.credit_every=1"):
+        assert o in base, o
+    q = drv.parse_args(["--out", str(tmp_path), "--quick"])
+    assert q.seeds == [1, 2, 3]
+    ar = drv.parse_args(["--out", str(tmp_path), "--task", "arithmetic", "--quick"])
+    assert ar.seeds == [1, 2]
+    base_ar = drv.base_overrides(ar, drv.SIZES["arithmetic"][1])
+    assert not any(o.startswith(("data.task=", "train.credit_every")) for o in base_ar)
+    assert drv.SIZES["arithmetic"] == (drv.FULL, drv.QUICK)
+    add = drv.parse_args(["--out", str(tmp_path), "--chain", "add", "--min-len", "8", "--max-len", "8"])
+    assert "rollout.max_new_tokens=17" in drv.base_overrides(add, drv.CHAIN_FULL)
+
+
+def test_credit_plot_from_the_runs(tmp_path):
+    """The report's credit plot reads the S3AC and GRPO-X runs' credit.jsonl (seeds pooled) and adds the
+    like-for-like split for the arm with a critic."""
+    drv = _driver()
+    row = {"step": 0, "k": 2, "pid": [1, 1, 2, 2], "reward": [1.0, -1.0, -1.0, -1.0],
+           "adv": [[1.0, 1.0], [-1.0, -1.0], [0.0, 0.0], [0.0, 0.0]]}
+    dirs = {}
+    for arm, v0 in (("s3ac", [0.3, 0.3, -0.2, -0.2]), ("grpo_x", None)):
+        d = tmp_path / arm
+        d.mkdir()
+        (d / "credit.jsonl").write_text(json.dumps(dict(row, v0=v0)) + "\n")
+        dirs[arm] = [drv.RunDirs(str(d))]
+    panels = drv.credit_plot(dirs, str(tmp_path / "credit.png"))
+    assert list(panels) == ["S3AC", "S3AC (split as GRPO-X)", "GRPO-X"]
+    assert panels["S3AC"]["estimate"] == "V(s0)" and panels["GRPO-X"]["estimate"] == "group mean reward"
+    assert panels["GRPO-X"]["mean"]["easy/correct"] == 1.0 and panels["GRPO-X"]["responses"]["hard/incorrect"] == 2
+    assert (tmp_path / "credit.png").stat().st_size > 1000
+    assert drv.credit_plot({}, str(tmp_path / "none.png")) is None

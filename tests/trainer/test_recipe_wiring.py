@@ -34,6 +34,9 @@ def coin(response: str, reference: str) -> float:
     (["algo.dynamic_sampling_refill=true", "algo.dynamic_sampling=false"], "needs the group filter"),
     (["algo.refill_max_factor=0.5"], "refill_max_factor"),
     (["data.task=multistep", "rollout.reward=multistep", "data.ops=x"], "ops must be"),
+    (["data.task=chain"], "scored by rollout.reward=chain"),
+    (["data.task=chain", "rollout.reward=chain", "data.chain=mul"], "chain kind must be one of"),
+    (["data.task=chain", "rollout.reward=chain", "data.min_len=9", "data.max_len=8"], "min_len <= max_len"),
 ])
 def test_config_refusals(overrides, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -115,3 +118,30 @@ def test_multistep_task_trains_world2(tmp_path):
     if m["refill/reached_target"] == 0.0:
         assert m["refill/drawn_groups"] == 12 and m.get("filter/empty_batch", 0) in (0, 1)
     assert m["rollout/response_len"] > 0 and math.isfinite(m["rollout/reward_mean"])
+
+
+def _chain_run(out_dir):
+    from megatron_s3ac.trainer.loop import Trainer
+
+    cfg = load_config(None, BASE + ["data.task=chain", "rollout.reward=chain", "data.chain=add", "data.min_len=6",
+                                    "data.max_len=7", "rollout.max_new_tokens=15", "actor_layout.ep=1",
+                                    f"train.out_dir={out_dir}"])
+    tr = Trainer(cfg)
+    res = {"vocab": tr.info.vocab_size, "pos": tr.info.hf.get("max_position_embeddings"),
+           "prompts": [(p.text, p.reference) for p in tr.prompts[:20]], "n_eval": len(tr.eval_prompts)}
+    res["step"] = tr.step()
+    tr.close()
+    return res
+
+
+def test_chain_task_builds_and_steps(tmp_path):
+    """The chain task builds its vocabulary (16 ids), prompts whose references are the chain, and a model
+    with room for prompt + answer; a random model's rollouts are scored by the chain reward (all wrong)."""
+    from megatron_s3ac.rollout.reward_chain import chain_answer
+
+    r0 = run_distributed(_chain_run, 1, str(tmp_path))[0]
+    assert r0["vocab"] == 16 and r0["n_eval"] == 16 and r0["pos"] >= 1 + 16 + 15
+    for text, ref in r0["prompts"]:
+        assert ref == chain_answer("add", text) and len(ref) in (12, 14)
+    m = r0["step"]
+    assert m["rollout/response_len"] > 0 and m["rollout/reward_mean"] == -1.0

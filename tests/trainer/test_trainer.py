@@ -48,7 +48,7 @@ def capture_batches(tr) -> list:
     (["algo.critic_epochs=0"], "algo.critic_epochs=0 must be >= 1"),
     (["algo.dual_clip_c=1.0"], "algo.dual_clip_c=1.0 must be > 1"),
     (["rollout.placement=far"], r"Invalid value 'far', expected one of \[colocated, separate\]\n\s+full_key: rollout.placement"),
-    (["data.task=chess"], r"expected one of \[arithmetic, multistep, math\]\n\s+full_key: data.task"),
+    (["data.task=chess"], r"expected one of \[arithmetic, multistep, chain, math\]\n\s+full_key: data.task"),
     (["cluster.gpus=0", "cluster.gpu_mem_gib=-1"], r"cluster.gpus=0 must be > 0\n  - cluster.gpu_mem_gib=-1.0 must be > 0"),
     (["demo.coverage_k=0"], "demo.coverage_k=0 must be >= 1"),
     (["rollout.reward=nope"], "unknown reward 'nope'"),
@@ -73,7 +73,7 @@ def test_config_layout_checked_against_model():
 
 
 def test_example_configs_validate():
-    for name in ("cpu_demo.yaml", "cpu_demo_grpo.yaml"):
+    for name in ("cpu_demo.yaml", "cpu_demo_grpo.yaml", "cpu_demo_chain.yaml"):
         load_config(os.path.join(ROOT, "examples", name))
 
 

@@ -1,0 +1,51 @@
+"""Credit by response position (eval/credit.py) on hand-made credit.jsonl rows: the easy / hard split
+(V(s0) with a critic, the group's mean reward without), the progress bins and the group means."""
+import json
+
+import pytest
+
+from megatron_s3ac.eval.credit import credit_curves, plot_credit, read_credit
+
+
+def _row(step, v0=None):
+    # 2 prompts x K = 2: prompt 7 (V(s0) 0.5: easy) one right one wrong, prompt 9 (V(s0) -0.5: hard) two wrong
+    return {"step": step, "k": 2, "pid": [7, 7, 9, 9], "reward": [1.0, -1.0, -1.0, -1.0],
+            "v0": v0, "adv": [[1.0, 2.0], [-1.0, -3.0, -5.0, -7.0], [0.0, 0.5], [-0.5, -1.5]]}
+
+
+def test_split_by_v0_and_bins_by_progress():
+    c = credit_curves([_row(0, v0=[0.5, 0.5, -0.5, -0.5])], bins=2)
+    assert c["estimate"] == "V(s0)"
+    cur = c["curves"]
+    assert cur["easy/correct"] == [1.0, 2.0]                 # t / T = 0, 0.5 -> bins 0, 1
+    assert cur["easy/incorrect"] == [-2.0, -6.0]             # 4 tokens: (-1 - 3) / 2, (-5 - 7) / 2
+    assert cur["hard/incorrect"] == [-0.25, -0.5]            # (0 - 0.5) / 2, (0.5 - 1.5) / 2
+    assert cur["hard/correct"] == [None, None]
+    assert c["responses"] == {"easy/correct": 1, "easy/incorrect": 1, "hard/correct": 0, "hard/incorrect": 2}
+    assert c["mean"]["easy/incorrect"] == pytest.approx(-4.0) and c["mean"]["hard/incorrect"] == pytest.approx(-0.375)
+
+
+def test_without_a_critic_the_group_mean_reward_splits():
+    # group means: prompt 7 -> 0 (easy), prompt 9 -> -1 (hard): the same split as V(s0) above
+    c = credit_curves([_row(0)], bins=2)
+    assert c["estimate"] == "group mean reward"
+    assert c["curves"]["easy/incorrect"] == [-2.0, -6.0] and c["curves"]["hard/incorrect"] == [-0.25, -0.5]
+
+
+def test_step_window_and_reading(tmp_path):
+    p = tmp_path / "credit.jsonl"
+    p.write_text(json.dumps(_row(0)) + "\n" + json.dumps(_row(1)) + "\n" + '{"step": 2, "pid"')  # cut last line
+    rows = read_credit(str(p))
+    assert [r["step"] for r in rows] == [0, 1]
+    assert credit_curves(rows, bins=2, steps=(1, 2))["responses"]["hard/incorrect"] == 2
+    assert credit_curves(rows, bins=2)["responses"]["hard/incorrect"] == 4
+    plot_credit({"S3AC": credit_curves(rows, 2), "GRPO-X": credit_curves(rows, 2)}, str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_group_split_ignores_v0():
+    # V(s0) says prompt 9 is the easy one; the group mean reward says prompt 7
+    rows = [_row(0, v0=[-0.5, -0.5, 0.5, 0.5])]
+    assert credit_curves(rows, bins=2)["curves"]["hard/correct"] == [1.0, 2.0]
+    g = credit_curves(rows, bins=2, by="group")
+    assert g["estimate"] == "group mean reward" and g["curves"]["easy/correct"] == [1.0, 2.0]
