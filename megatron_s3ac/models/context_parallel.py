@@ -27,11 +27,14 @@ import torch.nn.functional as F
 
 
 def cp_group_info():
-    """(rank, size, group) of this rank's context-parallel group (size 1 when CP is off)."""
+    """(rank, size, group) of this rank's context-parallel group (size 1 when CP is off, and outside megatron's
+    parallel state: host-side code such as collate / per_token in unit tests)."""
     from megatron.core import parallel_state as ps
 
-    size = ps.get_context_parallel_world_size()
-    if size == 1:
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    size = ps.get_context_parallel_world_size()  # megatron answers 0 when torch.distributed is not initialized
+    if size <= 1:
         return 0, 1, None
     return ps.get_context_parallel_rank(), size, ps.get_context_parallel_group()
 

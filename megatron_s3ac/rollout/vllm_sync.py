@@ -79,7 +79,7 @@ class VLLMSessionSync(WeightSyncStrategy):
             self._ctl = held[0]
         return self._ctl
 
-    def sync(self, chunks, info):
+    def sync(self, chunks, info, weights_loaded=None):
         from megatron_s3ac.rollout.weight_sync import sync_weights
 
         woke = self._wake_weights()
@@ -94,6 +94,8 @@ class VLLMSessionSync(WeightSyncStrategy):
         if self.engine is not None:
             self.version += 1
             self.engine.finish_weight_update(weight_version=str(self.version))
+        if weights_loaded is not None:
+            weights_loaded()
         self._wake_cache(woke)
         return stats
 
@@ -149,7 +151,7 @@ class VLLMStageSync(VLLMSessionSync):
                     self.engine.open_sender_group(f"pp{s}", h, p)
         dist.barrier()
 
-    def sync(self, chunks, info):
+    def sync(self, chunks, info, weights_loaded=None):
         import threading
         import time
 
@@ -227,6 +229,8 @@ class VLLMStageSync(VLLMSessionSync):
         if self.engine is not None:
             self.version += 1
             self.engine.finish_weight_update(weight_version=str(self.version))
+        if weights_loaded is not None:
+            weights_loaded()
         self._wake_cache(woke)
         stats.seconds = time.perf_counter() - t0
         return stats
