@@ -42,6 +42,16 @@ class VLLMSessionSync(WeightSyncStrategy):
             return True
         return False
 
+    def _finish(self, woke: bool, weights_loaded=None) -> None:
+        """Every rank, after the transfer: the engine closes the session under the next weight version (rank 0),
+        ``weights_loaded()`` runs, then the KV cache wakes if the sync woke the weights."""
+        if self.engine is not None:
+            self.version += 1
+            self.engine.finish_weight_update(weight_version=str(self.version))
+        if weights_loaded is not None:
+            weights_loaded()
+        self._wake_cache(woke)
+
     def _wake_cache(self, woke: bool) -> None:
         if woke:
             self.engine.wake(["kv_cache"])
@@ -91,12 +101,7 @@ class VLLMSessionSync(WeightSyncStrategy):
             if self.engine is not None:
                 self.engine._abort_quietly()
             raise
-        if self.engine is not None:
-            self.version += 1
-            self.engine.finish_weight_update(weight_version=str(self.version))
-        if weights_loaded is not None:
-            weights_loaded()
-        self._wake_cache(woke)
+        self._finish(woke, weights_loaded)
         return stats
 
     def close(self) -> None:
@@ -226,12 +231,7 @@ class VLLMStageSync(VLLMSessionSync):
             if self.engine is not None:
                 self.engine._abort_quietly()
             raise
-        if self.engine is not None:
-            self.version += 1
-            self.engine.finish_weight_update(weight_version=str(self.version))
-        if weights_loaded is not None:
-            weights_loaded()
-        self._wake_cache(woke)
+        self._finish(woke, weights_loaded)
         stats.seconds = time.perf_counter() - t0
         return stats
 
