@@ -40,8 +40,18 @@ def _side_files(d):
     return sorted(f for f in os.listdir(d) if not f.endswith((".safetensors", ".index.json")))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def small_blocks():
+    """Carried tensors in 2 KiB row blocks: most are split into several, spread over the ranks."""
+    from megatron_s3ac.convert import plan
+
+    old, plan.CARRIED_BLOCK_BYTES = plan.CARRIED_BLOCK_BYTES, 2048
+    yield
+    plan.CARRIED_BLOCK_BYTES = old
+
+
 @pytest.fixture(scope="module")
-def vl_full(tmp_path_factory):
+def vl_full(tmp_path_factory, small_blocks):
     root = tmp_path_factory.mktemp("q35_vl_full")
     hf = save_tiny_qwen3_5_vl_full(str(root / "hf"))
     mcore = str(root / "mcore")
@@ -72,6 +82,12 @@ def test_converted_checkpoint_round_trip(vl_full, tmp_path):
     assert {src[k].dtype for k in src if k.startswith("mtp.")} == {torch.bfloat16}  # dtypes kept per tensor
     assert _side_files(out) == _side_files(hf) and "preprocessor_config.json" in _side_files(out)
     assert all(filecmp.cmp(os.path.join(hf, f), os.path.join(out, f), shallow=False) for f in _side_files(hf))
+    from megatron_s3ac.convert.dcp_io import DistcpCheckpoint
+
+    ck = DistcpCheckpoint(mcore)
+    blocks = {k: len(md.chunks) for k, md in ck.md.state_dict_metadata.items() if k.startswith("s3ac_carried.")}
+    ck.close()
+    assert blocks["s3ac_carried.mtp.fc.weight"] == 8  # [64, 128] bf16 = 16 KiB in 2 KiB row blocks
     # the weight sync walks the plan without the carried tensors
     plan = build_plan(model_info(hf))
     assert not any(n.startswith(CARRIED) for n in plan.hf_shapes)
@@ -132,3 +148,21 @@ def test_vl_config_without_carried_vision_writes_text_and_warns(vl_full, tmp_pat
     mcore_to_hf(str(tmp_path / "m"), str(tmp_path / "back"), progress=False)
     assert "carries no vision tower" in capfd.readouterr().err
     assert set(_tensors(str(tmp_path / "back"))) == {k for k in src if not k.startswith(CARRIED)}
+
+
+def test_carried_blocks_and_refusals(vl_full):
+    from megatron_s3ac.convert import ConversionError
+    from megatron_s3ac.convert.carried import assign
+    from megatron_s3ac.convert.plan import carried_chunks, with_carried
+
+    chunks = carried_chunks("mtp.x", (6, 256), 4)  # 1 KiB rows, 2 KiB blocks: 3 blocks of 2 rows
+    assert [(c.offset, c.shape) for c in chunks] == [((0, 0), (2, 256)), ((2, 0), (2, 256)), ((4, 0), (2, 256))]
+    assert len(carried_chunks("mtp.y", (5, 256), 4)) == 5  # 5 rows: no divisor gives 2 KiB blocks but 1
+    with pytest.raises(ConversionError, match="scalar"):
+        carried_chunks("mtp.s", (), 4)
+    plan = build_plan(model_info(vl_full[0]))
+    with pytest.raises(ConversionError, match="model.language_model.foo"):
+        with_carried(plan, {"model.language_model.foo": ((2,), 4)})
+    # every block goes to exactly one rank, the largest first to the least loaded
+    shares = assign([("a", (0,), (1,), 10), ("a", (1,), (1,), 10), ("b", (0,), (1,), 5)], 2)
+    assert sorted(i for s in shares for i in s) == [0, 1, 2] and shares == [[0, 2], [1]]
