@@ -12,6 +12,9 @@ converting a few GB). Like ``cp``, nothing is fsynced: the data is in the page c
 returns. The result loads with
 ``dist_checkpointing.load(model.sharded_state_dict(), dir)`` at any TP/PP/EP/ETP.
 
+Carried tensors (``plan.carried_prefixes``: Qwen3.5's vision tower and MTP head) are copied the same
+way, as is, under ``s3ac_carried.<HF name>`` (``plan.with_carried``); ``mcore-to-hf`` writes them back.
+
 The checkpoint directory also holds ``s3ac_convert.json`` (the HF config and what the converter
 derived from it) and ``hf_config/`` (config, tokenizer and generation config files), so
 ``mcore-to-hf`` and ``verify`` know the architecture.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from megatron_s3ac.convert.dcp_io import DistcpWriter
 from megatron_s3ac.convert.dcp_meta import DType
 from megatron_s3ac.convert.outdir import check_absent, copy_side_files, staged_output
-from megatron_s3ac.convert.plan import Chunk, ConversionError, Plan, build_plan
+from megatron_s3ac.convert.plan import Chunk, ConversionError, Plan, build_plan, with_carried
 from megatron_s3ac.convert.qwen import layers_are_stacked
 from megatron_s3ac.convert.safetensors_io import HFCheckpoint
 from megatron_s3ac.models.registry import model_info
@@ -126,6 +129,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, workers: int = 1, progress: bool = Tr
     plan = build_plan(info)
     ckpt = HFCheckpoint(hf_dir)
     try:
+        plan = with_carried(plan, carried_in(plan, ckpt))
         validate_hf(plan, ckpt)
         dtypes = key_dtypes(plan, ckpt)
         total = sum(ch.numel * dtypes[ch.key].itemsize for ch in plan.chunks)
@@ -178,11 +182,19 @@ def hf_to_mcore(hf_dir: str, out_dir: str, workers: int = 1, progress: bool = Tr
         ckpt.close()
 
 
+def carried_in(plan: Plan, ckpt: HFCheckpoint) -> dict[str, tuple[tuple[int, ...], int]]:
+    """The HF checkpoint's tensors the plan carries as is: {name: (shape, itemsize)}, by name."""
+    if not plan.carried_prefixes:
+        return {}
+    return {n: (ckpt.shape(n), ckpt.dtype(n).itemsize) for n in sorted(ckpt.where) if n.startswith(plan.carried_prefixes)}
+
+
 def write_metadata(ckpt_dir: str, plan: Plan, hf_dir: str | None) -> None:
     info = plan.info
+    carried = [n for n in plan.hf_shapes if n.startswith(plan.carried_prefixes)] if plan.carried_prefixes else []
     meta = {"format": "megatron_s3ac.convert/1", "model_type": info.model_type, "hf_config": info.hf,
             "padded_vocab_size": info.padded_vocab_size, "layers_stacked": layers_are_stacked(info),
-            "tie_embeddings": info.tie_embeddings}
+            "tie_embeddings": info.tie_embeddings, "carried_tensors": len(carried)}
     with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     if hf_dir:

@@ -8,6 +8,12 @@ a tied model gets no ``lm_head.weight``. In our own checkpoints every region is 
 range of a ``.distcp`` file and is copied file-to-file by the kernel; other chunkings are read
 (``torch.load``, weights only) by a prefetch thread, overlapping the writes. torch is imported only
 for that second path: converting our own checkpoints starts in a bare interpreter (~0.1 s).
+
+Carried tensors (``s3ac_carried.<HF name>``: Qwen3.5's vision tower and MTP head, from ``hf-to-mcore`` or
+carried through training by ``carried.py``) are written back under their HF names, bit for bit (never
+quantized by ``--dtype fp8``), with the checkpoint's config and processor / tokenizer files: the output is
+the complete model. A vision-language config whose checkpoint carries no vision tower (e.g. an actor
+trained from a random init) gets the language model only, with a warning on stderr.
 """
 from __future__ import annotations
 
@@ -15,13 +21,15 @@ import json
 import math
 import os
 import queue
+import sys
 import threading
 import time
 
 from megatron_s3ac.convert.dcp_io import DistcpCheckpoint
 from megatron_s3ac.convert.hf_to_mcore import HF_CONFIG_DIR, META_FILE, ConvertStats
 from megatron_s3ac.convert.outdir import check_absent, copy_side_files, staged_output
-from megatron_s3ac.convert.plan import ConversionError, Plan, build_plan, part_region
+from megatron_s3ac.convert.plan import (CARRIED_KEY_PREFIX, ConversionError, Plan, build_plan, is_carried_key,
+                                        part_region, with_carried)
 from megatron_s3ac.convert.safetensors_io import INDEX, ShardWriter
 from megatron_s3ac.models.registry import ModelInfo, load_hf_config, model_info
 
@@ -128,10 +136,26 @@ def _plan_tensors(ck: DistcpCheckpoint, mcore_dir: str, hf_config: str | None):
     [(hf name, shape, stored DType)] in plan order)."""
     cfg, info = resolve_config(mcore_dir, hf_config)
     plan = build_plan(info)
+    carried = carried_in(ck)
+    if "vision_config" in cfg and not any(n.startswith("model.visual.") for n in carried):
+        print(f"mcore-to-hf: warning: {mcore_dir} carries no vision tower (model.visual.*): writing the language "
+              f"model only under the vision-language config", file=sys.stderr)
+    plan = with_carried(plan, carried)
     keys = resolve_keys(plan, ck)
     sources = plan.sources()
     tensors = [(n, s, ck.dtype_name(keys[id(sources[n][0][0])])) for n, s in plan.hf_shapes.items()]
-    return cfg, keys, sources, tensors
+    return cfg, keys, sources, tensors, set(carried)
+
+
+def _carried_root(name: str) -> str:
+    """The sub-model a carried tensor belongs to: ``model.visual`` or ``mtp``."""
+    return "model.visual" if name.startswith("model.visual.") else name.split(".", 1)[0]
+
+
+def carried_in(ck: DistcpCheckpoint) -> dict[str, tuple[tuple[int, ...], int]]:
+    """The carried tensors a torch_dist checkpoint stores: {HF name: (shape, itemsize)}, by name."""
+    keys = sorted(k for k in ck.md.state_dict_metadata if is_carried_key(k) and ck.has(k))
+    return {k[len(CARRIED_KEY_PREFIX):]: (ck.global_shape(k), ck.dtype_name(k).itemsize) for k in keys}
 
 
 def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, max_shard_bytes: int = 5 << 30,
@@ -151,7 +175,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, hf_config: str | None = None, max_
     # Our own checkpoints store every chunk contiguous, so HF rows are byte ranges of .distcp files.
     ck = DistcpCheckpoint(mcore_dir, contiguous_chunks=stored_config(mcore_dir) is not None)
     try:
-        cfg, keys, sources, tensors = _plan_tensors(ck, mcore_dir, hf_config)
+        cfg, keys, sources, tensors, _ = _plan_tensors(ck, mcore_dir, hf_config)
         total = sum(math.prod(s) * d.itemsize for _, s, d in tensors)
         shards = plan_shards(tensors, max_shard_bytes)
         t0 = time.time()
@@ -214,15 +238,15 @@ def _mcore_to_hf_fp8(mcore_dir: str, out_dir: str, hf_config: str | None, max_sh
         raise ConversionError(f"--fp8-keep: {e}") from None
     ck = DistcpCheckpoint(mcore_dir, contiguous_chunks=stored_config(mcore_dir) is not None)
     try:
-        cfg, keys, sources, src = _plan_tensors(ck, mcore_dir, hf_config)
-        quant = {n for n, s, d in src if fp8.will_quantize(n, s, d, keep)}
+        cfg, keys, sources, src, carried = _plan_tensors(ck, mcore_dir, hf_config)
+        quant = {n for n, s, d in src if n not in carried and fp8.will_quantize(n, s, d, keep)}
         tensors = []  # output entries: a quantized weight is followed by its scales
         for n, s, d in src:
             if n in quant:
                 tensors += [(n, s, DType("float8_e4m3fn")), (n + fp8.SCALE_SUFFIX, fp8.scale_shape(s), DType("float32"))]
             else:
                 tensors.append((n, s, d))
-        problems = fp8.sglang_block_problems(src, keep)
+        problems = fp8.sglang_block_problems([t for t in src if t[0] not in carried], keep)
         if problems and progress:
             print(f"mcore-to-hf --dtype fp8: warning: SGLang 0.5.23 would refuse {len(problems)} tensor(s) of this "
                   f"model (transformers and the CPU engine load them): {problems[:3]}", file=sys.stderr)
@@ -259,7 +283,10 @@ def _mcore_to_hf_fp8(mcore_dir: str, out_dir: str, hf_config: str | None, max_sh
             path = os.path.join(tmp, "config.json")
             with open(path) as f:
                 out_cfg = json.load(f)
-            out_cfg["quantization_config"] = fp8.quantization_config(src, keep)
+            qc = fp8.quantization_config([t for t in src if t[0] not in carried], keep)
+            # carried sub-models (vision tower, MTP) stay in their stored dtype: loaders must not expect scales
+            qc["modules_to_not_convert"] += sorted({_carried_root(n) for n in carried})
+            out_cfg["quantization_config"] = qc
             with open(path, "w") as f:
                 json.dump(out_cfg, f, indent=2)
         return ConvertStats(total, time.time() - t0)

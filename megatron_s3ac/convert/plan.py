@@ -10,6 +10,13 @@ writer (HF -> torch_dist), the offline reader (torch_dist -> HF) and the live ex
 -> HF) used by rollout weight sync.
 
 Architectures register a plan builder under their HF ``model_type`` (see ``qwen.py``).
+
+*Carried* tensors (``Plan.carried_prefixes``; Qwen3.5: the vision tower and the MTP head) are HF tensors
+that have no counterpart in the megatron decoder: the checkpoint stores each as is, as a global tensor
+under ``CARRIED_KEY_PREFIX`` + its HF name, in row blocks (``carried_chunks``), so they travel through
+hf-to-mcore, training checkpoints (``carried.py``) and mcore-to-hf bit for bit, at any layout. The plan's
+own ``chunks`` / ``hf_shapes`` never list them (``with_carried`` adds them for the offline converter),
+so the live export (weight sync) never sends them; ``ignorable_hf`` still contains them.
 """
 from __future__ import annotations
 
@@ -75,7 +82,10 @@ class Plan:
     chunks: list[Chunk]
     hf_shapes: dict[str, tuple[int, ...]]  # every HF tensor the checkpoint must contain, in output order
     objects: list[str]  # unique keys of the (empty) ``_extra_state`` ShardedObjects megatron requests
-    ignorable_hf: set[str] = field(default_factory=set)  # HF tensors that may exist and are dropped
+    # HF tensors the megatron model has no counterpart for (never exported); dropped on import, except the
+    # carried ones (names under ``carried_prefixes``), which the checkpoint stores as is
+    ignorable_hf: set[str] = field(default_factory=set)
+    carried_prefixes: tuple[str, ...] = ()
 
     def sources(self) -> dict[str, list[tuple[Chunk, int, Part]]]:
         """hf name -> [(chunk, row offset of the part inside the chunk body, part)] in HF row order."""
@@ -110,6 +120,49 @@ class Plan:
             for k in (ch.key, *ch.aliases):
                 out[k] = ch.global_shape
         return out
+
+
+# checkpoint key of a carried HF tensor: this prefix + its HF name
+CARRIED_KEY_PREFIX = "s3ac_carried."
+# carried tensors are stored in row blocks of at most this many bytes (one block per row when a row is
+# larger), so neither the converter nor a training rank ever holds more than one block of, e.g., the
+# MTP layer's fused experts at once
+CARRIED_BLOCK_BYTES = 256 << 20
+
+
+def carried_chunks(name: str, shape: tuple[int, ...], itemsize: int) -> list[Chunk]:
+    """Chunks of carried HF tensor ``name``: dim 0 split into k equal row blocks (k the smallest divisor
+    of the row count giving blocks <= ``CARRIED_BLOCK_BYTES``: megatron's dist_checkpointing wants a
+    regular grid)."""
+    if not shape:
+        raise ConversionError(f"tensor {name} is a scalar (shape []): carried tensors need at least one axis")
+    rows, row_bytes = shape[0], math.prod(shape[1:]) * itemsize
+    k = next(d for d in range(1, rows + 1)
+             if d == rows or (rows % d == 0 and (rows // d) * row_bytes <= CARRIED_BLOCK_BYTES))
+    n = rows // k
+    key = CARRIED_KEY_PREFIX + name
+    return [Chunk(key=key, global_shape=tuple(shape), offset=(i * n, *([0] * (len(shape) - 1))),
+                  shape=(n, *shape[1:]), parts=(Part(name, i * n, (i + 1) * n),), body_ndim=len(shape))
+            for i in range(k)]
+
+
+def is_carried_key(key: str) -> bool:
+    return key.startswith(CARRIED_KEY_PREFIX)
+
+
+def with_carried(plan: Plan, carried: dict[str, tuple[tuple[int, ...], int]]) -> Plan:
+    """``plan`` plus the carried HF tensors ``{name: (shape, itemsize)}`` (after the model's own, in the
+    given order), for the offline converter. Names outside ``plan.carried_prefixes`` are a ConversionError."""
+    bad = [n for n in carried if not n.startswith(plan.carried_prefixes) or not plan.carried_prefixes]
+    if bad:
+        raise ConversionError(f"the {plan.info.model_type} mapping carries only tensors under "
+                              f"{list(plan.carried_prefixes)}; got {', '.join(bad[:5])}")
+    chunks, shapes = list(plan.chunks), dict(plan.hf_shapes)
+    for name, (shape, itemsize) in carried.items():
+        chunks += carried_chunks(name, shape, itemsize)
+        shapes[name] = tuple(shape)
+    return Plan(info=plan.info, chunks=chunks, hf_shapes=shapes, objects=plan.objects,
+                ignorable_hf=plan.ignorable_hf, carried_prefixes=plan.carried_prefixes)
 
 
 _PLANS: dict[str, Callable[[ModelInfo], Plan]] = {}

@@ -22,8 +22,11 @@ bytes only:
   * all zero-centred norms (input, post-attention, q/k, final) are copied as is (megatron's
     ``layernorm_zero_centered_gamma`` computes (1 + w) like HF).
 
-The vision tower (``model.visual.*``) and the MTP head (``mtp.*``) are dropped on import and absent
-on export (text model only).
+The vision tower (``model.visual.*``) and the MTP head (``mtp.*``) have no counterpart in the megatron
+decoder: they are *carried* (plan.py): stored as is under ``s3ac_carried.<HF name>`` (row blocks), so a
+checkpoint converted back is the complete ``Qwen3_5MoeForConditionalGeneration``; the live export
+(weight sync) never sends them (they stay in ``ignorable_hf``: ``plan.not_exported``). A text-only
+``qwen3_5_moe_text`` checkpoint carries its ``mtp.*`` tensors and drops a stray ``model.visual.*``.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from megatron_s3ac.models.qwen3_5 import HF_PREFIX, expert_layout, layer_types, 
 from megatron_s3ac.models.registry import ModelInfo
 
 IGNORED_PREFIXES = ("model.visual.", "mtp.")
+CARRIED_PREFIXES = {"qwen3_5_moe": ("model.visual.", "mtp."), "qwen3_5_moe_text": ("mtp.",)}
 
 
 class IgnoreByPrefix:
@@ -152,4 +156,5 @@ def qwen3_5_plan(info: ModelInfo) -> Plan:
         ignorable.add("lm_head.weight")
     else:
         b.vocab_rows("output_layer.weight", "lm_head.weight")
-    return Plan(info=info, chunks=b.chunks, hf_shapes=b.hf_shapes, objects=b.objects, ignorable_hf=ignorable)
+    return Plan(info=info, chunks=b.chunks, hf_shapes=b.hf_shapes, objects=b.objects, ignorable_hf=ignorable,
+                carried_prefixes=CARRIED_PREFIXES[info.model_type])

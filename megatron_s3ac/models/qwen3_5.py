@@ -3,7 +3,8 @@
 HF model_types: ``qwen3_5_moe`` (``Qwen3_5MoeForConditionalGeneration`` checkpoints; the language model
 is the ``text_config``, HF tensors under ``model.language_model.``) and ``qwen3_5_moe_text``
 (``Qwen3_5MoeForCausalLM``, tensors under ``model.``). Only the language model is built; the vision
-tower and the MTP head are dropped (a later issue), and asking for MTP layers raises.
+tower and the MTP head are carried through checkpoints as is (convert/carried.py), and asking for MTP
+layers raises.
 
 What the architecture needs from megatron-core, and where it comes from:
   * hybrid layers from ``layer_types`` (or ``full_attention_interval``): ``linear_attention`` ->

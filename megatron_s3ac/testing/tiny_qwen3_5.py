@@ -134,3 +134,90 @@ def save_tiny_qwen3_5(out_dir: str, variant: str = "vl", experts: str = "fused",
     else:
         raise ValueError(f"experts must be 'fused' or 'per_expert', got {experts!r}")
     return out_dir
+
+
+# The complete VL checkpoint (``save_tiny_qwen3_5_vl_full``): image / video / vision start / end token ids
+# inside the tiny vocabulary (the config's defaults are Qwen3.5's 248k-vocab ids), one MTP layer.
+VL_TOKENS = dict(image_token_id=90, video_token_id=91, vision_start_token_id=92, vision_end_token_id=93)
+# the image processor of the tiny vision tower (patch 2, no temporal / spatial merge): an 8 x 8 image
+# is a 1 x 4 x 4 grid of patches = 16 image tokens
+IMAGE_PROCESSOR = dict(patch_size=2, temporal_patch_size=1, merge_size=1, min_pixels=16, max_pixels=64 * 64)
+
+
+def save_tiny_qwen3_5_vl_full(out_dir: str, seed: int = 0, experts: str = "fused",
+                              mtp_dtype=torch.bfloat16) -> str:
+    """A complete tiny ``Qwen3_5MoeForConditionalGeneration`` checkpoint in the hub layout: randomised
+    vision tower, the LM (``experts`` layout), one MTP layer (``mtp.*``, as the published checkpoints
+    store it: fc [H, 2H], three norms, a full-attention MoE decoder layer; in ``mtp_dtype``, in its own
+    shard, like the hub's) and the image processor's ``preprocessor_config.json``. Returns ``out_dir``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from megatron_s3ac.models.qwen3_5 import EXPERT_LAYOUT_KEY
+
+    cfg = Qwen3_5MoeConfig(text_config={**TEXT, "mtp_num_hidden_layers": 1}, vision_config=dict(VISION),
+                           tie_word_embeddings=TEXT["tie_word_embeddings"], **VL_TOKENS)
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration(cfg).eval()
+    ref = tiny_qwen3_5_model("vl", seed=seed)  # the LM's randomised norms / GDN parameters
+    with torch.no_grad():
+        mine = dict(model.named_parameters())
+        for name, p in ref.named_parameters():
+            if "visual" not in name:
+                mine[name].copy_(p)
+        g = torch.Generator().manual_seed(seed + 7)
+        for name, p in model.model.visual.named_parameters():  # biases / norms are constants at init
+            p.copy_(0.2 * torch.randn(p.shape, generator=g) + (1.0 if name.endswith("norm1.weight") else 0.0))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if experts == "fused":
+        fuse_experts(out_dir)
+    elif experts == "per_expert":
+        path = os.path.join(out_dir, "config.json")
+        with open(path) as f:
+            c = json.load(f)
+        c[EXPERT_LAYOUT_KEY] = "per_expert"
+        with open(path, "w") as f:
+            json.dump(c, f, indent=2)
+    else:
+        raise ValueError(f"experts must be 'fused' or 'per_expert', got {experts!r}")
+    lm = {}
+    for fn in sorted(os.listdir(out_dir)):
+        if fn.endswith(".safetensors"):
+            lm.update(load_file(os.path.join(out_dir, fn)))
+    H = TEXT["hidden_size"]
+    full = next(i for i in range(TEXT["num_hidden_layers"]) if (i + 1) % 4 == 0)  # a gated-attention layer
+    src = f"model.language_model.layers.{full}."
+    mtp = {"mtp.fc.weight": torch.randn(H, 2 * H, generator=g), "mtp.norm.weight": torch.randn(H, generator=g),
+           "mtp.pre_fc_norm_embedding.weight": torch.randn(H, generator=g),
+           "mtp.pre_fc_norm_hidden.weight": torch.randn(H, generator=g)}
+    for name, t in lm.items():
+        if name.startswith(src):
+            mtp["mtp.layers.0." + name[len(src):]] = torch.randn(t.shape, generator=g)
+    mtp = {k: (0.1 * v).to(mtp_dtype) for k, v in mtp.items()}
+    save_file(mtp, os.path.join(out_dir, "model-mtp.safetensors"), metadata={"format": "pt"})
+    weight_map = {n: fn for fn in sorted(os.listdir(out_dir)) if fn.endswith(".safetensors")
+                  for n in (lm if fn != "model-mtp.safetensors" else mtp)}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR).save_pretrained(out_dir)
+    return out_dir
+
+
+def tiny_image_prompt(seed: int = 0, text_before=(5, 6, 7), text_after=(8, 9)):
+    """An image prompt for the tiny VL model, processed by transformers' Qwen2-VL image processor (PIL
+    backend: torchvision does not load with the CPU torch 2.13 wheel here): an 8 x 8 RGB drawing.
+    Returns (input_ids [1, s], pixel_values [16, 12], image_grid_thw [1, 3])."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    out = Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR)(images=[img], return_tensors="pt")
+    grid = out["image_grid_thw"]
+    n = int(grid.prod()) // IMAGE_PROCESSOR["merge_size"] ** 2
+    t = VL_TOKENS
+    ids = [*text_before, t["vision_start_token_id"], *[t["image_token_id"]] * n, t["vision_end_token_id"], *text_after]
+    return torch.tensor([ids]), out["pixel_values"], grid

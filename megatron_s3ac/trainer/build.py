@@ -108,8 +108,7 @@ class Model:
 def build_actor(cfg: Config, info, layout, r3_overrides: dict, before_build=None) -> Model:
     """The policy from ``model.actor_init`` (or its init); ``before_build(config)`` may refuse the
     TransformerConfig (R3's checks) before any weight is made."""
-    from megatron.core import dist_checkpointing
-
+    from megatron_s3ac.convert.carried import load_model
     from megatron_s3ac.models.actor_critic import build_actor as _build, build_transformer_config
     from megatron_s3ac.models.optim import wrap_ddp
 
@@ -118,8 +117,8 @@ def build_actor(cfg: Config, info, layout, r3_overrides: dict, before_build=None
     if before_build is not None:
         before_build(config)
     actor = _to_device(_build(info, config))
-    if cfg.model.actor_init:
-        actor.load_state_dict(dist_checkpointing.load(actor.sharded_state_dict(), cfg.model.actor_init))
+    if cfg.model.actor_init:  # with its carried tensors (vision tower, MTP head), if it has any
+        load_model(actor, cfg.model.actor_init)
     ddp = wrap_ddp(actor, config)
     opt = _build_optimizer("actor", ddp, lr=a.actor_lr, clip_grad=a.actor_clip_grad, weight_decay=a.weight_decay,
                            **_optim_kw(cfg.optim.actor))

@@ -471,6 +471,8 @@ def load_checkpoint(tr, path: str) -> None:
 def _save_checkpoint(tr, keep_last: int) -> str:
     from megatron.core import dist_checkpointing
 
+    from megatron_s3ac.convert.carried import model_sharded_state_dict
+
     root = _ckpt_root(tr.cfg.train.out_dir)
     name = f"step_{tr.step_idx:06d}"
     tmp, final = os.path.join(root, name + ".tmp"), os.path.join(root, name)
@@ -489,7 +491,8 @@ def _save_checkpoint(tr, keep_last: int) -> str:
     meta = {"version": 1, "step": tr.step_idx, "models": {}}
     for name_, model, opt in _models(tr):
         with _scope(tr, name_):
-            dist_checkpointing.save(model.sharded_state_dict(), os.path.join(tmp, name_))
+            # the actor's carried tensors (vision tower, MTP head) too: mcore-to-hf of it is the complete model
+            dist_checkpointing.save(model_sharded_state_dict(model), os.path.join(tmp, name_))
         meta["models"][name_] = _save_optimizer(tr, name_, model, opt, os.path.join(tmp, f"{name_}_optim"))
         if name_ == "actor":
             faults.mid_save(tmp, tr.step_idx, tr.rank)  # testing seam (no-op unless its env var is set)
@@ -537,12 +540,12 @@ def _async_state(tr) -> dict:
 
 
 def _load_checkpoint(tr, path: str) -> None:
-    from megatron.core import dist_checkpointing
+    from megatron_s3ac.convert.carried import load_model
 
     entries = read_meta(path)["models"]
     for name_, model, opt in _models(tr):
         with _scope(tr, name_):
-            model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), os.path.join(path, name_)))
+            load_model(model, os.path.join(path, name_))
         _load_optimizer(tr, name_, model, opt, path, entries.get(name_, {}))
     st = safe_load(os.path.join(path, "trainer_state.pt"))
     tr.step_idx, tr.skipped_steps = int(st["step"]), int(st["skipped_steps"])

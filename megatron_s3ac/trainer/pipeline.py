@@ -278,12 +278,14 @@ class Pipeline:
         """The actor or critic as a torch_dist checkpoint at ``path`` (layout-free; collective)."""
         from megatron.core import dist_checkpointing
 
+        from megatron_s3ac.convert.carried import model_sharded_state_dict
+
         if self.rank == 0:
             os.makedirs(path)
         self._barrier()
         with self.tr.model_scope(which):
             model = self.tr.actor if which == "actor" else self.tr.critic
-            dist_checkpointing.save(model.sharded_state_dict(), path)
+            dist_checkpointing.save(model_sharded_state_dict(model), path)  # + carried tensors (vision, MTP)
         self._barrier()
 
     def _jsonl(self, path: str):
@@ -357,11 +359,13 @@ class Pipeline:
         """A skipped stage's output into the trainer (collective)."""
         from megatron.core import dist_checkpointing
 
+        from megatron_s3ac.convert.carried import load_model
+
         tr = self.tr
         if stage == "warmup":
             path = os.path.join(self.dirs["warmup"], "actor")
             with tr.model_scope("actor"):
-                tr.actor.load_state_dict(dist_checkpointing.load(tr.actor.sharded_state_dict(), path))
+                load_model(tr.actor, path)
             getattr(tr, "sync_weights_soon", tr.sync_weights)()
         elif stage == "value_pretrain":
             path = os.path.join(self.dirs["value_pretrain"], "critic")

@@ -56,3 +56,36 @@ def r3_replay(cfg, mcore_dir, layout, smp):
     used.remove()
     checked = C.check_used_equals_rollout(used, config, mbs, pls, sids, smp)
     return lps, checked, sorted(used.maps)
+
+
+def _trainer_cfg(hf_dir, actor_init, out_dir, tp, ep):
+    from megatron_s3ac.trainer.config import Config, LayoutCfg, ModelCfg, TrainCfg
+
+    return Config(model=ModelCfg(hf_config=hf_dir, actor_init=actor_init),
+                  actor_layout=LayoutCfg(tp=tp, ep=ep, etp=1 if ep > 1 else None), train=TrainCfg(out_dir=out_dir))
+
+
+def carried_through_training(hf_dir, actor_init, out_dir, tp, ep):
+    """The trainer's own path: ``build_parallel`` + ``build_actor`` from ``actor_init`` (a converted VL
+    checkpoint, or a training checkpoint's actor/), ``save_checkpoint`` (step 3, optimizer state per rank),
+    and the live export the weight sync uses. Returns (this rank's carried bytes, the step dir, exported
+    names)."""
+    import types
+
+    import torch.distributed as dist
+
+    from megatron_s3ac.convert import export_hf_weights
+    from megatron_s3ac.trainer import build as B
+    from megatron_s3ac.trainer.checkpoint import save_checkpoint
+    from megatron_s3ac.trainer.config import model_info_for
+
+    cfg = _trainer_cfg(hf_dir, actor_init, out_dir, tp, ep)
+    info = model_info_for(cfg)
+    B.build_parallel(cfg, uses_critic=False)
+    m = B.build_actor(cfg, info, B.layout_of(cfg.actor_layout), {})
+    carried = getattr(m.module, "s3ac_carried", None)
+    tr = types.SimpleNamespace(cfg=cfg, actor=m.module, actor_opt=m.opt, critic=None, rank=dist.get_rank(),
+                               step_idx=3, skipped_steps=0, stream=types.SimpleNamespace(state_dict=dict), daps=None)
+    step_dir = save_checkpoint(tr, keep_last=2)
+    names = [n for bucket in export_hf_weights([m.module], info, bucket_bytes=1 << 20) for n, _ in bucket]
+    return (carried.nbytes() if carried is not None else None), step_dir, names

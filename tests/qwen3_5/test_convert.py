@@ -1,5 +1,6 @@
 """Converter for qwen3_5_moe: plan == megatron's checkpoint keys, HF -> mcore -> HF bit-exact (fused and
-per-expert HF experts), vision/MTP tensors dropped, live export at TP2 / EP2 equals the HF tensors."""
+per-expert HF experts), vision/MTP tensors carried as is (tests/qwen3_5/test_vl_checkpoint.py has the
+complete VL round trip through training checkpoints), live export at TP2 / EP2 equals the HF tensors."""
 import os
 
 import pytest
@@ -50,11 +51,10 @@ def test_roundtrip_bit_exact(q35_hf, q35_mcore, name, tmp_path):
     out = str(tmp_path / "hf")
     mcore_to_hf(q35_mcore[name], out, progress=False)
     src, back = _tensors(q35_hf[name]), _tensors(out)
-    lm = {k: v for k, v in src.items() if not k.startswith(("model.visual.", "mtp."))}
-    assert len(lm) < len(src) or name == "text"  # the VL checkpoint has a vision tower, dropped
-    assert back.keys() == lm.keys()
-    for k in lm:
-        assert back[k].dtype == lm[k].dtype and torch.equal(back[k], lm[k]), k
+    assert any(k.startswith("model.visual.") for k in src) == (name == "vl")  # carried, not dropped
+    assert back.keys() == src.keys()
+    for k in src:
+        assert back[k].dtype == src[k].dtype and torch.equal(back[k], src[k]), k
     # and the written checkpoint converts again to the same torch_dist bytes
     again = str(tmp_path / "mcore2")
     hf_to_mcore(out, again, progress=False)
@@ -63,14 +63,25 @@ def test_roundtrip_bit_exact(q35_hf, q35_mcore, name, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(_tensors(out2).values(), back.values()))
 
 
-def test_vision_and_mtp_tensors_are_ignored(q35_hf, tmp_path):
+def test_vision_and_mtp_tensors_are_carried(q35_hf, tmp_path):
     import shutil
 
     d = str(tmp_path / "with_mtp")
     shutil.copytree(q35_hf["vl"], d)
-    save_file({"mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.mlp.gate.weight": torch.zeros(8, 64)},
-              os.path.join(d, "mtp.safetensors"))
+    index = os.path.join(d, "model.safetensors.index.json")
+    if os.path.exists(index):  # an index would hide the added shard
+        os.remove(index)
+    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.mlp.gate.weight": torch.randn(8, 64).bfloat16()}
+    save_file(mtp, os.path.join(d, "mtp.safetensors"))
     hf_to_mcore(d, str(tmp_path / "m"), progress=False)
+    mcore_to_hf(str(tmp_path / "m"), str(tmp_path / "back"), progress=False)
+    back = _tensors(str(tmp_path / "back"))
+    for k, v in {**_tensors(q35_hf["vl"]), **mtp}.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    # carried tensors are never part of the plan the live export (weight sync) walks
+    plan = build_plan(model_info(d))
+    assert not any(n.startswith(("model.visual.", "mtp.")) for n in plan.hf_shapes)
+    assert all(n in plan.ignorable_hf for n in back if n.startswith(("model.visual.", "mtp.")))
     # an unknown LM tensor is still an error
     save_file({"model.language_model.layers.0.extra.weight": torch.zeros(2)}, os.path.join(d, "x.safetensors"))
     from megatron_s3ac.convert import ConversionError

@@ -1,0 +1,126 @@
+"""Carried tensors (the vision tower, the MTP head) through training checkpoints, at any layout.
+
+A converted checkpoint stores each carried HF tensor as the global tensor ``s3ac_carried.<HF name>``, in
+the row blocks of ``plan.carried_chunks`` (plan.py). The megatron model has no module for them, so the
+actor holds them as plain extra state, ``model.s3ac_carried`` (a ``CarriedTensors``, not a module: no
+parameter, no gradient, never on the trainer's device, never exported by the weight sync):
+
+* ``load_model(model, dir)`` loads the model *and* the carried blocks in one ``dist_checkpointing.load``
+  (collective); each rank takes a share of the blocks (``assign``: greedy by bytes over the world, the
+  same on every rank), so a rank holds about 1/world of the carried bytes, in CPU memory;
+* ``model_sharded_state_dict(model)`` is ``model.sharded_state_dict()`` plus those blocks as
+  ``ShardedTensor``s (replica 0, regular grid along dim 0), so every ``dist_checkpointing.save`` of the
+  actor writes them again: the checkpoint loads at any TP / PP / EP / ETP and world size (a block is a
+  region of a layout-free global tensor) and ``mcore-to-hf`` of it writes the complete HF model.
+
+A checkpoint without carried tensors leaves what the model already holds (e.g. those loaded from
+``model.actor_init``): they are frozen, so any copy is the one to keep.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_s3ac.convert.dcp_io import DistcpCheckpoint
+from megatron_s3ac.convert.plan import is_carried_key
+
+ATTR = "s3ac_carried"
+
+
+def assign(blocks: list[tuple[str, tuple, tuple, int]], world: int) -> list[list[int]]:
+    """Indices of ``blocks`` [(key, offset, shape, nbytes)] per rank: largest first to the least loaded
+    rank (ties: lowest rank), a deterministic function of the list and ``world``."""
+    loads, out = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(blocks)), key=lambda i: (-blocks[i][3], blocks[i][0], blocks[i][1])):
+        r = loads.index(min(loads))
+        loads[r] += blocks[i][3]
+        out[r].append(i)
+    return out
+
+
+class CarriedTensors:
+    """This rank's blocks of a checkpoint's carried tensors: ``{(key, offset): tensor}`` (CPU)."""
+
+    def __init__(self, global_shapes: dict[str, tuple], blocks: dict[tuple, torch.Tensor]):
+        self.global_shapes = global_shapes
+        self.blocks = blocks
+
+    @classmethod
+    def layout(cls, ckpt_dir: str, rank: int, world: int) -> "CarriedTensors | None":
+        """Empty (uninitialised) blocks for this rank's share of ``ckpt_dir``'s carried tensors; None when
+        the checkpoint has none. Reads only ``.metadata``."""
+        ck = DistcpCheckpoint(ckpt_dir)
+        try:
+            shapes, blocks = {}, []
+            for key, md in ck.md.state_dict_metadata.items():
+                if not (is_carried_key(key) and ck.has(key)):
+                    continue
+                shapes[key] = tuple(md.size)
+                item = ck.dtype_name(key).itemsize
+                for c in md.chunks:
+                    blocks.append((key, tuple(c.offsets), tuple(c.sizes), math.prod(c.sizes) * item))
+            if not blocks:
+                return None
+            mine = assign(blocks, world)[rank]
+            data = {(blocks[i][0], blocks[i][1]): torch.empty(blocks[i][2], dtype=ck.dtype(blocks[i][0]))
+                    for i in sorted(mine)}
+            return cls(shapes, data)
+        finally:
+            ck.close()
+
+    def sharded_state_dict(self) -> dict:
+        """``{"<key>@<offset>": ShardedTensor}`` for this rank's blocks (dim-0 blocks of equal size)."""
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        out = {}
+        for (key, off), t in self.blocks.items():
+            gshape = self.global_shapes[key]
+            frag = (gshape[0] // t.shape[0], *([1] * (len(gshape) - 1)))
+            out[f"{key}@{'.'.join(map(str, off))}"] = ShardedTensor(
+                key=key, data=t, dtype=t.dtype, local_shape=tuple(t.shape), global_shape=gshape,
+                global_offset=off, axis_fragmentations=frag, replica_id=0)
+        return out
+
+    def take(self, loaded: dict) -> dict:
+        """Move this rank's blocks out of a ``dist_checkpointing.load`` result; returns the rest."""
+        rest = dict(loaded)
+        for (key, off) in list(self.blocks):
+            self.blocks[(key, off)] = rest.pop(f"{key}@{'.'.join(map(str, off))}")
+        return rest
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.blocks.values())
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def model_sharded_state_dict(model) -> dict:
+    """``model.sharded_state_dict()`` plus the carried blocks it holds (none: the same dict)."""
+    sd = model.sharded_state_dict()
+    carried = getattr(model, ATTR, None)
+    if carried is not None:
+        sd.update(carried.sharded_state_dict())
+    return sd
+
+
+def load_model(model, ckpt_dir: str) -> None:
+    """``model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))`` that also
+    loads this rank's share of the checkpoint's carried tensors into ``model.s3ac_carried`` (collective)."""
+    from megatron.core import dist_checkpointing
+
+    carried = CarriedTensors.layout(ckpt_dir, *_rank_world())
+    sd = model.sharded_state_dict()
+    if carried is not None:
+        sd.update(carried.sharded_state_dict())
+    loaded = dist_checkpointing.load(sd, ckpt_dir)
+    if carried is not None:
+        loaded = carried.take(loaded)
+        setattr(model, ATTR, carried)  # a plain attribute: not a module, parameter or buffer
+    model.load_state_dict(loaded)
