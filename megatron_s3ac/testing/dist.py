@@ -92,9 +92,15 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, **kwargs
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, {}
+    return collect_results(procs, queue, world_size, timeout)
+
+
+def collect_results(procs: list, queue, world_size: int, timeout: float) -> list:
+    """The started rank processes' ``(rank, ok, payload)`` answers from ``queue``, ordered by rank; the first failing
+    rank's traceback raises ``DistributedTestError`` (the others, maybe stuck in a collective, are killed)."""
     import queue as _q
 
+    results, errors = {}, {}
     try:
         for _ in range(world_size):
             try:

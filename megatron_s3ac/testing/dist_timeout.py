@@ -18,11 +18,10 @@ import contextlib
 import datetime
 import os
 import pickle
-import queue as _queue
 import time
 import traceback
 
-from megatron_s3ac.testing.dist import DistributedTestError, _context, free_port
+from megatron_s3ac.testing.dist import _context, collect_results, free_port
 
 
 def _worker(rank, world_size, port, pg_timeout_s, fn, args, kwargs, out, threads):
@@ -67,29 +66,7 @@ def run_with_pg_timeout(fn, world_size: int, pg_timeout_s: float | None, *args, 
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, {}
-    try:
-        for _ in range(world_size):
-            try:
-                rank, ok, payload = out.get(timeout=timeout)
-            except _queue.Empty:
-                raise DistributedTestError(f"timed out after {timeout}s waiting for "
-                                           f"{world_size - len(results) - len(errors)} rank(s)") from None
-            if ok:
-                results[rank] = pickle.loads(payload)
-            else:
-                errors[rank] = payload
-                break  # the others may be stuck in a collective
-    finally:
-        for p in procs:
-            p.join(timeout=5 if errors else 30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        rank = min(errors)
-        raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
-    return [results[r] for r in range(world_size)]
+    return collect_results(procs, out, world_size, timeout)
 
 
 class SlowEngine:
