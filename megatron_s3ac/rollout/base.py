@@ -102,6 +102,7 @@ class Sample:
     finish_reason: str  # one of FINISH_REASONS
     routed_experts: Optional[np.ndarray] = None  # [P + R - 1, num_layers, top_k], compact int dtype
     response_text: Optional[str] = None  # decoded response when the engine has a tokenizer
+    images: Optional[Any] = None  # models.multimodal.ImageInputs of an image prompt (prompt_ids hold its placeholders)
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
