@@ -49,6 +49,56 @@ def test_split_positions_and_mask():
     assert torch.equal(_local_mask(full[None, None], 4, 2, 1, None)[0, 0], m)
 
 
+def _attention_cp_rank(comm, cp, masked):
+    """One CP rank of the attention-level check: this rank's q / k / v (the load-balanced split of the
+    same random [s, b, heads, hn] tensors on every rank) through ``comm``'s CP attention, a random
+    cotangent backpropagated; returns (out, dq, dk, dv) of this rank's positions."""
+    import torch.distributed as dist
+
+    from megatron_s3ac.models import context_parallel as cpm
+
+    s, b, nq, ng, hn = 12, 2, 4, 2, 8
+    g = torch.Generator().manual_seed(5)
+    q, k, v, cot = (torch.randn(s, b, n, hn, generator=g) for n in (nq, ng, ng, nq))
+    mask = _packed_mask((5, 4), s).expand(b, 1, s, s) if masked else None
+    r = dist.get_rank()
+    ql, kl, vl = (cpm.split_for_cp(t, 0, cp, r).requires_grad_() for t in (q, k, v))
+    fn = cpm.cp_ring_attention if comm == "ring" else cpm.cp_core_attention
+    out = fn(ql, kl, vl, mask, None, 0.0, dist.group.WORLD)
+    (out * cpm.split_for_cp(cot, 0, cp, r).reshape(out.shape)).sum().backward()
+    return out.detach(), ql.grad, kl.grad, vl.grad
+
+
+@pytest.mark.parametrize("comm,masked", [("allgather", True), ("ring", False), ("ring", True)],
+                         ids=["allgather-packed", "ring-causal", "ring-packed"])
+def test_cp_attention_matches_full_sdpa(comm, masked):
+    """Both CP attention exchanges (K / V all-gather; ring with online-softmax merge) at CP=3 (a
+    3-hop ring: blocks that pass through a rank they do not belong to) equal full-sequence SDPA
+    (GQA 4 q / 2 kv heads) in the forward and in dQ / dK / dV: causal and a packed block-diagonal
+    mask (a padding tail that is its own block). Reference: single-process torch SDPA + autograd."""
+    import torch.nn.functional as F
+
+    from megatron_s3ac.models.context_parallel import split_for_cp
+
+    cp = 3
+    res = run_distributed(_attention_cp_rank, cp, comm, cp, masked)
+    s, b, nq, ng, hn = 12, 2, 4, 2, 8
+    g = torch.Generator().manual_seed(5)
+    q, k, v, cot = (torch.randn(s, b, n, hn, generator=g) for n in (nq, ng, ng, nq))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = _packed_mask((5, 4), s).expand(b, 1, s, s) if masked else None
+    qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    kk, vv = kk.repeat_interleave(nq // ng, 1), vv.repeat_interleave(nq // ng, 1)
+    ref = F.scaled_dot_product_attention(qq, kk, vv, is_causal=not masked,
+                                         attn_mask=None if mask is None else ~mask)
+    ref = ref.permute(2, 0, 1, 3).reshape(s, b, nq * hn)
+    (ref * cot.reshape(ref.shape)).sum().backward()
+    for r, (out, dq, dk, dv) in enumerate(res):
+        for got, want in ((out, ref.detach()), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
+            want = split_for_cp(want, 0, cp, r).reshape(got.shape)
+            assert rel_err(got, want) <= REL, (comm, masked, r, rel_err(got, want))
+
+
 def _batch(vocab, packed):
     g = torch.Generator().manual_seed(7)
     if packed:
@@ -230,3 +280,21 @@ def test_qwen3_5_cp2_matches_single_rank(refs, tmp_path):
 def test_qwen3_5_cp2_tp2_matches_single_rank(refs, tmp_path):
     # 4 key / 8 value GDN heads: tp*cp = 4 ranks each hold one key head
     check(refs, tmp_path, "qwen3_5_moe", dict(cp=2, tp=2), 4, linear_num_key_heads=4, linear_num_value_heads=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type,layout_kw,world,packed", [
+    ("qwen3_moe", dict(cp=2), 2, False),
+    ("qwen3", dict(cp=2), 2, True),
+    ("qwen3_moe", dict(cp=2, tp=2), 4, False),
+], ids=["qwen3_moe-cp2", "qwen3-cp2-packed", "qwen3_moe-cp2-tp2"])
+def test_ring_matches_single_rank(refs, tmp_path, model_type, layout_kw, world, packed):
+    """``cp_comm: ring`` (K / V passed round the CP ranks, online-softmax merge) inside the models:
+    logits and gradients equal the single-rank run like the all-gather's."""
+    check(refs, tmp_path, model_type, dict(layout_kw, cp_comm="ring"), world, packed=packed)
+
+
+@pytest.mark.slow
+def test_qwen3_5_ring_cp2_matches_single_rank(refs, tmp_path):
+    """Qwen3.5-MoE's gated attention through the ring (the GDN's all-to-all is unchanged)."""
+    check(refs, tmp_path, "qwen3_5_moe", dict(cp=2, cp_comm="ring"), 2)
