@@ -5,12 +5,18 @@ The sequences are 13 tokens long (not a multiple of 2 x CP): the CP runs pad the
 As in test_parallel_equivalence, the reference saves its weights with dist_checkpointing, each CP
 run loads them at its layout, runs forward + backward through megatron's schedule (DDP over DP x CP,
 finalize_model_grads) and saves its gradients as a sharded checkpoint that the reference layout reads
-back. Errors are max |diff| relative to the reference tensor's largest entry (<= 1e-5); for gradients
-that scale is floored at 1e-4 of the model's largest gradient entry: Qwen3.5's GDN decay parameters
-(A_log, dt_bias) have near-zero gradients (~1e-6 against ~1e-1 elsewhere) whose fp32 cancellation
-noise (~1e-10 absolute) reads as 1e-4 "relative" in every layout, TP=2 without CP included. Even
-floored, those two tensors differ by up to 1.1e-5 at TP=2 without CP (the tp*cp=4 model below, measured
-with CP_TEST_DEBUG=1), so they get REL_DECAY = 5e-5; every other tensor is held to 1e-5.
+back. Errors: logits and every gradient tensor, max |diff| / max |ref| <= 1e-5 (no floor), except
+Qwen3.5's GDN decay parameters (A_log, dt_bias), held to the same 1e-5 per head relative to the sum of
+the absolute per-token contributions their gradient adds up, S_h = sum_{b,t} |c_bth| (dL/dg g and dL/dz
+for g = -exp(A_log) softplus(z), z = alpha + dt_bias; captured in the reference run, ``_DecayScales``).
+Why that measure: those gradients are sums over tokens whose terms largely cancel (|grad| down to
+~1e-6 against ~1e-1 elsewhere), and fp32 summation error is bounded relative to
+sum |c|, not |sum c| (|fl(sum c) - sum c| <= n eps sum |c|). Relative to the tensor itself (max- or
+norm-relative alike) they read up to 8.8e-5 at CP=2 and 2.0e-5 at CP=2 x TP=2 (and above 1e-5 at TP=2
+without CP): fp32 rounding of the upstream per-token gradients (the reduction order changes with the
+layout) amplified by the cancellation, not CP. Relative to S_h they are <= 9.7e-7 at CP=2 and <= 1.9e-6
+at CP=2 x TP=2, every other tensor <= 1.6e-6 / 2.7e-6 (2026-12-02, CP_TEST_DEBUG=1 prints all three
+measures per tensor). The test also asserts S_h >= |ref_h| (the captured terms are the gradient's).
 """
 import os
 
@@ -23,7 +29,6 @@ from megatron_s3ac.testing.tiny_models import tiny_config
 B, S = 2, 13
 PACK = (5, 8)  # the packed case: two samples in one row, block-diagonal causal mask
 REL = 1e-5
-REL_DECAY = 5e-5  # Qwen3.5 GDN A_log / dt_bias gradients (see the module docstring)
 
 
 def test_split_positions_and_mask():
@@ -310,6 +315,8 @@ def check(refs, tmp_path, model_type, layout_kw, world, packed=False, **override
             continue
         nonzero += 1
         if k in scales:  # GDN decay: per head, |diff| over the sum of |per-token contributions|
+            # the captured contributions sum to the reference gradient, so their |.| sum bounds it
+            assert (ref.abs() <= scales[k] * (1 + 1e-4)).all(), (k, ref, scales[k])
             err = ((grads[k] - ref).abs() / scales[k]).max().item()
         else:
             err = rel_err(grads[k], ref)
