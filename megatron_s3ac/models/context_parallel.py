@@ -139,9 +139,6 @@ def cp_core_attention(query, key, value, attention_mask, softmax_scale, dropout_
     return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
 
-CP_COMMS = ("allgather", "ring")  # ``ParallelLayout.cp_comm``: the torch core attention's K / V exchange
-
-
 class _RingShift(torch.autograd.Function):
     """One ring step: send ``x`` to the next CP rank, receive the previous rank's. Backward is the
     transpose (send the gradient back to the previous rank, receive the next rank's), so autograd
@@ -226,3 +223,8 @@ def cp_ring_attention(query, key, value, attention_mask, softmax_scale, dropout_
     w = torch.exp(lse_all - torch.logsumexp(lse_all, dim=0, keepdim=True))
     out = (w * torch.stack(outs)).sum(0)  # [b, np, sq, hn]
     return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+# ``ParallelLayout.cp_comm`` -> the torch core attention's CP function (same signature, same result)
+CP_ATTENTION = {"allgather": cp_core_attention, "ring": cp_ring_attention}
+CP_COMMS = tuple(CP_ATTENTION)

@@ -80,10 +80,10 @@ class SDPAttention(DotProductAttention):
             raise NotImplementedError("SDPAttention has no attention_bias")
         dropout = self.attention_dropout.p if self.training else 0.0
         if self.cp_group is not None:
-            from megatron_s3ac.models import context_parallel as cpm
+            from megatron_s3ac.models.context_parallel import CP_ATTENTION
 
-            fn = cpm.cp_ring_attention if self.cp_comm == "ring" else cpm.cp_core_attention
-            return fn(query, key, value, attention_mask, self.softmax_scale, dropout, self.cp_group)
+            return CP_ATTENTION[self.cp_comm](query, key, value, attention_mask, self.softmax_scale, dropout,
+                                              self.cp_group)
         sq, b, np_, hn = query.shape
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)

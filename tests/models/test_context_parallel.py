@@ -322,9 +322,10 @@ def check(refs, tmp_path, model_type, layout_kw, world, packed=False, **override
             err = rel_err(grads[k], ref)
         worst = max(worst, err)
         if debug:
-            plain = rel_err(grads[k], ref)
-            print(f"  {k}: {err:.2e} (max-rel {plain:.2e}, norm-rel {((grads[k] - ref).norm() / ref.norm()).item():.2e})"
-                  f" max|ref| {ref.abs().max().item():.2e}" + (f" S {scales[k].min().item():.2e}" if k in scales else ""))
+            plain, norm = rel_err(grads[k], ref), ((grads[k] - ref).norm() / ref.norm()).item()
+            extra = f" S {scales[k].min().item():.2e}" if k in scales else ""
+            print(f"  {k}: {err:.2e} (max-rel {plain:.2e}, norm-rel {norm:.2e}) max|ref| {ref.abs().max().item():.2e}"
+                  + extra)
             continue
         assert err <= REL, f"{k}: grad rel err {err:.2e}"
     print(f"{model_type} {layout_kw} packed={packed}: worst grad rel err {worst:.2e} over {nonzero} tensors")
