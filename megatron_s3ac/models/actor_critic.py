@@ -56,8 +56,11 @@ def build_transformer_config(info: ModelInfo, layout: ParallelLayout, dtype: tor
         # megatron's only cp check for it is "not supported yet" (the GDN's); nothing is derived from cp
         config = TransformerConfig(**{**kw, "context_parallel_size": 1})
         config.context_parallel_size = cp
-        return config
-    return TransformerConfig(**kw)
+    else:
+        config = TransformerConfig(**kw)
+    # the torch spec's CP attention exchange (SDPAttention); not a megatron field, TE reads its cp_comm_type
+    config.s3ac_cp_comm = layout.cp_comm
+    return config
 
 
 def _stage_flags(config: TransformerConfig) -> tuple[bool, bool]:

@@ -103,6 +103,8 @@ class LayoutCfg:
     etp: Optional[int] = None
     # context parallel: every sequence split over cp ranks (models/context_parallel.py); dp = world / (tp*cp*pp)
     cp: int = 1
+    # CP attention communication of the torch spec: allgather (default) | ring (models/context_parallel.py)
+    cp_comm: str = "allgather"
     # uneven pipeline: layers on the first / last stage (the rest split evenly); both None and
     # num_layers % pp != 0: split automatically (models.parallel.auto_stage_layers)
     first_stage_layers: Optional[int] = None
@@ -743,7 +745,7 @@ def _layout_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
 def layout_of(lay: LayoutCfg):
     from megatron_s3ac.models.parallel import ParallelLayout
 
-    return ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, cp=lay.cp,
+    return ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, cp=lay.cp, cp_comm=lay.cp_comm,
                           first_stage_layers=lay.first_stage_layers,
                           last_stage_layers=lay.last_stage_layers)
 
