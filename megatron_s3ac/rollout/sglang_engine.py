@@ -436,14 +436,13 @@ class SGLangEngine(RolloutEngine):
             return [[] for _ in prompts]
         images = check_images(prompts, images)
         row_images = [im for im in images for _ in range(n_samples)] if images is not None else None
-        extra = {} if images is None else {"image_data": [None if im is None else [processor_output(im)]
-                                                          for im in row_images]}
+        image_data = None if images is None else [None if im is None else [processor_output(im)] for im in row_images]
         self._calls += 1
         base = self._seed_base + self._calls * 1_000_000 if params.seed is None else None
         sampling = [to_sglang_sampling_params(params, seed_offset=k, base_seed=base) for k in range(len(requests))]
         try:
             outputs = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True,
-                                           return_routed_experts=return_routed_experts, **extra)
+                                           return_routed_experts=return_routed_experts, image_data=image_data)
         except ValueError as err:  # context length unknown here: sglang refused the whole batch; name the prompt
             ctx = _context_from_message(str(err))
             if ctx is None:
