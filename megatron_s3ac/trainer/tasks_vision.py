@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import string
 
 import numpy as np
 
@@ -26,6 +27,12 @@ GLYPHS = {
     "8": ["###", "#.#", "###", "#.#", "###"], "9": ["###", "#.#", "###", "..#", "###"],
 }
 HEIGHT, WIDTH = 8, 16
+# The task's character vocabulary filled up to the tiny VL model's 96 ids (digits, '+', '=' at 3-14 as in the
+# text demo, then placeholder characters), so every id the model can emit decodes (ids 90-93, the vision tokens,
+# decode to placeholders too: they only ever stand in prompts).
+# ASCII letters and punctuation (byte-level tokenizers, as AutoTokenizer makes of a Qwen3.5 directory, keep them as
+# they are).
+VISION_CHARS = ("0123456789+=" + "".join(c for c in string.ascii_letters + string.punctuation if c not in "+="))[:93]
 PROMPT_TEXT = "<image>="  # the image, then "=": the answer is the sum of its two digits
 
 
@@ -99,7 +106,7 @@ def write_vision_set(path: str, pairs, embed: bool = False) -> str:
 
 def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: int = 100, seed: int = 0) -> dict:
     """The miniature on disk: ``model/`` (tiny Qwen3.5-MoE VL checkpoint + the task's character tokenizer:
-    digits, '+', '=' at ids 3-14; the image token ids 90-93 of the tiny config), ``train.jsonl`` and
+    ``VISION_CHARS``: digits, '+', '=' at ids 3-14; the image token ids 90-93 of the tiny config), ``train.jsonl`` and
     ``heldout.jsonl`` (disjoint pictures). Returns the paths."""
     from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full
     from transformers import AutoTokenizer
@@ -109,7 +116,7 @@ def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: i
 
     model = os.path.join(out_dir, "model")
     save_tiny_qwen3_5_vl_full(model, seed=seed)
-    vocab = CharVocab()
+    vocab = CharVocab(VISION_CHARS)
     char_vocab_tokenizer(vocab).save_pretrained(model)
     # AutoTokenizer loads it as the config's tokenizer class (Qwen3.5's), which keeps the ids: check them
     back = AutoTokenizer.from_pretrained(model)
