@@ -124,5 +124,15 @@ def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: i
         raise RuntimeError(f"{model}: the saved tokenizer does not reproduce the character vocabulary's ids")
     held = digit_pairs(eval_prompts, seed + 1)
     train = digit_pairs(num_prompts, seed, exclude=set(held))
-    return {"model": model, "train": write_vision_set(os.path.join(out_dir, "train.jsonl"), train),
-            "heldout": write_vision_set(os.path.join(out_dir, "heldout.jsonl"), held)}
+    out = {"model": model, "train": write_vision_set(os.path.join(out_dir, "train.jsonl"), train),
+           "heldout": write_vision_set(os.path.join(out_dir, "heldout.jsonl"), held)}
+    # the held-out set again in MathVista's layout (free-form rows), for s3ac-eval --bench mathvista=...
+    vista = os.path.join(out_dir, "heldout_mathvista.jsonl")
+    with open(out["heldout"]) as f, open(vista, "w") as g:
+        for i, line in enumerate(f):
+            r = json.loads(line)
+            g.write(json.dumps({"pid": str(i), "question": r["prompt"][len("<image>"):], "image": r["images"][0],
+                                "choices": None, "answer": r["answer"], "question_type": "free_form",
+                                "answer_type": "integer"}) + "\n")
+    out["heldout_mathvista"] = vista
+    return out
