@@ -656,7 +656,7 @@ class CPUEngine(RolloutEngine):
         if inner is None:
             raise ValueError(f"image prompts given, but this engine holds {type(self.model).__name__}, a text-only "
                              f"model: load the vision-language checkpoint with multimodal=True "
-                             f"(rollout.cpu.multimodal: true)")
+                             f"(make_engine_factory(..., multimodal=True); s3ac-eval does it for image benchmarks)")
         cfg = self.model.config
         merge = int(cfg.vision_config.spatial_merge_size)
         image_id, video_id = int(cfg.image_token_id), getattr(cfg, "video_token_id", None)

@@ -211,7 +211,7 @@ class VLLMEngine(RolloutEngine):
         with the CPU torch wheel here, so the vLLM engine serves text prompts only (the CPU engine serves images)."""
         refuse_images(self.name, check_images(prompt_ids, images),
                       "vLLM's Qwen3.5 multimodal processor needs torchvision, which the CPU torch wheel cannot load; "
-                      "use the CPU engine (rollout.engine: cpu, rollout.cpu.multimodal: true) or SGLang")
+                      "use the CPU engine loaded multimodal (make_engine_factory(\"cpu\", ..., multimodal=True)) or SGLang")
         if self._session_open:
             raise VLLMEngineError(f"{self.name}: generate during an open weight-update session")
         if self._partial:
