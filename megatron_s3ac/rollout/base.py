@@ -8,7 +8,12 @@ Shapes and layouts here are the contract the trainer relies on:
   experts used when token i (prompt tokens first, then response tokens) was the model's input;
   the last response token is never fed forward, so it has no row. num_layers is the model's
   num_hidden_layers (dense layers included, their rows are 0, as in SGLang); expert ids are
-  logical. Stored in the compact dtype of `routed_experts_dtype`.
+  logical. Stored in the compact dtype of `routed_experts_dtype`. Image prompts: the rows of the image
+  placeholder tokens are there too (they are prompt tokens the decoder routes like any other).
+- `images` (the ``generate`` argument): None, or a list aligned with ``prompt_ids`` of
+  ``models.multimodal.ImageInputs`` (None for a text prompt); the prompt's ids already hold each image's
+  vision_start, n x image_token_id, vision_end. An engine that cannot serve images refuses them
+  (``refuse_images``); one that can returns them as ``Sample.images``.
 """
 from __future__ import annotations
 
@@ -58,6 +63,29 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) ->
         size += nbytes
     if bucket:
         yield bucket
+
+
+def check_images(prompt_ids: Sequence[Sequence[int]], images) -> Optional[list]:
+    """``images`` as a list aligned with ``prompt_ids`` (None entries for text prompts), or None when no prompt
+    has an image. ValueError for a list of the wrong length or an entry that is not ``ImageInputs``."""
+    if images is None:
+        return None
+    from megatron_s3ac.models.multimodal import ImageInputs
+
+    images = list(images)
+    if len(images) != len(prompt_ids):
+        raise ValueError(f"images: {len(images)} entries for {len(prompt_ids)} prompts (one per prompt, None for "
+                         f"a text prompt)")
+    for i, im in enumerate(images):
+        if im is not None and not isinstance(im, ImageInputs):
+            raise ValueError(f"images[{i}] is a {type(im).__name__}, not models.multimodal.ImageInputs")
+    return images if any(im is not None for im in images) else None
+
+
+def refuse_images(engine: str, images, why: str) -> None:
+    """Raise ValueError when ``images`` holds an image: ``engine`` cannot serve image prompts (``why``)."""
+    if images is not None and any(im is not None for im in images):
+        raise ValueError(f"{engine} cannot serve image prompts: {why}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,14 +170,17 @@ class RolloutEngine(abc.ABC):
     """A generator whose weights follow the trainer's."""
 
     def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                       return_routed_experts: bool = False) -> PendingGeneration:
+                       return_routed_experts: bool = False, images=None) -> PendingGeneration:
         """Submit ``generate`` and return at once where the engine runs elsewhere (RemoteEngine, EnginePool: a
         Ray actor); calls made after it (a weight update) run after it. An in-process engine generates here,
         now (nothing to overlap with)."""
         import time
 
         t0 = time.time()
-        out = self.generate(prompt_ids, params, n_samples, return_routed_experts)
+        if images is None:  # engines written before image prompts take four arguments
+            out = self.generate(prompt_ids, params, n_samples, return_routed_experts)
+        else:
+            out = self.generate(prompt_ids, params, n_samples, return_routed_experts, images=images)
         return PendingGeneration(lambda: (out, t0, time.time()))
 
     @abc.abstractmethod
@@ -159,8 +190,10 @@ class RolloutEngine(abc.ABC):
         params: SamplingParams,
         n_samples: int = 1,
         return_routed_experts: bool = False,
+        images: Optional[Sequence[Any]] = None,
     ) -> list[list[Sample]]:
-        """Sample n_samples responses per prompt; returns one list of n_samples per prompt."""
+        """Sample n_samples responses per prompt; returns one list of n_samples per prompt. ``images``: see the
+        module docstring (None: text prompts only)."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:

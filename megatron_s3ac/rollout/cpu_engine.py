@@ -15,7 +15,12 @@ It is the engine of the CPU demo and of the tests, so it is exact rather than cl
 - vision-language checkpoints (e.g. ``Qwen3_5MoeForConditionalGeneration``): by default the engine
   holds transformers' text-only causal LM of them (``AutoModelForCausalLM``, the vision tower is not
   loaded); ``multimodal=True`` loads the full model (``AutoModelForImageTextToText``, as SGLang does),
-  whose vision weights a weight sync of the language model leaves untouched.
+  whose vision weights a weight sync of the language model leaves untouched. That model serves image
+  prompts (``generate(..., images=[ImageInputs | None, ...])``): the prefill takes the images'
+  pixel_values / image_grid_thw, the vision tower's embeddings replace the placeholder tokens, and the
+  positions are transformers' 3-D mRoPE ones (``get_rope_index`` on the left-padded batch, then text
+  positions + the row's rope delta while decoding), as ``Qwen3_5MoeForConditionalGeneration.generate``
+  builds them (modeling_qwen3_5_moe.py ``_prepare_position_ids_for_generation``).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, routed_experts_dtype
+from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, check_images, routed_experts_dtype
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
@@ -522,11 +527,16 @@ class CPUEngine(RolloutEngine):
         params: SamplingParams,
         n_samples: int = 1,
         return_routed_experts: bool = False,
+        images=None,
     ) -> list[list[Sample]]:
-        """Sample n_samples responses per prompt (rows prompt-major: prompt 0's n, then prompt 1's ...)."""
+        """Sample n_samples responses per prompt (rows prompt-major: prompt 0's n, then prompt 1's ...).
+        ``images``: one ``ImageInputs`` or None per prompt (a vision-language model loaded ``multimodal``)."""
         from transformers import DynamicCache
 
         self._check_ready()
+        images = check_images(prompt_ids, images)
+        if images is not None or self._vision_model() is not None:  # a VL model: placeholders need their images
+            self._check_image_prompts(prompt_ids, images)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer; pass one to CPUEngine")
         if return_routed_experts and self._capture is None:
@@ -547,6 +557,10 @@ class CPUEngine(RolloutEngine):
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         dev = self.device
         input_ids, mask, position_ids = input_ids.to(dev), mask.to(dev), position_ids.to(dev)
+        row_images = [im for im in images for _ in range(n_samples)] if images is not None else None
+        vision, rope_delta = {}, None
+        if row_images is not None:  # prefill inputs of an image batch: pixels, grids, 4-row mRoPE positions
+            vision, position_ids, rope_delta = self._vision_inputs(input_ids, mask, position_ids, row_images)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         stop_ids_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
         generator = torch.Generator(device=dev).manual_seed(params.seed) if params.seed is not None else None
@@ -565,13 +579,13 @@ class CPUEngine(RolloutEngine):
         active = torch.arange(B)  # batch position -> sample row
         try:
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                             cache=cache, use_cache=True, logits_to_keep=1)
+                             cache=cache, use_cache=True, logits_to_keep=1, **vision)
             if routes is not None:  # prefill: prompt token j of row b sits at padded position pads[b] + j
                 for layer, ids in self._capture.pop().items():
                     ids = ids.view(B, P, self.top_k)
                     for b in range(B):
                         routes[b, : lens[b], layer] = ids[b, pads[b]:].to(routes.dtype)
-            next_pos = position_ids[:, -1]
+            next_pos = position_ids[0, :, -1] if rope_delta is not None else position_ids[:, -1]
             for step in range(params.max_new_tokens):
                 new, lp = sample_tokens(out.logits[:, -1].float(), params, generator)
                 done = torch.zeros(len(active), dtype=torch.bool)
@@ -593,9 +607,16 @@ class CPUEngine(RolloutEngine):
                         layer_cache.reorder_cache(keep)
                     kd = keep.to(dev)
                     active, new, mask, next_pos = active[keep], new[kd], mask[kd], next_pos[kd]
+                    if rope_delta is not None:
+                        rope_delta = rope_delta[kd]
                 mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=dev)], dim=1)
                 next_pos = next_pos + 1
-                out = self.model(input_ids=new[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                if rope_delta is None:
+                    step_pos = next_pos[:, None]
+                else:  # [text; t; h; w]: a generated token is text, its three mRoPE positions equal
+                    mpos = (next_pos + rope_delta)[None].expand(3, -1)
+                    step_pos = torch.cat([next_pos[None], mpos])[:, :, None]
+                out = self.model(input_ids=new[:, None], attention_mask=mask, position_ids=step_pos,
                                  cache=cache, use_cache=True, logits_to_keep=1)
                 if routes is not None:  # the fed token is response token `step` at row lens + step
                     for layer, ids in self._capture.pop().items():
@@ -616,8 +637,54 @@ class CPUEngine(RolloutEngine):
                 routed_experts=(routes[row, : len(prompts[row]) + len(resp) - 1].numpy().astype(self.routes_dtype)
                                 if routes is not None else None),
                 response_text=self.tokenizer.decode(resp, skip_special_tokens=True) if self.tokenizer is not None else None,
+                images=row_images[row] if row_images is not None else None,
             ))
         return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
+
+    # -- image prompts --------------------------------------------------------------------------
+    def _vision_model(self):
+        """The inner multimodal model (``get_rope_index``, ``visual``) or None for a text-only model."""
+        inner = getattr(self.model, "model", None)
+        return inner if inner is not None and hasattr(inner, "get_rope_index") and hasattr(inner, "visual") else None
+
+    def _check_image_prompts(self, prompt_ids, images) -> None:
+        """Refuse, naming the prompt, images the engine cannot serve: a text-only model, or placeholder tokens
+        that do not match the images' grids."""
+        inner = self._vision_model()
+        if inner is None and images is None:
+            return
+        if inner is None:
+            raise ValueError(f"image prompts given, but this engine holds {type(self.model).__name__}, a text-only "
+                             f"model: load the vision-language checkpoint with multimodal=True "
+                             f"(make_engine_factory(..., multimodal=True); s3ac-eval does it for image benchmarks)")
+        cfg = self.model.config
+        merge = int(cfg.vision_config.spatial_merge_size)
+        image_id, video_id = int(cfg.image_token_id), getattr(cfg, "video_token_id", None)
+        for i, (p, im) in enumerate(zip(prompt_ids, images or [None] * len(prompt_ids))):
+            n = sum(1 for t in p if int(t) == image_id)
+            if video_id is not None and any(int(t) == int(video_id) for t in p):
+                raise ValueError(f"prompt {i} holds video tokens ({video_id}); the engine serves images only")
+            want = 0 if im is None else im.num_image_tokens(merge)
+            if n != want:
+                raise ValueError(f"prompt {i} has {n} image tokens ({image_id}) but its images "
+                                 f"{[] if im is None else im.image_grid_thw.tolist()} take {want}: the ids must "
+                                 f"hold each image's placeholders, expanded as the processor does")
+
+    def _vision_inputs(self, input_ids, mask, text_pos, row_images):
+        """(prefill kwargs, position_ids [4, B, P] = text positions + 3-D mRoPE, rope delta [B]) of a left-padded
+        batch whose rows have images (``row_images``: one ImageInputs or None per row)."""
+        from megatron_s3ac.models.multimodal import concat
+
+        inner = self._vision_model()
+        cfg = self.model.config
+        mm_types = (input_ids == int(cfg.image_token_id)).int()  # text 0, image 1 (the processor's mm_token_type_ids)
+        have = [im for im in row_images if im is not None]
+        batch = concat(have)
+        grid = batch.image_grid_thw.to(self.device)
+        vis_pos, delta = inner.get_rope_index(input_ids, mm_types, image_grid_thw=grid, attention_mask=mask)
+        position_ids = torch.cat([text_pos[None], vis_pos.to(text_pos.dtype)])
+        kwargs = dict(pixel_values=batch.pixel_values.to(self.device), image_grid_thw=grid, mm_token_type_ids=mm_types)
+        return kwargs, position_ids, delta.reshape(-1).to(self.device)
 
     def _hit_stop_string(self, response: list[int], stop_strings: tuple[str, ...]) -> bool:
         # Decode only a tail window: a stop string that just appeared ends inside it. A token is at

@@ -38,7 +38,8 @@ import os
 import socket
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from megatron_s3ac.rollout.base import PendingGeneration, RolloutEngine, Sample, SamplingParams, iter_buckets
+from megatron_s3ac.rollout.base import (PendingGeneration, RolloutEngine, Sample, SamplingParams, check_images,
+                                        iter_buckets)
 from megatron_s3ac.rollout.ray_init import engine_runtime_env, init_ray
 from megatron_s3ac.rollout.remote import _death_cause, pack_bucket, unpack_bucket
 from megatron_s3ac.rollout.sglang_engine import PromptTooLongError
@@ -112,8 +113,10 @@ class EngineWorker:
 
         return ray.util.get_node_ip_address()
 
-    def generate(self, prompts, params, n_samples, return_routed_experts):
-        return self.engine.generate(prompts, params, n_samples, return_routed_experts)
+    def generate(self, prompts, params, n_samples, return_routed_experts, images=None):
+        if images is None:  # engines without image prompts keep their four-argument generate
+            return self.engine.generate(prompts, params, n_samples, return_routed_experts)
+        return self.engine.generate(prompts, params, n_samples, return_routed_experts, images=images)
 
     def call(self, method: str, args, kwargs):
         """engine.<method>(*args, **kwargs); method may be a dotted path (e.g. "engine.debug_...")."""
@@ -299,17 +302,19 @@ class EnginePool(RolloutEngine):
 
     # -- RolloutEngine --------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                 return_routed_experts: bool = False) -> list[list[Sample]]:
-        return self.generate_async(prompt_ids, params, n_samples, return_routed_experts).result()
+                 return_routed_experts: bool = False, images=None) -> list[list[Sample]]:
+        return self.generate_async(prompt_ids, params, n_samples, return_routed_experts, images).result()
 
     def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                       return_routed_experts: bool = False) -> PendingGeneration:
+                       return_routed_experts: bool = False, images=None) -> PendingGeneration:
         """Submit every engine's chunk and return at once (``generate`` = this + ``result()``); each engine
-        runs its calls in order, so a weight update sent after it loads after this generation."""
+        runs its calls in order, so a weight update sent after it loads after this generation. ``images`` (one
+        ImageInputs or None per prompt) go with their prompts' chunk."""
         import ray
 
         self._check()
         prompts = [[int(t) for t in p] for p in prompt_ids]
+        images = check_images(prompts, images)
         chunks = [(e, lo, hi) for e, (lo, hi) in enumerate(split_evenly(len(prompts), self.num_engines)) if lo < hi]
         # an engine numbers the prompts of its own chunk: check here, naming the prompt's index in the whole batch
         contexts = {e: self.info[e].get("context_length") for e, _, _ in chunks}
@@ -318,7 +323,9 @@ class EnginePool(RolloutEngine):
         for e, lo, hi in chunks:
             p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + lo * n_samples)
             refs.append((e, self.actors[e].generate.remote(prompts[lo:hi], p, int(n_samples),
-                                                           bool(return_routed_experts))))
+                                                           bool(return_routed_experts),
+                                                           None if images is None else
+                                                           check_images(prompts[lo:hi], images[lo:hi]))))
             spans.append((lo, hi))
 
         def wait():

@@ -179,6 +179,7 @@ class EngineFactory:
     torch_threads: Optional[int] = None
     dtype: Any = None  # cpu / hf: the transformers model's torch dtype (None: fp32)
     device: Optional[str] = None  # cpu / hf: where it runs (None: the engine process decides)
+    multimodal: bool = False  # cpu / hf: a vision-language checkpoint as the full model (serves image prompts)
 
     def sync_strategy(self, placement: Any, engine=None, quantize=None):
         """This factory's engine kind's weight-sync strategy at ``placement`` (``make_sync_strategy``)."""
@@ -211,6 +212,8 @@ class EngineFactory:
             from megatron_s3ac.rollout.cpu_engine import CPUEngine
 
             dev = {k: v for k, v in (("dtype", self.dtype), ("device", self.device)) if v is not None}
+            if self.multimodal:
+                dev["multimodal"] = True
             if self.model_dir:
                 return CPUEngine.from_pretrained(self.model_dir, **dev)
             return CPUEngine.from_config(self.hf_config, seed=self.seed, **dev)
@@ -243,7 +246,7 @@ class EngineFactory:
 def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config: Any = None,
                         settings: Optional[SGLangSettings] = None, seed: int = 0, return_routed_experts: bool = True,
                         engine_cls: Any = None, torch_threads: Optional[int] = None, dtype: Any = None,
-                        device: Optional[str] = None) -> EngineFactory:
+                        device: Optional[str] = None, multimodal: bool = False) -> EngineFactory:
     """The one engine factory of training, periodic eval, s3ac-eval and coverage data (see EngineFactory).
 
     vllm: ``make_engine_factory("vllm", model_dir=DIR)`` alone builds one ``VLLMEngine`` in the environment ``make
@@ -259,8 +262,11 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
         raise ValueError("the CPU engine needs model_dir or hf_config")
     if kind == "sglang" and engine_cls is None:
         engine_cls = SGLANG_ENGINE_CLS
+    if multimodal and kind not in ("cpu", "hf"):
+        raise ConfigError(f"multimodal: the {kind} engine serves a VL checkpoint as the checkpoint says (sglang: "
+                          f"multimodal by default); the flag is for the cpu / hf engine")
     return EngineFactory(kind, model_dir, hf_config, settings, seed, return_routed_experts, engine_cls, torch_threads,
-                         dtype, device)
+                         dtype, device, multimodal)
 
 
 def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any = None, quantize=None):

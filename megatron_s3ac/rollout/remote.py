@@ -34,7 +34,8 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from megatron_s3ac.rollout.base import PendingGeneration, RolloutEngine, Sample, SamplingParams, iter_buckets
+from megatron_s3ac.rollout.base import (PendingGeneration, RolloutEngine, Sample, SamplingParams, check_images,
+                                        iter_buckets)
 from megatron_s3ac.rollout.ray_init import init_ray
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -130,8 +131,8 @@ class EngineHost:
     def ready(self) -> dict:
         return {"pid": os.getpid(), "engine": type(self.engine).__name__}
 
-    def generate(self, prompt_ids, params, n_samples, return_routed_experts):
-        return self.engine.generate(prompt_ids, params, n_samples, return_routed_experts)
+    def generate(self, prompt_ids, params, n_samples, return_routed_experts, images=None):
+        return _generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)
 
     def check_weights(self, names, shapes, dtypes):
         """The engine's own check of a whole update, before its first bucket is sent (engines without one: none)."""
@@ -139,10 +140,10 @@ class EngineHost:
         if callable(check):
             check(names, shapes, dtypes)
 
-    def generate_timed(self, prompt_ids, params, n_samples, return_routed_experts):
+    def generate_timed(self, prompt_ids, params, n_samples, return_routed_experts, images=None):
         """generate + the (start, end) wall-clock seconds it ran (the engine's busy time, for async metrics)."""
         t0 = time.time()
-        out = self.engine.generate(prompt_ids, params, n_samples, return_routed_experts)
+        out = _generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)
         return out, t0, time.time()
 
     def load_bucket(self, records) -> int:
@@ -282,20 +283,23 @@ class RemoteEngine(RolloutEngine):
 
     # -- RolloutEngine --------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                 return_routed_experts: bool = False) -> list[list[Sample]]:
+                 return_routed_experts: bool = False, images=None) -> list[list[Sample]]:
+        """``images`` (ImageInputs or None per prompt) travel to the actor with the prompts (Ray's object store;
+        tensors only) and come back on the samples."""
         prompts = [[int(t) for t in p] for p in prompt_ids]
         return self._call("generate", prompts, params, int(n_samples), bool(return_routed_experts),
-                          what="generate()")
+                          check_images(prompts, images), what="generate()")
 
     def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                       return_routed_experts: bool = False) -> PendingGeneration:
+                       return_routed_experts: bool = False, images=None) -> PendingGeneration:
         """Submit generate() to the actor and return at once; the actor runs its calls in order, so a weight
         update sent after it loads after this generation. ``result()`` waits (timeout_s, as every call)."""
         import ray
 
         self._check()
         prompts = [[int(t) for t in p] for p in prompt_ids]
-        ref = self._actor.generate_timed.remote(prompts, params, int(n_samples), bool(return_routed_experts))
+        ref = self._actor.generate_timed.remote(prompts, params, int(n_samples), bool(return_routed_experts),
+                                                check_images(prompts, images))
         return PendingGeneration(lambda: self._get(ref, "generate()"),
                                  ready=lambda: bool(ray.wait([ref], timeout=0)[0]))
 
@@ -413,3 +417,11 @@ class RemoteEngine(RolloutEngine):
     def __repr__(self) -> str:
         state = "alive" if self.alive else f"down: {self._failure}"
         return f"RemoteEngine({getattr(self, 'engine_class', '?')}, pid={self.pid}, {state})"
+
+
+def _generate(engine, prompt_ids, params, n_samples, return_routed_experts, images):
+    """engine.generate, passing ``images`` only when there are some (engines without image support keep their
+    four-argument generate)."""
+    if images is None:
+        return engine.generate(prompt_ids, params, n_samples, return_routed_experts)
+    return engine.generate(prompt_ids, params, n_samples, return_routed_experts, images=images)

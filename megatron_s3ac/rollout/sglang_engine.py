@@ -39,6 +39,20 @@ checks them against the pinned wheel. The 0.5.23 behaviours this wrapper handles
   ``SafeUnpickler``, which kills it on any global outside its allowlist (utils/common.py:3144-3372). -> payloads
   are built by rollout/ipc.py (SimpleNamespace metadata, one serialization per TP rank) and counted before the
   call (``load_serialized_bucket``); an exception from the engine becomes ``WeightUpdateError`` naming it.
+* Image prompts (``generate(..., images=...)``): ``GenerateReqInput.image_data`` takes, per request, a list of
+  images (managers/io_struct.py:194-200; batch normalisation 645-678). A raw image (path, bytes, PIL) with token ids
+  makes the processor *decode the ids back to text* (multimodal/processors/base_processor.py:1307-1309), split it on
+  ``<|vision_start|>(<|image_pad|>)+<|vision_end|>|<image>`` (processors/qwen_vl.py:396-402) and re-run the HF
+  processor, which re-expands the placeholders: the ids the trainer holds would be re-derived by sglang. A
+  ``{"format": "processor_output", ...}`` dict is taken as already processed (base_processor.py:1060-1085): with
+  token ids the ids are kept as given (the fast path, 1293-1304) and its ``pixel_values`` / ``image_grid_thw``
+  become the request's image item (1630-1700); only ONE such dict per request (1225-1236), so all images of a
+  prompt go in one dict (pixels concatenated, grids [n, 3]). -> the wrapper sends exactly that: the ids the data
+  pipeline expanded and one processor_output dict per image prompt. sglang replaces the placeholder ids by
+  per-image pad values for its prefix cache (schedule_batch.py:660-679, models/qwen3_vl.py:1437-1440) but routes
+  every prompt position: ``routed_experts`` holds ``len(origin_input_ids) + len(output) - 1`` rows
+  (managers/scheduler_components/batch_result_processor.py:149-162), the image rows included. A VL checkpoint is
+  served multimodal by default (configs/model_config.py:690-717).
 
 Parallelism: GPUs per engine = tp_size (attention DP and EP live inside the TP group: tp_size %
 attn_dp_size == 0, arg_groups/parallel_hook.py:162,326; fields/parallel.py:81-90); one engine per data-
@@ -58,7 +72,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets, routed_experts_dtype
+from megatron_s3ac.rollout.base import (RolloutEngine, Sample, SamplingParams, check_images, iter_buckets,
+                                        routed_experts_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +106,7 @@ SERVER_ARGS_USED = (
 
 # Engine methods -> keyword arguments this wrapper passes.
 ENGINE_CALLS_USED: dict[str, tuple[str, ...]] = {
-    "generate": ("input_ids", "sampling_params", "return_logprob", "return_routed_experts"),
+    "generate": ("input_ids", "sampling_params", "return_logprob", "return_routed_experts", "image_data"),
     "begin_weight_update": (),
     "end_weight_update": (),
     "update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
@@ -199,6 +214,14 @@ def to_sglang_sampling_params(params: SamplingParams, seed_offset: int = 0, base
         # sglang takes a non-negative int64 seed: wrap instead of overflowing for huge user seeds
         out["sampling_seed"] = (int(seed) + int(seed_offset)) % (1 << 63)
     return out
+
+
+def processor_output(images) -> dict:
+    """One image prompt's ``models.multimodal.ImageInputs`` as sglang's pre-processed image item
+    (``{"format": "processor_output", "pixel_values", "image_grid_thw"}``, multimodal/processors/base_processor.py:
+    1060-1085, 1630-1700): the token ids sent with it are kept as given."""
+    return {"format": "processor_output", "modality": "IMAGE", "pixel_values": images.pixel_values,
+            "image_grid_thw": images.image_grid_thw}
 
 
 def decode_routed_experts(payload: Any, num_rows: int, num_layers: int, top_k: int, num_experts: int) -> np.ndarray:
@@ -397,9 +420,10 @@ class SGLangEngine(RolloutEngine):
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                 return_routed_experts: bool = False) -> list[list[Sample]]:
+                 return_routed_experts: bool = False, images=None) -> list[list[Sample]]:
         """One request per sample (prompt-major), each with its own seed: ``params.seed + k`` for request k,
-        or, without params.seed, a per-call base (never sglang's shared default 42)."""
+        or, without params.seed, a per-call base (never sglang's shared default 42). ``images`` (ImageInputs or
+        None per prompt) go as one processor_output dict per image request (module docstring)."""
         if return_routed_experts and not self.config.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs SGLangConfig(enable_return_routed_experts=True)")
         if params.stop_strings and self.config.skip_tokenizer_init:
@@ -410,12 +434,15 @@ class SGLangEngine(RolloutEngine):
         requests = [p for p in prompts for _ in range(n_samples)]
         if not requests:
             return [[] for _ in prompts]
+        images = check_images(prompts, images)
+        row_images = [im for im in images for _ in range(n_samples)] if images is not None else None
+        image_data = None if images is None else [None if im is None else [processor_output(im)] for im in row_images]
         self._calls += 1
         base = self._seed_base + self._calls * 1_000_000 if params.seed is None else None
         sampling = [to_sglang_sampling_params(params, seed_offset=k, base_seed=base) for k in range(len(requests))]
         try:
             outputs = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True,
-                                           return_routed_experts=return_routed_experts)
+                                           return_routed_experts=return_routed_experts, image_data=image_data)
         except ValueError as err:  # context length unknown here: sglang refused the whole batch; name the prompt
             ctx = _context_from_message(str(err))
             if ctx is None:
@@ -426,6 +453,8 @@ class SGLangEngine(RolloutEngine):
         if len(outputs) != len(requests):
             raise SGLangError(f"{self.name}: {len(outputs)} outputs for {len(requests)} requests")
         samples = [self._to_sample(p, out, return_routed_experts) for p, out in zip(requests, outputs)]
+        for i, s in enumerate(samples if row_images is not None else ()):
+            s.images = row_images[i]
         return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompts))]
 
     def _check_lengths(self, prompts: list[list[int]], max_new_tokens: int) -> None:

