@@ -150,6 +150,7 @@ def attach_vision(gpt, tower: VisionTower, trainable: bool, image_token_id: int)
     stage only; every stage learns the image token id and merge size, which the mRoPE positions need)."""
     gpt.s3ac_vision_meta = (int(image_token_id), int(tower.merge))
     if not gpt.pre_process:
+        object.__setattr__(gpt, "s3ac_vision_spare", tower)  # unused here; a critic at another layout may need it
         return
     for p in tower.parameters():
         p.requires_grad_(trainable)
@@ -177,9 +178,15 @@ def unwrap_gpt(model):
     return m
 
 
-def vision_of(model) -> Optional[VisionTower]:
+def vision_of(model, spare: bool = False) -> Optional[VisionTower]:
+    """The model's vision tower (frozen or trainable), None without one; ``spare``: also the copy a later
+    pipeline stage keeps unused."""
     gpt = unwrap_gpt(model)
-    return gpt.__dict__.get(VISION_ATTR) or gpt._modules.get(VISION_ATTR)
+    for t in (gpt.__dict__.get(VISION_ATTR), gpt._modules.get(VISION_ATTR),
+              gpt.__dict__.get("s3ac_vision_spare") if spare else None):
+        if t is not None:
+            return t
+    return None
 
 
 def vision_meta(model) -> Optional[tuple[int, int]]:

@@ -47,7 +47,7 @@ class RolloutPhases:
     def rollout(self, pids: torch.Tensor, round_idx: int = 0, groups=None) -> list[dict]:
         """Rank 0 generates and scores. Returns one dict per kept sample on every rank: its metadata
         ("pid", "reward", "finish", "plen", "rlen"); on rank 0 also the sample itself ("prompt_ids",
-        "response_ids", "logprobs", "routes"), which only ``distribute`` sends on.
+        "response_ids", "logprobs", "routes", "images"), which only ``distribute`` sends on.
         round_idx: the refill round within the step (0 = the step's first rollout), for its own seed.
         groups: rank 0's samples already generated for ``pids`` (the asynchronous loop's prefetched batch), else
         None: generate now."""
@@ -72,7 +72,8 @@ class RolloutPhases:
                                   [self.prompts[pid].reference for pid, _ in flat]) if flat else []
             full = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
                      "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
-                     "finish": s.finish_reason, "routes": s.routed_experts}
+                     "finish": s.finish_reason, "routes": s.routed_experts,
+                     "images": getattr(s, "images", None)}  # the prompt's ImageInputs (image prompts)
                     for (pid, s), rew in zip(flat, rewards)]
             meta = {"pid": [d["pid"] for d in full], "reward": [d["reward"] for d in full],
                     "finish": [d["finish"] for d in full], "plen": [len(d["prompt_ids"]) for d in full],

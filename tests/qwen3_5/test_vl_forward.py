@@ -175,3 +175,57 @@ def test_image_token_count_mismatch_is_refused():
     ids, imgs, _ = _batch()
     with pytest.raises(ValueError, match="images but|image-token runs|placeholder"):
         mrope_positions(ids, [imgs[1], imgs[1], None], VL_TOKENS["image_token_id"], 1)
+
+
+def _samples():
+    """Image + text samples (prompt / response split) with behaviour log-probs from transformers' VL forward."""
+    rows, imgs = _rows()
+    splits = [40, 24, 20]  # prompt lengths: the response starts after the (last) image
+    return [{"prompt_ids": r[:p].tolist(), "response_ids": r[p:].tolist(), "logprobs": [0.0] * (len(r) - p),
+             "reward": 1.0, "pid": i, "images": im} for i, (r, im, p) in enumerate(zip(rows, imgs, splits))]
+
+
+def _hf_response_logp(reference, samples):
+    out = []
+    for (logits, _), s in zip(reference, samples):
+        ids = torch.tensor(s["prompt_ids"] + s["response_ids"])
+        lp = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
+        out.append(lp[len(s["prompt_ids"]) - 1:])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainable", [False, True])
+def test_trainer_path_with_images(vl, reference, tmp_path, trainable):
+    """build_actor of the VL checkpoint at TP2 (2 ranks), the batch's images carried through collate, DP
+    sharding and micro-batches of 1 and 3 rows: response log-probs = transformers' <= 1e-4. A frozen tower is
+    neither optimised nor sent; a trainable one gets the same gradients on both TP ranks, changes, is sent as
+    model.visual.* and is what a checkpoint writes."""
+    from megatron_s3ac.testing.dist import run_distributed
+    from tests.qwen3_5.vl_ranks import vl_trainer_path
+
+    hf, mcore = vl
+    samples = _samples()
+    outs = run_distributed(vl_trainer_path, 2, hf, mcore, str(tmp_path / "run"), 2, 1, trainable, samples)
+    o = outs[0]
+    ref = _hf_response_logp(reference, samples)
+    for mbs in (1, 3):
+        for i, r in enumerate(ref):
+            got = o["logp"][mbs][i, :len(r)]
+            assert (got - r).abs().max() <= 1e-4, (mbs, i, (got - r).abs().max())
+            assert o["mask"][i, :len(r)].all() and not o["mask"][i, len(r):].any()
+    assert o["lm_changed"]
+    visual = {n for n in o["names"] if n.startswith("model.visual.")}
+    text = {n for n in o["names"] if not n.startswith("model.visual.")}
+    assert text and all(n.startswith("model.language_model.") or n == "lm_head.weight" for n in text)
+    if trainable:
+        assert o["vision_in_opt"] and o["tower_in_ddp"] and all(o["requires_grad"])
+        assert all(o["changed"].values()) and visual == set(o["changed"])
+        g0, g1 = outs[0]["grads"], outs[1]["grads"]
+        assert g0 and g0.keys() == g1.keys()
+        assert all(torch.allclose(g0[k], g1[k], atol=1e-7) for k in g0)  # replicated over TP: same gradients
+        assert any(g.abs().sum() > 0 for g in g0.values())
+    else:
+        assert not o["vision_in_opt"] and not o["tower_in_ddp"] and not any(o["requires_grad"])
+        assert not any(o["changed"].values()) and not visual
+    assert all(x["blocks_current"] for x in outs)

@@ -46,3 +46,67 @@ def vl_actor_critic_outputs(hf_dir, mcore_dir, layout, ids, images, head_w, head
         logits = torch.cat(parts, dim=-1)
     first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     return (logits, values) if first else None
+
+
+def vl_trainer_path(hf_dir, actor_init, out_dir, tp, ep, trainable, samples):
+    """The trainer's own construction (``build_parallel`` + ``build_actor`` of a VL checkpoint with
+    ``train.vision.trainable``) and data path: ``collate`` of image + text samples, DP sharding, padded
+    micro-batches of 1 and of 3 rows (``MicroBatcher``), ``forward_only`` log-probs; then one optimizer step
+    of ``run_minibatches`` on -sum(log-probs), the export the weight sync sends, and the carried blocks a
+    checkpoint would write. Returns a dict of what the test checks (rank 0's, plus per-rank vision grads)."""
+    from functools import partial
+
+    import torch.distributed as dist
+
+    from megatron_s3ac.convert import export_hf_weights
+    from megatron_s3ac.convert.carried import ATTR, model_sharded_state_dict
+    from megatron_s3ac.models.vision import VISION_ATTR, vision_of
+    from megatron_s3ac.trainer import build as B
+    from megatron_s3ac.trainer.batch import collate, per_token, next_token_targets
+    from megatron_s3ac.trainer.config import (AlgoCfg, Config, LayoutCfg, ModelCfg, TrainCfg, VisionCfg,
+                                              model_info_for)
+    from megatron_s3ac.trainer.losses import forward_outputs
+    from megatron_s3ac.trainer.minibatch import MicroBatcher, forward_only, run_minibatches
+
+    cfg = Config(model=ModelCfg(hf_config=hf_dir, actor_init=actor_init), algo=AlgoCfg(actor_lr=1e-2),
+                 actor_layout=LayoutCfg(tp=tp, ep=ep, etp=1 if ep > 1 else None),
+                 train=TrainCfg(out_dir=out_dir, vision=VisionCfg(trainable=trainable)))
+    info = model_info_for(cfg)
+    B.build_parallel(cfg, uses_critic=False)
+    m = B.build_actor(cfg, info, B.layout_of(cfg.actor_layout), {})
+    tower = vision_of(m.module)
+    batch = collate(samples, pad_to=8)
+    fo = partial(forward_outputs, what="native_logp", vocab_size=info.vocab_size, temperature=1.0)
+    logp = {mbs: forward_only(m.ddp, batch, ["logp"], fo, MicroBatcher(mbs=mbs))[0][0] for mbs in (1, 3)}
+
+    # a parameter in DDP's grad buffers (what the optimizer steps) has a main_grad
+    vision_in_opt = any(getattr(p, "main_grad", None) is not None for p in tower.parameters())
+    ddp_ids = {id(q) for q in m.ddp.parameters()}
+    tower_in_ddp = any(id(p) in ddp_ids for p in tower.parameters())
+    before = {n: p.detach().clone() for n, p in tower.hf_named_parameters()}
+    lm_before = {n: p.detach().clone() for n, p in m.module.named_parameters() if not n.startswith(VISION_ATTR)}
+
+    def loss(mb, out):
+        from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
+
+        lp = per_token(vocab_parallel_log_probs(out, next_token_targets(mb), info.vocab_size, 1.0), mb)
+        return -(lp * mb.mask).sum(), mb.mask.sum().long(), {}
+
+    grads = {}
+    for r in run_minibatches(m.ddp, m.opt, batch, [(0, torch.arange(len(samples)))], loss, MicroBatcher(mbs=2),
+                             before_step=lambda out: {n: p.main_grad.clone() for n, p in tower.hf_named_parameters()
+                                                      if getattr(p, "main_grad", None) is not None}):
+        grads = r.before_step
+    changed = {n: not torch.equal(before[n], p.detach()) for n, p in tower.hf_named_parameters()}
+    lm_changed = any(not torch.equal(lm_before[n], p.detach()) for n, p in m.module.named_parameters()
+                     if not n.startswith(VISION_ATTR))
+    names = [n for bucket in export_hf_weights([m.module], info, bucket_bytes=1 << 16) for n, _ in bucket]
+    # what a checkpoint writes of the vision tower: this rank's carried blocks after model_sharded_state_dict
+    model_sharded_state_dict(m.module)
+    params = dict(tower.hf_named_parameters())
+    blocks_current = all(
+        torch.equal(t, params[k[len("s3ac_carried."):]].detach()[tuple(slice(o, o + n) for o, n in zip(off, t.shape))])
+        for (k, off), t in getattr(m.module, ATTR).blocks.items() if k.startswith("s3ac_carried.model.visual."))
+    return dict(rank=dist.get_rank(), logp=logp, mask=batch.mask, vision_in_opt=vision_in_opt, changed=changed,
+                lm_changed=lm_changed, names=names, blocks_current=blocks_current, grads=grads,
+                requires_grad=[p.requires_grad for p in tower.parameters()], tower_in_ddp=tower_in_ddp)
