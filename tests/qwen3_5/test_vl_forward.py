@@ -229,3 +229,49 @@ def test_trainer_path_with_images(vl, reference, tmp_path, trainable):
         assert not o["vision_in_opt"] and not o["tower_in_ddp"] and not any(o["requires_grad"])
         assert not any(o["changed"].values()) and not visual
     assert all(x["blocks_current"] for x in outs)
+
+
+@pytest.fixture(scope="module")
+def hf_routes(vl):
+    """Routes of transformers' VL forward of each row (every position, image tokens included) [T-1, 8, 2], as an
+    engine running that model returns them, and its log-probs of each next token [T-1]."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(vl[0], dtype=torch.float32).eval()
+    layers = model.model.language_model.layers
+    rows, imgs = _rows()
+    out = []
+    for ids, im in zip(rows, imgs):
+        got = {}
+        hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, o, i=i: got.__setitem__(i, o[2]))
+                 for i, layer in enumerate(layers)]
+        kw = {} if im is None else dict(pixel_values=im.pixel_values, image_grid_thw=im.image_grid_thw,
+                                        mm_token_type_ids=(ids[None] == VL_TOKENS["image_token_id"]).long())
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], **kw).logits[0]
+        for h in hooks:
+            h.remove()
+        r = torch.stack([got[i] for i in range(len(layers))], 1)[:-1].to(torch.uint8).numpy()  # [T-1, L, K]
+        lp = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
+        out.append((ids.numpy(), r, lp))
+    return out
+
+
+@pytest.mark.slow
+def test_r3_replay_covers_image_tokens_tp2(vl, hf_routes):
+    """Replaying the VL model's routes at TP2 (+SP): every router of all 8 layers uses exactly the rollout's
+    experts at every position of every row, the image tokens' positions included; log-probs = transformers'."""
+    from megatron_s3ac.testing.dist import run_distributed
+    from tests.qwen3_5.vl_ranks import vl_r3_replay
+
+    hf, mcore = vl
+    ids, imgs, lens = _batch()
+    smp = [(t, r) for t, r, _ in hf_routes]
+    outs = run_distributed(vl_r3_replay, 2, hf, mcore, ParallelLayout(tp=2), ids, imgs, lens, smp)
+    assert sorted({layer for o in outs for layer in o[2]}) == list(range(8))
+    n_img = int((ids == VL_TOKENS["image_token_id"]).sum())
+    # each rank checks every position of every row (SP: the routers' rows gathered) on all 8 layers
+    assert all(o[1] == 8 * sum(n - 1 for n in lens) for o in outs) and n_img == 48
+    lp = next(o[0] for o in outs if o[0] is not None)
+    for i, (_, _, ref) in enumerate(hf_routes):
+        assert (lp[i, :lens[i] - 1] - ref).abs().max() <= 1e-4

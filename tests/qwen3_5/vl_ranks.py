@@ -110,3 +110,43 @@ def vl_trainer_path(hf_dir, actor_init, out_dir, tp, ep, trainable, samples):
     return dict(rank=dist.get_rank(), logp=logp, mask=batch.mask, vision_in_opt=vision_in_opt, changed=changed,
                 lm_changed=lm_changed, names=names, blocks_current=blocks_current, grads=grads,
                 requires_grad=[p.requires_grad for p in tower.parameters()], tower_in_ddp=tower_in_ddp)
+
+
+def vl_r3_replay(hf_dir, mcore_dir, layout, ids, images, lens, smp):
+    """R3 on image prompts: the VL actor (vision tower from the carried tensors) with routing replay of the
+    rollout routes ``smp`` [(tokens [T], routes [T-1, layers, top_k])] over every position, image tokens
+    included; one padded micro-batch {input_ids, images}. Returns (log-probs [b, s] on the last stage or None,
+    (token, layer) pairs checked on this rank, the MoE layers replayed here)."""
+    import torch.distributed as dist
+
+    from megatron_s3ac.convert.carried import attach_vision_from_carried, load_model
+    from megatron_s3ac.models.actor_critic import build_actor, build_transformer_config
+    from megatron_s3ac.models.optim import wrap_ddp
+    from megatron_s3ac.models.parallel import initialize_model_parallel
+    from megatron_s3ac.models.registry import load_hf_config, model_info
+    from megatron_s3ac.r3.align import padded_placements
+    from megatron_s3ac.r3.config import R3Config
+    from megatron_s3ac.r3.replay import routing_replay
+    from tests.r3 import _r3_common as C
+
+    info = model_info(load_hf_config(hf_dir))
+    layout.validate(info, dist.get_world_size())
+    initialize_model_parallel(layout, seed=1)
+    config = build_transformer_config(info, layout, **R3Config().transformer_config_overrides(info))
+    model = build_actor(info, config)
+    load_model(model, mcore_dir)
+    assert attach_vision_from_carried(model, info)
+    ddp = wrap_ddp(model, config, distributed_optimizer=False)
+    labels = torch.roll(ids, -1, dims=1)
+    mask = torch.zeros(ids.shape)
+    for i, n in enumerate(lens):
+        mask[i, :n - 1] = 1
+    mbs = [{"input_ids": ids, "images": images, "labels": labels, "mask": mask}]
+    pls, sids = [padded_placements(lens)], [list(range(len(lens)))]
+    routes = C.aligned(ddp, config, info, mbs, pls, sids, smp)
+    used = C.UsedExperts(model)
+    with torch.no_grad(), routing_replay([ddp], routes):
+        lps = C.run(ddp, info, mbs, forward_only=True)
+    used.remove()
+    checked = C.check_used_equals_rollout(used, config, mbs, pls, sids, smp)
+    return (lps[0] if lps else None), checked, sorted(used.maps)
