@@ -200,7 +200,8 @@ def test_trainer_path_with_images(vl, reference, tmp_path, trainable):
     """build_actor of the VL checkpoint at TP2 (2 ranks), the batch's images carried through collate, DP
     sharding and micro-batches of 1 and 3 rows: response log-probs = transformers' <= 1e-4. A frozen tower is
     neither optimised nor sent; a trainable one gets the same gradients on both TP ranks, changes, is sent as
-    model.visual.* and is what a checkpoint writes."""
+    model.visual.* into a multimodal CPU engine (its tower then equals the trainer's) and is what a checkpoint
+    writes."""
     from megatron_s3ac.testing.dist import run_distributed
     from tests.qwen3_5.vl_ranks import vl_trainer_path
 
@@ -229,6 +230,8 @@ def test_trainer_path_with_images(vl, reference, tmp_path, trainable):
         assert not o["vision_in_opt"] and not o["tower_in_ddp"] and not any(o["requires_grad"])
         assert not any(o["changed"].values()) and not visual
     assert all(x["blocks_current"] for x in outs)
+    # the engine's vision tower after the sync: the trained one, or (frozen) still the checkpoint's
+    assert o["synced"] is True
 
 
 @pytest.fixture(scope="module")

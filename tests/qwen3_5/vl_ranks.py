@@ -100,7 +100,18 @@ def vl_trainer_path(hf_dir, actor_init, out_dir, tp, ep, trainable, samples):
     changed = {n: not torch.equal(before[n], p.detach()) for n, p in tower.hf_named_parameters()}
     lm_changed = any(not torch.equal(lm_before[n], p.detach()) for n, p in m.module.named_parameters()
                      if not n.startswith(VISION_ATTR))
-    names = [n for bucket in export_hf_weights([m.module], info, bucket_bytes=1 << 16) for n, _ in bucket]
+    buckets = list(export_hf_weights([m.module], info, bucket_bytes=1 << 16))
+    names = [n for bucket in buckets for n, _ in bucket]
+    synced = None
+    if dist.get_rank() == 0:  # the weight sync's consumer: a multimodal CPU engine of the VL checkpoint
+        from megatron_s3ac.rollout.cpu_engine import CPUEngine
+
+        engine = CPUEngine.from_pretrained(hf_dir, tokenizer=None, multimodal=True)
+        for bucket in buckets:
+            engine.update_weights(bucket)
+        visual = dict(engine.model.model.visual.named_parameters())
+        synced = all(torch.equal(visual[n[len("model.visual."):]], p.detach())
+                     for n, p in tower.hf_named_parameters())
     # what a checkpoint writes of the vision tower: this rank's carried blocks after model_sharded_state_dict
     model_sharded_state_dict(m.module)
     params = dict(tower.hf_named_parameters())
@@ -109,7 +120,8 @@ def vl_trainer_path(hf_dir, actor_init, out_dir, tp, ep, trainable, samples):
         for (k, off), t in getattr(m.module, ATTR).blocks.items() if k.startswith("s3ac_carried.model.visual."))
     return dict(rank=dist.get_rank(), logp=logp, mask=batch.mask, vision_in_opt=vision_in_opt, changed=changed,
                 lm_changed=lm_changed, names=names, blocks_current=blocks_current, grads=grads,
-                requires_grad=[p.requires_grad for p in tower.parameters()], tower_in_ddp=tower_in_ddp)
+                requires_grad=[p.requires_grad for p in tower.parameters()], tower_in_ddp=tower_in_ddp,
+                synced=synced)
 
 
 def vl_r3_replay(hf_dir, mcore_dir, layout, ids, images, lens, smp):
