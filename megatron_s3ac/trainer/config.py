@@ -497,6 +497,14 @@ R3_MODES = ("auto", "on", "off")
 
 
 @dataclass
+class VisionCfg:
+    """The vision tower of a vision-language checkpoint (Qwen3.5-MoE; models/vision.py)."""
+    # false (default): frozen: not in the optimizer, not sent by the weight sync (the engine keeps its copy), saved
+    # unchanged; true: the actor's tower is optimised, saved and synced as model.visual.* (the critic's stays frozen)
+    trainable: bool = False
+
+
+@dataclass
 class TrainCfg:
     steps: int = 40
     seed: int = 1234
@@ -513,6 +521,7 @@ class TrainCfg:
     # routing replay (R3): auto (on for MoE models) | on (refused for dense) | off. A str, not an Enum:
     # YAML 1.1 reads a bare on/off as a boolean, which load_config maps back
     r3: str = "auto"
+    vision: VisionCfg = field(default_factory=VisionCfg)
     r3_agreement_every: int = 1  # native-vs-rollout routing agreement every N steps (extra forward; 0 = never)
     # activation recompute (megatron-core): none | selective (train.recompute_modules, e.g. [core_attn,
     # mlp, moe]) | full (whole layers, train.recompute_num_layers per chunk, default 1); R3 replays
