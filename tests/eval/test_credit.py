@@ -49,3 +49,18 @@ def test_group_split_ignores_v0():
     assert credit_curves(rows, bins=2)["curves"]["hard/correct"] == [1.0, 2.0]
     g = credit_curves(rows, bins=2, by="group")
     assert g["estimate"] == "group mean reward" and g["curves"]["easy/correct"] == [1.0, 2.0]
+
+
+def test_v0_calibration_against_hand_values():
+    from megatron_s3ac.eval.credit import v0_calibration
+
+    # two prompts x K = 2: prompt 7 predicted (0.6 + 1) / 2 = 0.8, passes 1 of 2; prompt 9 predicted 0.1, 0 of 2
+    rows = [{"step": 0, "pid": [7, 7, 9, 9], "reward": [1, -1, -1, -1], "v0": [0.6, 0.6, -0.8, -0.8]},
+            {"step": 1, "pid": [1, 1], "reward": [1, 1], "v0": None}]  # no critic: skipped
+    c = v0_calibration(rows)
+    assert c["prompts"] == 2 and c["corr"] == pytest.approx(1.0) and c["corr_per_step_mean"] == pytest.approx(1.0)
+    assert c["pass_pred_mean"] == pytest.approx((0.8 + 0.1) / 2) and c["pass_emp_mean"] == pytest.approx(0.25)
+    assert c["v0_std"] == pytest.approx(0.7)  # V(s0) 0.6 and -0.8 around -0.1
+    # anti-correlated: the easier-looking prompt fails
+    rows[0]["reward"] = [-1, -1, 1, -1]
+    assert v0_calibration(rows)["corr"] == pytest.approx(-1.0)
