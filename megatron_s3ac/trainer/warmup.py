@@ -75,8 +75,8 @@ def supervised_warmup(tr, log, snapshot=None) -> dict:
                 if d.coverage_overshoot_evals <= 0:
                     break
                 saved = {k: v.detach().clone() for k, v in tr.actor.state_dict().items() if torch.is_tensor(v)}
-    if stop is None:  # the step cap before the target: no overshoot
-        stop = (step, acc)
+    if stop is None:  # the step cap before the target: no overshoot (the loop may have gone one step past it)
+        stop = (min(step, d.warmup_max_steps), acc)
     if saved is not None:  # back to the RL start policy (and the optimizer's main params with it)
         tr.actor.load_state_dict(saved, strict=False)
         tr.actor_opt.reload_model_params()

@@ -49,3 +49,22 @@ def test_overshoot_snapshots_stronger_policies_and_restores_the_stopping_weights
 def test_negative_overshoot_is_refused():
     with pytest.raises(ConfigError, match="demo.coverage_overshoot_evals=-1 must be >= 0"):
         load_config(None, BASE + ["demo.coverage_overshoot_evals=-1"])
+
+
+def _capped(out_dir):
+    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.warmup import supervised_warmup
+
+    cfg = load_config(None, BASE + ["demo.coverage_overshoot_evals=2", "demo.target_pass_rate=1.0",
+                                    "demo.warmup_max_steps=6", f"train.out_dir={out_dir}"])
+    tr = Trainer(cfg)
+    snaps = []
+    res = supervised_warmup(tr, lambda m: None, snapshot=snaps.append)
+    tr.close()
+    return res, snaps
+
+
+def test_step_cap_before_the_target_reports_the_cap(tmp_path):
+    # target 1.0 is not reached by 6 steps: no overshoot, the result names the cap (6), as without overshoot
+    res, snaps = run_distributed(_capped, 1, str(tmp_path))[0]
+    assert res["steps"] == 6 and res["overshoot"] == [] and snaps == [3, 6]
