@@ -110,13 +110,19 @@ def chain_reward(response: str, reference: str) -> float:
     return 1.0 if len(got) <= MAX_RESPONSE_CHARS and got == reference else -1.0
 
 
+def common_prefix_len(got, want) -> int:
+    """How many leading items of two sequences agree (characters, or step values: reward_multistep's
+    step_accuracy): the one loop behind both tasks' "where did the answer leave the chain"."""
+    n = 0
+    for g, w in zip(got, want):
+        if g != w:
+            break
+        n += 1
+    return n
+
+
 def first_error(response: str, reference: str) -> int:
     """Index of the first character where the response leaves the chain (len(answer) if it is the
     chain with extra text after it, -1 if it is exactly the chain). A diagnostic, not a reward."""
-    want, got = reference, response.strip()
-    if got == want:
-        return -1
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            return i
-    return min(len(got), len(want))
+    got = response.strip()
+    return -1 if got == reference else common_prefix_len(got, reference)

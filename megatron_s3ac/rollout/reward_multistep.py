@@ -7,12 +7,14 @@ mistake dooms the answer, while a correct prefix of steps can still be read off 
 see where a response went wrong. Operators "+" and "-"; values may be negative ("5-9=" -> "-4").
 
 Registered as "multistep" by rollout/rewards.py (inline: a regex and an integer compare on at most
-MAX_RESPONSE_CHARS characters, bounded). This module imports nothing of the package (no cycle).
+MAX_RESPONSE_CHARS characters, bounded). It imports only reward_chain's common_prefix_len (neither imports rewards.py: no cycle).
 """
 from __future__ import annotations
 
 import re
 from typing import Optional
+
+from megatron_s3ac.rollout.reward_chain import common_prefix_len
 
 MAX_RESPONSE_CHARS = 256  # a longer response is not a chain of a CPU-sized task: -1
 _PROMPT = re.compile(r"^\s*(\d+)((?:[+-]\d+)+)\s*=\s*$")
@@ -66,9 +68,4 @@ def step_accuracy(response: str, reference: str) -> float:
     got = parse_chain(response)
     if not want or got is None:
         return 0.0
-    right = 0
-    for g, w in zip(got, want):
-        if g != w:
-            break
-        right += 1
-    return right / len(want)
+    return common_prefix_len(got, want) / len(want)

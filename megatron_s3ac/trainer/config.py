@@ -359,14 +359,19 @@ class DemoCfg:
     warmup_max_steps: int = 1500
     warmup_eval_every: int = 100
     target_pass_rate: float = 0.2  # stop SFT once greedy pass rate reaches this (band 10-60%)
-    coverage_checkpoints: int = 3  # warm-up checkpoints rolled out for coverage data
+    coverage_checkpoints: int = 3  # warm-up checkpoints rolled out for coverage data (the last ones)
+    # evaluation intervals trained past the target, each a stronger coverage snapshot; the RL start stays the
+    # target's policy (trainer.warmup.supervised_warmup)
+    coverage_overshoot_evals: int = 0
     coverage_prompts: int = 128
     coverage_k: int = 2
 
     def errors(self) -> list[str]:
         keys = ("warmup_batch", "warmup_max_steps", "warmup_eval_every", "coverage_checkpoints",
                 "coverage_prompts", "coverage_k")
-        return [f"demo.{k}={getattr(self, k)} must be >= 1" for k in keys if getattr(self, k) < 1]
+        return [f"demo.{k}={getattr(self, k)} must be >= 1" for k in keys if getattr(self, k) < 1] + (
+            [f"demo.coverage_overshoot_evals={self.coverage_overshoot_evals} must be >= 0"]
+            if self.coverage_overshoot_evals < 0 else [])
 
 
 class Stage(str, enum.Enum):  # trainer.pipeline's stages, in order

@@ -50,6 +50,15 @@ def tiny_arithmetic_hf_config():
     return cfg
 
 
+def tiny_task_hf_config(vocab: CharVocab, max_prompt_tokens: int, max_response_tokens: int):
+    """The demo model for a character-vocabulary task (trainer.tasks_multistep, trainer.tasks_chain): its
+    vocabulary, and positions for the longest prompt + response (at least the demo's 64)."""
+    cfg = tiny_arithmetic_hf_config()
+    cfg.vocab_size = vocab.size
+    cfg.max_position_embeddings = max(64, max_prompt_tokens + max_response_tokens)
+    return cfg
+
+
 @dataclass
 class Prompt:
     ids: list[int]

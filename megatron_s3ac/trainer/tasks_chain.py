@@ -80,12 +80,9 @@ def chain_vocab() -> CharVocab:
 
 def tiny_chain_hf_config(spec: ChainSpec = ChainSpec()):
     """The demo model (tiny Qwen3-MoE) with the chain vocabulary and room for prompt + answer."""
-    from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+    from megatron_s3ac.trainer.data import tiny_task_hf_config
 
-    cfg = tiny_arithmetic_hf_config()
-    cfg.vocab_size = chain_vocab().size
-    cfg.max_position_embeddings = max(64, spec.max_prompt_tokens() + spec.max_response_tokens())
-    return cfg
+    return tiny_task_hf_config(chain_vocab(), spec.max_prompt_tokens(), spec.max_response_tokens())
 
 
 def chain_prompts(n: int, spec: ChainSpec, seed: int, vocab: CharVocab | None = None,

@@ -61,12 +61,9 @@ def multistep_vocab() -> CharVocab:
 
 def tiny_multistep_hf_config(spec: MultistepSpec = MultistepSpec()):
     """The demo model (tiny Qwen3-MoE) with the multistep vocabulary and room for prompt + answer."""
-    from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+    from megatron_s3ac.trainer.data import tiny_task_hf_config
 
-    cfg = tiny_arithmetic_hf_config()
-    cfg.vocab_size = multistep_vocab().size
-    cfg.max_position_embeddings = max(64, spec.max_prompt_tokens() + spec.max_response_tokens())
-    return cfg
+    return tiny_task_hf_config(multistep_vocab(), spec.max_prompt_tokens(), spec.max_response_tokens())
 
 
 def _operand(g: torch.Generator, max_operand: int) -> int:
