@@ -240,11 +240,12 @@ class RemoteEngine(RolloutEngine):
         self._actor = None
         init_ray(num_cpus, num_gpus, ray_init_kwargs)  # joins RAY_ADDRESS's cluster if set
         options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0)
-        if pausable:  # pause_generation must reach the actor while its generate runs: a second thread for it only
-            options["concurrency_groups"] = {"control": 1}
         self.pausable = bool(pausable)
         options.update(actor_options or {})
-        self._actor = ray.remote(EngineHost).options(**options).remote(factory, torch_threads)
+        # pausable: pause_generation must reach the actor while its generate runs: a second thread for it only (Ray
+        # takes concurrency groups at class definition, not in .options())
+        host = ray.remote(concurrency_groups={"control": 1})(EngineHost) if pausable else ray.remote(EngineHost)
+        self._actor = host.options(**options).remote(factory, torch_threads)
         info = self._get(self._actor.ready.remote(), "start (engine factory)", start_timeout_s)
         self.pid, self.engine_class = info["pid"], info["engine"]
         self._engine_pauses = bool(info.get("supports_pause"))

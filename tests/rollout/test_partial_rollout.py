@@ -165,3 +165,53 @@ def test_engines_that_cannot_pause_say_so():
         Plain().pause_generation()
     assert "http_server.py:1831" in unsupported_engine_reason("sglang")
     assert "async_llm.py:952" in unsupported_engine_reason("vllm")
+
+
+def test_remote_engine_pauses_a_running_generate():
+    """RemoteEngine(pausable=True): pause_generation reaches the actor on its control thread while generate runs
+    (each decode step slowed by the testing seam); the generate returns at once with partial, aborted responses; the
+    weight update and continue_generation run after it, in order; the continuation completes each response."""
+    import functools
+    import time
+
+    import ray
+
+    from megatron_s3ac.rollout.remote import RemoteEngine
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    env = {"runtime_env": {"env_vars": {"S3AC_TESTING_DECODE_DELAY": "0.25", "OMP_NUM_THREADS": "1"}}}
+    factory = functools.partial(CPUEngine.from_config, tiny_moe_config(), state_dict=_weights(1))
+    try:
+        with RemoteEngine(factory, timeout_s=120, torch_threads=1, pausable=True, actor_options=env) as remote:
+            assert remote.supports_pause
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+            pend = remote.generate_async(PROMPTS, greedy, n_samples=2)
+            time.sleep(1.0)
+            t = time.time()
+            remote.pause_generation()
+            groups = pend.result()
+            assert time.time() - t < 0.25 * MAX_NEW  # it did not run to the end
+            lens = {len(s.response_ids) for g in groups for s in g}
+            assert all(s.finish_reason == "abort" for g in groups for s in g) and 0 < min(lens) <= max(lens) < MAX_NEW
+            w2 = _weights(2)
+            remote.update_weights(w2.items())
+            remote.continue_generation()
+            tagged, reqs, _ = continuation_requests(groups, 0, 1, MAX_NEW, max_versions=2)
+            merged = PartialPending(tagged, reqs, remote.continue_async([(p, b) for *_, p, b in reqs], greedy),
+                                    1).result()
+            ref1 = _reference(w2)
+            for g in merged:
+                for s in g:
+                    assert len(s.response_ids) == MAX_NEW and s.finish_reason == "length"
+                    cut = int((s.token_versions == 0).sum())
+                    lp, _ = _scores(ref1, s.prompt_ids + s.response_ids, len(s.prompt_ids))
+                    np.testing.assert_allclose(s.logprobs[cut:], lp[cut:], atol=1e-5)
+        with RemoteEngine(factory, timeout_s=120, torch_threads=1) as plain:
+            assert not plain.supports_pause
+            with pytest.raises(PartialRolloutUnsupported, match="started without pausable=True"):
+                plain.pause_generation()
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,94 @@
+"""Partial rollout in the asynchronous loop (``rollout.partial_rollout``; trainer/async_partial.py): config rules,
+the per-token staleness arithmetic, and a few RL steps on 2 gloo ranks with the CPU engine in its own process, its
+decode slowed (testing seam S3AC_TESTING_DECODE_DELAY) so that every weight sync finds the next batch generating:
+the batch is interrupted, resumed on the new weights, and trained with per-token versions within the bounds."""
+import pytest
+
+from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.trainer.async_loop import staleness_metrics
+from megatron_s3ac.trainer.async_partial import versions_metrics
+from megatron_s3ac.trainer.config import ConfigError, load_config
+from tests.trainer.test_trainer import SMALL
+
+SEP = ["rollout.placement=separate", "actor_layout.ep=2", "train.eval_every=0"]
+
+
+def test_config_rules():
+    cfg = load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true"])
+    assert cfg.rollout.partial_rollout and cfg.rollout.partial_max_versions == 2
+    assert not load_config(None, SMALL).rollout.partial_rollout  # default off: the loop as without it
+    with pytest.raises(ConfigError, match=r"partial_rollout=true .*needs train.max_staleness >= 1"):
+        load_config(None, SMALL + SEP + ["rollout.partial_rollout=true"])
+    with pytest.raises(ConfigError, match=r"partial_max_versions=0 must be an integer >= 1"):
+        load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
+                                         "rollout.partial_max_versions=0"])
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: .*async_llm.py:952"):
+        load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
+                                         "rollout.engine=vllm"])
+
+
+def test_token_staleness_uses_each_tokens_version():
+    # step 4: a sample of 4 tokens, oldest version 2, token versions 2, 2, 3, 3 (mean 2.5), and one of 2 tokens at 4.
+    # token mean (4 x 1.5 + 2 x 0) / 6 = 1.0; sample staleness by the oldest token: 2 and 0
+    got = staleness_metrics([{"version": 2, "version_mean": 2.5, "rlen": 4}, {"version": 4, "rlen": 2}], 4)
+    assert got == {"async/staleness_mean": 1.0, "async/staleness_sample_mean": 1.0, "async/staleness_max": 2.0,
+                   "async/trained_tokens": 6.0}
+    assert versions_metrics([{"n_versions": 2}, {"n_versions": 1}]) == {
+        "async/versions_per_response_mean": 1.5, "async/versions_per_response_max": 2.0}
+    assert versions_metrics([{"version": 1}]) == {}
+
+
+def _partial_run(n, extra, out_dir, steps):
+    from megatron_s3ac.trainer.loop import Trainer
+
+    tr = Trainer(load_config(None, SMALL + SEP + [f"train.max_staleness={n}", f"train.steps={steps}",
+                                                  "rollout.max_new_tokens=8", "rollout.partial_rollout=true",
+                                                  "algo.dynamic_sampling=false", f"train.out_dir={out_dir}"] + extra))
+    try:
+        return {"kind": type(tr.engine).__name__ if tr.engine is not None else None,
+                "metrics": [tr.step() for _ in range(steps)]}
+    finally:
+        tr.close()
+
+
+def _check(ms, n, max_versions):
+    for s, m in enumerate(ms):
+        assert m["async/staleness_max"] <= min(s, n)
+        assert 0.0 <= m["async/staleness_mean"] <= m["async/staleness_max"]
+        assert 1.0 <= m["async/versions_per_response_max"] <= max_versions
+        assert m["async/partial_interrupted"] == m["async/partial_resumes"] + m["async/partial_regenerated"]
+        assert m["rollout/aborted"] == 0  # every interrupted response was completed before it trained
+
+
+def test_partial_rollout_steps_world2(tmp_path, monkeypatch):
+    """N=1: a sync finds the next batch mid-generation (its decode steps take 1 s, a training step less), so its
+    responses are cut and resumed on the new weights: the trained batch's token staleness lies below its sample
+    staleness, responses span 2 versions, and the counts add up."""
+    monkeypatch.setenv("S3AC_TESTING_DECODE_DELAY", "1.0")
+    r0, r1 = run_distributed(_partial_run, 2, 1, [], str(tmp_path), 3)
+    assert r0["kind"] == "RemoteEngine"
+    ms = r0["metrics"]
+    _check(ms, 1, 2)
+    assert sum(m["async/partial_interrupted"] for m in ms) > 0
+    assert ms[-1]["async/partial_resumes_total"] == sum(m["async/partial_resumes"] for m in ms)
+    # the batches trained after a resume: some tokens one version newer than the batch
+    resumed = [s for s in (1, 2) if ms[s - 1]["async/partial_resumes"] > 0]
+    assert resumed, [m["async/partial_interrupted"] for m in ms]
+    for s in resumed:
+        assert ms[s]["async/staleness_mean"] < ms[s]["async/staleness_max"] == 1.0
+        assert ms[s]["async/versions_per_response_max"] == 2.0
+    # every rank computes the staleness metrics from rank 0's versions
+    for k in ("async/staleness_mean", "async/staleness_max", "async/versions_per_response_max"):
+        assert [m[k] for m in ms] == [m[k] for m in r1["metrics"]]
+
+
+@pytest.mark.slow
+def test_version_bound_world2(tmp_path, monkeypatch):
+    """N=2 with rollout.partial_max_versions=1: an interrupted response is never resumed, it is regenerated from its
+    prompt on the new weights: one version per response, staleness still within N."""
+    monkeypatch.setenv("S3AC_TESTING_DECODE_DELAY", "0.5")
+    r0, _ = run_distributed(_partial_run, 2, 2, ["rollout.partial_max_versions=1"], str(tmp_path), 4)
+    ms = r0["metrics"]
+    _check(ms, 2, 1)
+    assert sum(m["async/partial_regenerated"] for m in ms) > 0
+    assert sum(m["async/partial_resumes"] for m in ms) == 0
