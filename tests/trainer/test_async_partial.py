@@ -92,3 +92,16 @@ def test_version_bound_world2(tmp_path, monkeypatch):
     _check(ms, 2, 1)
     assert sum(m["async/partial_regenerated"] for m in ms) > 0
     assert sum(m["async/partial_resumes"] for m in ms) == 0
+
+
+def test_partial_panel_is_plotted(tmp_path):
+    import json
+
+    from megatron_s3ac.trainer.plotting import PANELS, plot_run
+
+    rows = [{"step": s, "async/partial_resumes": 3 * s, "async/partial_regenerated": s % 2,
+             "async/versions_per_response_max": 1.0 + (s > 0)} for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    names = {p.rsplit("/", 1)[1] for p in plot_run(str(tmp_path))}
+    assert "async_partial.png" in names
+    assert len(PANELS) + 2 <= 16  # every panel (and the two value-pretraining ones) has a cell in curves.png
