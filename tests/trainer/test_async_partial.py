@@ -60,6 +60,7 @@ def _check(ms, n, max_versions):
         assert m["rollout/aborted"] == 0  # every interrupted response was completed before it trained
 
 
+@pytest.mark.slow  # ~2-5 min here: the decode delay makes each batch's generation ~8 s
 def test_partial_rollout_steps_world2(tmp_path, monkeypatch):
     """N=1: a sync finds the next batch mid-generation (its decode steps take 1 s, a training step less), so its
     responses are cut and resumed on the new weights: the trained batch's token staleness lies below its sample
@@ -105,3 +106,31 @@ def test_partial_panel_is_plotted(tmp_path):
     names = {p.rsplit("/", 1)[1] for p in plot_run(str(tmp_path))}
     assert "async_partial.png" in names
     assert len(PANELS) + 2 <= 16  # every panel (and the two value-pretraining ones) has a cell in curves.png
+
+
+def test_partial_responses_round_trip_through_a_checkpoint_file(tmp_path):
+    """A batch whose continuation was submitted: the checkpoint saves the merged responses with their per-token
+    versions, read back by the weights-only loader."""
+    import numpy as np
+    import torch
+
+    from megatron_s3ac.rollout.base import PendingGeneration, Sample
+    from megatron_s3ac.rollout.partial import PartialPending, continuation_requests
+    from megatron_s3ac.trainer import async_loop as AL
+    from megatron_s3ac.trainer.checkpoint import safe_load
+
+    cut = Sample([1, 2, 3], [4, 5], np.array([-0.5, -1.25], np.float32), "abort",
+                 routed_experts=np.zeros((4, 2, 2), np.uint8))
+    groups, reqs, _ = continuation_requests([[cut]], 3, 4, 6, max_versions=2)
+    cont = Sample([1, 2, 3, 4, 5], [6, 1], np.array([-0.75, -0.1], np.float32), "stop",
+                  routed_experts=np.ones((6, 2, 2), np.uint8))
+    ar = AL.AsyncRollout(object(), 2)
+    ar.queue.append(AL.Submitted(5, torch.tensor([7]), {}, 3,
+                                 PartialPending(groups, reqs, PendingGeneration(lambda: [cont]), 4)))
+    torch.save({"async_rollout": AL.state_dict(ar)}, tmp_path / "trainer_state.pt")
+    back = AL.AsyncRollout(object(), 2)
+    AL.load_state_dict(back, safe_load(str(tmp_path / "trainer_state.pt"))["async_rollout"], rank=0)
+    (got,) = back.queue[0].pending.result()[0]
+    assert got.response_ids == [4, 5, 6, 1] and got.token_versions.tolist() == [3, 3, 4, 4]
+    assert got.logprobs.tolist() == [-0.5, -1.25, -0.75, np.float32(-0.1)] and got.finish_reason == "stop"
+    assert got.routed_experts[:4].sum() == 0 and (got.routed_experts[4:] == 1).all()
