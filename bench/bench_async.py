@@ -90,7 +90,8 @@ def measure(args) -> dict:
             if n:
                 pair[name].update({k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in (
                     "time/engine_busy_frac", "time/trainer_wait", "async/staleness_mean", "async/staleness_max",
-                    "async/partial_resumes", "async/partial_regenerated", "async/versions_per_response_max")
+                    "async/partial_resumes", "async/partial_regenerated", "async/partial_unstarted",
+                    "async/versions_per_response_max")
                     if any(k in r for r in timed)})
                 pair[name]["max_staleness"] = n
         pair["sync"]["gen_over_train"] = pair["sync"]["rollout_s_per_step"] / max(pair["sync"]["train_s_per_step"],

@@ -83,8 +83,9 @@ def merge(first: Sample, cont: Sample, version: int) -> Sample:
 class Resume:
     """What one interruption did to a batch: the samples resumed and regenerated, and the tokens kept."""
 
-    resumed: int = 0
-    regenerated: int = 0
+    resumed: int = 0  # continued with their tokens
+    regenerated: int = 0  # at the version bound: partial tokens dropped, restarted from the prompt
+    unstarted: int = 0  # aborted before their first token (still queued): generated from the prompt anyway
     kept_tokens: int = 0
 
 
@@ -113,7 +114,7 @@ def continuation_requests(groups: list[list[Sample]], batch_version: int, new_ve
                     n.regenerated += 1
                 else:
                     n.resumed += int(r > 0)
-                    n.regenerated += int(r == 0)  # never started: generated from its prompt anyway
+                    n.unstarted += int(r == 0)
                     n.kept_tokens += r
                 reqs.append((gi, ki, list(s.prompt_ids) + list(s.response_ids), max_new_tokens - len(s.response_ids)))
             row.append(s)

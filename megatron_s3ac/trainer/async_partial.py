@@ -27,7 +27,8 @@ class PartialRollout:
     def __init__(self, ar, max_versions: int):
         self.ar, self.max_versions = ar, int(max_versions)
         self.step_counts = {"async/partial_interrupted": 0, "async/partial_resumes": 0,
-                            "async/partial_regenerated": 0, "async/partial_kept_tokens": 0}
+                            "async/partial_regenerated": 0, "async/partial_unstarted": 0,
+                            "async/partial_kept_tokens": 0}
         self.resumes_total = 0
         self._paused = False
         tr = ar.tr
@@ -71,6 +72,7 @@ class PartialRollout:
             self.step_counts["async/partial_interrupted"] += len(reqs)
             self.step_counts["async/partial_resumes"] += n.resumed
             self.step_counts["async/partial_regenerated"] += n.regenerated
+            self.step_counts["async/partial_unstarted"] += n.unstarted
             self.step_counts["async/partial_kept_tokens"] += n.kept_tokens
             self.resumes_total += n.resumed
             pend = None

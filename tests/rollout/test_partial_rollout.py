@@ -79,7 +79,7 @@ def test_pause_returns_partial_responses_and_continuation_matches_new_weights():
     eng.update_weights(w1.items())
     eng.continue_generation()
     tagged, reqs, n = continuation_requests(groups, 0, 1, MAX_NEW, max_versions=2)
-    assert (n.resumed, n.regenerated, n.kept_tokens) == (4, 0, 12)
+    assert (n.resumed, n.regenerated, n.unstarted, n.kept_tokens) == (4, 0, 0, 12)
     assert all(b == MAX_NEW - 3 for *_, b in reqs)
     conts = eng.generate_continuations([(p, b) for _, _, p, b in reqs], greedy, return_routed_experts=True)
     for (gi, ki, prefix, _), c in zip(reqs, conts):
@@ -135,7 +135,7 @@ def test_version_bound_regenerates_from_the_prompt():
     groups = _generate_cut(eng, greedy, 3)
     eng.continue_generation()
     tagged, reqs, n = continuation_requests(groups, 0, 1, MAX_NEW, max_versions=1)
-    assert (n.resumed, n.regenerated, n.kept_tokens) == (0, 4, 0)
+    assert (n.resumed, n.regenerated, n.unstarted, n.kept_tokens) == (0, 4, 0, 0)
     assert [pre for *_, pre, _ in reqs] == [s.prompt_ids for g in groups for s in g]
     assert all(b == MAX_NEW for *_, b in reqs)
     conts = eng.generate_continuations([(pre, b) for *_, pre, b in reqs], greedy, return_routed_experts=True)

@@ -56,7 +56,8 @@ def _check(ms, n, max_versions):
         assert m["async/staleness_max"] <= min(s, n)
         assert 0.0 <= m["async/staleness_mean"] <= m["async/staleness_max"]
         assert 1.0 <= m["async/versions_per_response_max"] <= max_versions
-        assert m["async/partial_interrupted"] == m["async/partial_resumes"] + m["async/partial_regenerated"]
+        assert m["async/partial_interrupted"] == (m["async/partial_resumes"] + m["async/partial_regenerated"]
+                                                  + m["async/partial_unstarted"])
         assert m["rollout/aborted"] == 0  # every interrupted response was completed before it trained
 
 
