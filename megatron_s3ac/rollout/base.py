@@ -131,12 +131,18 @@ class Sample:
     routed_experts: Optional[np.ndarray] = None  # [P + R - 1, num_layers, top_k], compact int dtype
     response_text: Optional[str] = None  # decoded response when the engine has a tokenizer
     images: Optional[Any] = None  # models.multimodal.ImageInputs of an image prompt (prompt_ids hold its placeholders)
+    # [R] int: the weights version that generated each response token (partial rollout, rollout/partial.py: a
+    # response interrupted at a weight sync and resumed on the new weights spans several); None = one version, the
+    # batch's (every engine returns None; the asynchronous loop tags the tokens)
+    token_versions: Optional[np.ndarray] = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
         if len(self.logprobs) != len(self.response_ids):
             raise ValueError(f"{len(self.logprobs)} log-probs for {len(self.response_ids)} response tokens")
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(f"{len(self.token_versions)} token versions for {len(self.response_ids)} response tokens")
         if self.routed_experts is not None:
             rows = len(self.prompt_ids) + len(self.response_ids) - 1
             if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != rows:
@@ -166,8 +172,41 @@ class PendingGeneration:
         return self._out
 
 
+class PartialRolloutUnsupported(RuntimeError):
+    """The engine cannot pause its in-flight requests and continue them (``rollout.partial_rollout``)."""
+
+
 class RolloutEngine(abc.ABC):
-    """A generator whose weights follow the trainer's."""
+    """A generator whose weights follow the trainer's.
+
+    Partial rollout (``rollout.partial_rollout``, rollout/partial.py; docs/rollout.md "Partial rollout"): an engine
+    that can pause sets ``supports_pause`` and implements ``pause_generation`` (its in-flight ``generate`` calls
+    return what they have: unfinished responses with finish_reason "abort", their tokens, log-probs and routes so
+    far; a call that starts while paused returns every response empty and aborted), ``continue_generation`` and
+    ``generate_continuations`` (each request = prompt + partial response and its remaining token budget; the samples
+    hold the new tokens only, their log-probs under the weights of that moment)."""
+
+    supports_pause = False
+
+    def pause_generation(self) -> None:
+        raise PartialRolloutUnsupported(f"{type(self).__name__} cannot pause generation (rollout.partial_rollout)")
+
+    def continue_generation(self) -> None:
+        raise PartialRolloutUnsupported(f"{type(self).__name__} cannot pause generation (rollout.partial_rollout)")
+
+    def generate_continuations(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
+                               return_routed_experts: bool = False) -> list[Sample]:
+        """One sample per (prefix ids, max new tokens) request; ``params.max_new_tokens`` is ignored."""
+        raise PartialRolloutUnsupported(f"{type(self).__name__} cannot continue partial responses")
+
+    def continue_async(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
+                       return_routed_experts: bool = False) -> PendingGeneration:
+        """``generate_continuations`` submitted as ``generate_async`` is (in-process: run now)."""
+        import time
+
+        t0 = time.time()
+        out = self.generate_continuations(requests, params, return_routed_experts)
+        return PendingGeneration(lambda: (out, t0, time.time()))
 
     def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
                        return_routed_experts: bool = False, images=None) -> PendingGeneration:

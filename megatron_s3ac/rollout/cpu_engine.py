@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import difflib
 import re
+import threading
+import time
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -360,6 +362,10 @@ class CPUEngine(RolloutEngine):
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = getattr(self.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
+        self._paused = threading.Event()  # pause_generation / continue_generation (partial rollout)
+        from megatron_s3ac.testing.faults import decode_delay
+
+        self._decode_delay = decode_delay()  # a testing seam (0 unless S3AC_TESTING_DECODE_DELAY is set)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -531,21 +537,66 @@ class CPUEngine(RolloutEngine):
     ) -> list[list[Sample]]:
         """Sample n_samples responses per prompt (rows prompt-major: prompt 0's n, then prompt 1's ...).
         ``images``: one ``ImageInputs`` or None per prompt (a vision-language model loaded ``multimodal``)."""
-        from transformers import DynamicCache
-
         self._check_ready()
         images = check_images(prompt_ids, images)
         if images is not None or self._vision_model() is not None:  # a VL model: placeholders need their images
             self._check_image_prompts(prompt_ids, images)
+        prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
+        row_images = [im for im in images for _ in range(n_samples)] if images is not None else None
+        samples = self._generate_rows(prompts, params, [params.max_new_tokens] * len(prompts), return_routed_experts,
+                                      row_images)
+        return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
+
+    # -- partial rollout (rollout/partial.py; docs/rollout.md "Partial rollout") --------------------
+    supports_pause = True
+
+    def pause_generation(self) -> None:
+        """SGLang's ``/pause_generation`` in its default mode "abort" (sglang 0.5.23
+        managers/tokenizer_manager.py:2267-2280, managers/scheduler.py:5675-5813): a running ``generate`` stops at
+        its next decode step and returns every unfinished response with finish_reason "abort" and what it has
+        (tokens, log-probs, routes of the tokens fed so far); one that starts while paused returns its responses
+        empty and aborted (sglang: requests in the waiting queue are popped and aborted). Thread-safe: called while
+        a ``generate`` runs (RemoteEngine's control thread)."""
+        self._paused.set()
+
+    def continue_generation(self) -> None:
+        """SGLang's ``/continue_generation`` (managers/tokenizer_manager.py:2282-2286): generation runs again."""
+        self._paused.clear()
+
+    @torch.no_grad()
+    def generate_continuations(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
+                               return_routed_experts: bool = False) -> list[Sample]:
+        """One sample per (prefix ids, budget) request: the prefix (prompt + partial response) is prefilled with the
+        current weights and up to ``budget`` new tokens sampled; the sample's prompt_ids are the prefix, its
+        response / log-probs / routes the new tokens only (routes: rows of the prefix too, recomputed now)."""
+        return self._generate_rows([list(map(int, p)) for p, _ in requests], params, [int(b) for _, b in requests],
+                                   return_routed_experts)
+
+    @torch.no_grad()
+    def _generate_rows(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
+                       return_routed_experts: bool, row_images=None) -> list[Sample]:
+        """One sample per row of ``prompts``, row b sampling at most ``budgets[b]`` tokens; ``row_images``: one
+        ImageInputs or None per row (image prompts), or None."""
+        from transformers import DynamicCache
+
+        self._check_ready()
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer; pass one to CPUEngine")
         if return_routed_experts and self._capture is None:
             raise ValueError("return_routed_experts: this model has no MoE router")
-        prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
         if not prompts:
-            return [[] for _ in prompt_ids]
+            return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
+        if any(b < 1 for b in budgets):
+            raise ValueError(f"every row needs a token budget >= 1, got {min(budgets)}")
+        if self._paused.is_set():  # sglang: a waiting request is aborted before it runs (scheduler.py:5685-5705)
+            return [Sample(prompt_ids=p, response_ids=[], logprobs=np.zeros(0, np.float32), finish_reason="abort",
+                           routed_experts=(np.zeros((len(p) - 1, self.num_layers, self.top_k), self.routes_dtype)
+                                           if return_routed_experts else None),
+                           response_text="" if self.tokenizer is not None else None,
+                           images=row_images[r] if row_images is not None else None) for r, p in enumerate(prompts)]
+        max_new = max(budgets)
         B, P = len(prompts), max(len(p) for p in prompts)
         lens = torch.tensor([len(p) for p in prompts])
         pads = P - lens
@@ -557,7 +608,6 @@ class CPUEngine(RolloutEngine):
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         dev = self.device
         input_ids, mask, position_ids = input_ids.to(dev), mask.to(dev), position_ids.to(dev)
-        row_images = [im for im in images for _ in range(n_samples)] if images is not None else None
         vision, rope_delta = {}, None
         if row_images is not None:  # prefill inputs of an image batch: pixels, grids, 4-row mRoPE positions
             vision, position_ids, rope_delta = self._vision_inputs(input_ids, mask, position_ids, row_images)
@@ -570,7 +620,7 @@ class CPUEngine(RolloutEngine):
         finish = [""] * B
         routes = None
         if return_routed_experts:
-            rows = P + params.max_new_tokens - 1
+            rows = P + max_new - 1
             routes = torch.zeros((B, rows, self.num_layers, self.top_k), dtype=_torch_dtype(self.routes_dtype))
         if self._capture is not None:
             self._capture.enabled = return_routed_experts
@@ -586,7 +636,7 @@ class CPUEngine(RolloutEngine):
                     for b in range(B):
                         routes[b, : lens[b], layer] = ids[b, pads[b]:].to(routes.dtype)
             next_pos = position_ids[0, :, -1] if rope_delta is not None else position_ids[:, -1]
-            for step in range(params.max_new_tokens):
+            for step in range(max_new):
                 new, lp = sample_tokens(out.logits[:, -1].float(), params, generator)
                 done = torch.zeros(len(active), dtype=torch.bool)
                 new_l, lp_l = new.tolist(), lp.tolist()  # one device -> host copy per step
@@ -597,9 +647,14 @@ class CPUEngine(RolloutEngine):
                 for i, row in enumerate(active.tolist()):
                     if is_stop[i] or (params.stop_strings and self._hit_stop_string(tokens[row], params.stop_strings)):
                         finish[row], done[i] = "stop", True
-                    elif len(tokens[row]) >= params.max_new_tokens:
+                    elif len(tokens[row]) >= budgets[row]:
                         finish[row], done[i] = "length", True
                 if bool(done.all()):
+                    break
+                if self._paused.is_set():  # sglang's abort of a running request: it returns what it has
+                    for i, row in enumerate(active.tolist()):
+                        if not done[i]:
+                            finish[row] = "abort"
                     break
                 keep = (~done).nonzero()[:, 0]
                 if len(keep) < len(active):  # drop finished rows from the batch and the cache
@@ -618,6 +673,8 @@ class CPUEngine(RolloutEngine):
                     step_pos = torch.cat([next_pos[None], mpos])[:, :, None]
                 out = self.model(input_ids=new[:, None], attention_mask=mask, position_ids=step_pos,
                                  cache=cache, use_cache=True, logits_to_keep=1)
+                if self._decode_delay:
+                    time.sleep(self._decode_delay)
                 if routes is not None:  # the fed token is response token `step` at row lens + step
                     for layer, ids in self._capture.pop().items():
                         routes[active, lens[active] + step, layer] = ids.to(routes.dtype)
@@ -639,7 +696,7 @@ class CPUEngine(RolloutEngine):
                 response_text=self.tokenizer.decode(resp, skip_special_tokens=True) if self.tokenizer is not None else None,
                 images=row_images[row] if row_images is not None else None,
             ))
-        return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
+        return samples
 
     # -- image prompts --------------------------------------------------------------------------
     def _vision_model(self):

@@ -283,9 +283,10 @@ def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any 
 
 
 def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *, num_cpus: float = 1,
-                         ray_init_kwargs: Optional[dict] = None):
+                         ray_init_kwargs: Optional[dict] = None, pausable: bool = False):
     """CPU: the engine in this process (colocated) or in a RemoteEngine actor (separate). SGLang: an EnginePool of
-    settings.num_engines engines (each pinned to its GPUs by a placement group)."""
+    settings.num_engines engines (each pinned to its GPUs by a placement group). pausable: a separate CPU engine's
+    actor gets a control thread for ``pause_generation`` (partial rollout)."""
     if factory.kind == "vllm":
         s = factory.settings
         if s is not None and s.num_engines > 1:
@@ -297,7 +298,7 @@ def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *
             from megatron_s3ac.rollout.remote import RemoteEngine
 
             return RemoteEngine(factory, num_cpus=num_cpus, torch_threads=factory.torch_threads,
-                                ray_init_kwargs=ray_init_kwargs)
+                                ray_init_kwargs=ray_init_kwargs, pausable=pausable)
         return factory()
     from megatron_s3ac.rollout.engine_pool import EnginePool
 

@@ -129,7 +129,21 @@ class EngineHost:
         self.engine = engine
 
     def ready(self) -> dict:
-        return {"pid": os.getpid(), "engine": type(self.engine).__name__}
+        return {"pid": os.getpid(), "engine": type(self.engine).__name__,
+                "supports_pause": bool(getattr(self.engine, "supports_pause", False))}
+
+    def pause_generation(self):
+        """Runs in the "control" concurrency group (``RemoteEngine(pausable=True)``), beside a running generate."""
+        return self.engine.pause_generation()
+
+    def continue_generation(self):
+        return self.engine.continue_generation()
+
+    def continuations_timed(self, requests, params, return_routed_experts):
+        """generate_continuations + its (start, end) wall-clock seconds."""
+        t0 = time.time()
+        out = self.engine.generate_continuations(requests, params, return_routed_experts)
+        return out, t0, time.time()
 
     def generate(self, prompt_ids, params, n_samples, return_routed_experts, images=None):
         return _generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)
@@ -211,7 +225,8 @@ class RemoteEngine(RolloutEngine):
     def __init__(self, factory: Callable[[], RolloutEngine], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  max_inflight: int = 2, num_cpus: float = 1, num_gpus: float = 0, timeout_s: float = 1800.0,
                  start_timeout_s: float = 600.0, close_timeout_s: float = 30.0, torch_threads: Optional[int] = None,
-                 ray_init_kwargs: Optional[dict] = None, actor_options: Optional[dict] = None):
+                 ray_init_kwargs: Optional[dict] = None, actor_options: Optional[dict] = None,
+                 pausable: bool = False):
         import ray
 
         if bucket_bytes <= 0:
@@ -226,10 +241,15 @@ class RemoteEngine(RolloutEngine):
         self._actor = None
         init_ray(num_cpus, num_gpus, ray_init_kwargs)  # joins RAY_ADDRESS's cluster if set
         options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0)
+        self.pausable = bool(pausable)
         options.update(actor_options or {})
-        self._actor = ray.remote(EngineHost).options(**options).remote(factory, torch_threads)
+        # pausable: pause_generation must reach the actor while its generate runs: a second thread for it only (Ray
+        # takes concurrency groups at class definition, not in .options())
+        host = ray.remote(concurrency_groups={"control": 1})(EngineHost) if pausable else ray.remote(EngineHost)
+        self._actor = host.options(**options).remote(factory, torch_threads)
         info = self._get(self._actor.ready.remote(), "start (engine factory)", start_timeout_s)
         self.pid, self.engine_class = info["pid"], info["engine"]
+        self._engine_pauses = bool(info.get("supports_pause"))
 
     # -- plumbing -------------------------------------------------------------------------------
     def _check(self):
@@ -301,6 +321,41 @@ class RemoteEngine(RolloutEngine):
         ref = self._actor.generate_timed.remote(prompts, params, int(n_samples), bool(return_routed_experts),
                                                 check_images(prompts, images))
         return PendingGeneration(lambda: self._get(ref, "generate()"),
+                                 ready=lambda: bool(ray.wait([ref], timeout=0)[0]))
+
+    # -- partial rollout (rollout/partial.py) ------------------------------------------------------
+    @property
+    def supports_pause(self) -> bool:
+        """The hosted engine can pause and this actor was started ``pausable`` (its control thread)."""
+        return self.pausable and self._engine_pauses
+
+    def pause_generation(self) -> None:
+        """The hosted engine's ``pause_generation``, delivered on the actor's control thread while a ``generate``
+        runs (the calls of the default group run in order, one at a time); returns once the flag is set."""
+        from megatron_s3ac.rollout.base import PartialRolloutUnsupported
+
+        if not self.supports_pause:
+            raise PartialRolloutUnsupported(
+                f"remote {self._label()} cannot pause generation: " + ("its engine has no pause_generation" if
+                                                                       self.pausable else "started without pausable=True"))
+        self._check()
+        self._get(self._actor.pause_generation.options(concurrency_group="control").remote(), "pause_generation()")
+
+    def continue_generation(self) -> None:
+        """In the default group: after the calls sent before it (the weight update)."""
+        self._call("continue_generation", what="continue_generation()")
+
+    def generate_continuations(self, requests, params: SamplingParams, return_routed_experts: bool = False):
+        return self.continue_async(requests, params, return_routed_experts).result()
+
+    def continue_async(self, requests, params: SamplingParams, return_routed_experts: bool = False
+                       ) -> PendingGeneration:
+        import ray
+
+        self._check()
+        reqs = [([int(t) for t in p], int(b)) for p, b in requests]
+        ref = self._actor.continuations_timed.remote(reqs, params, bool(return_routed_experts))
+        return PendingGeneration(lambda: self._get(ref, "generate_continuations()"),
                                  ready=lambda: bool(ray.wait([ref], timeout=0)[0]))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None) -> None:

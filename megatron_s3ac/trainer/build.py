@@ -355,7 +355,7 @@ def build_engine(cfg: Config, info):
     import ray
 
     owns_ray = not ray.is_initialized()
-    return build_rollout_engine(factory, placement), owns_ray
+    return build_rollout_engine(factory, placement, pausable=bool(r.partial_rollout)), owns_ray
 
 
 def reset_optimizer(opt, lr: float) -> None:

@@ -177,11 +177,20 @@ class RolloutCfg:
     # asynchronous loop (train.max_staleness > 0): an engine whose process died is rebuilt, re-synced and its
     # unfinished batches resubmitted, at most this many times in one step (then the step raises)
     max_engine_restarts: int = 3
+    # partial rollout (train.max_staleness > 0; rollout/partial.py, docs/rollout.md "Partial rollout"): at each
+    # weight sync the engine is paused instead of waited for; unfinished responses keep their tokens and resume on
+    # the new weights, each token tagged with its weights version. Off: today's bounded-staleness loop, unchanged.
+    partial_rollout: bool = False
+    # a response spanning this many weights versions is not resumed again: its partial tokens are dropped and it is
+    # regenerated from its prompt on the new weights (async/partial_regenerated); 1 = never resume
+    partial_max_versions: int = 2
 
     def errors(self) -> list[str]:
         out = []
         if self.max_engine_restarts < 0:
             out.append(f"rollout.max_engine_restarts={self.max_engine_restarts} must be >= 0")
+        if isinstance(self.partial_max_versions, bool) or self.partial_max_versions < 1:
+            out.append(f"rollout.partial_max_versions={self.partial_max_versions} must be an integer >= 1")
         if self.engine == EngineKind.sglang:
             from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_sglang_settings
 
@@ -683,6 +692,13 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         errs.append(f"train.max_staleness={cfg.train.max_staleness} overlaps generation with training: needs "
                     f"rollout.placement=separate (got {Placement(r.placement).value}; colocated engines share the "
                     f"trainer's devices and sleep while it trains)")
+    if r.partial_rollout and cfg.train.max_staleness < 1:
+        errs.append("rollout.partial_rollout=true resumes responses interrupted by a weight sync of the asynchronous "
+                    "loop: needs train.max_staleness >= 1 (the synchronous loop syncs only between rollouts)")
+    if r.partial_rollout and r.engine not in (EngineKind.cpu, EngineKind.hf):
+        from megatron_s3ac.rollout.partial import unsupported_engine_reason
+
+        errs.append(unsupported_engine_reason(EngineKind(r.engine).value))
     if a.entropy_control != "none" and r.k < 2:
         errs.append(f"algo.entropy_control={a.entropy_control} shapes group advantages: needs rollout.k >= 2")
     if r.engine == EngineKind.sglang and cfg.train.dist_timeout_s < float(r.sglang.timeout_s):

@@ -32,6 +32,18 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
 5. Aborted requests (``abort_requests``: request positions of the next generate call, ``abort_after`` tokens
    generated first): meta_info = id, finish_reason {"type": "abort", "message": "Abort in waiting queue"},
    the log-probs of the tokens so far, and NO ``routed_experts`` (managers/tokenizer_manager.py:3596-3635).
+10. Pause / continue (server endpoints only: entrypoints/http_server.py:1831-1854; sglang.Engine has none;
+   managers/io_struct.py:1928-1946 "only supported in SGLang Server", modes abort | retract | in_place, default
+   abort). ``pause_generation(mode="abort")`` sets is_pause (managers/tokenizer_manager.py:2269) and aborts every
+   request (``abort_request(abort_all=True)``, 2273-2280): a running one gets ``to_finish = FINISH_ABORT()``
+   (managers/scheduler.py:5797-5813), still runs one decode step and returns through the normal output path: its
+   output_ids and log-probs so far, routed_experts when asked (tokenizer_manager.py:2602-2609), finish_reason
+   {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None} (managers/schedule_batch.py:
+   332-345); a request still in the waiting queue is popped and aborted as in 5 (managers/scheduler.py:5685-5705).
+   A request sent while paused waits until ``continue_generation`` (tokenizer_manager.py:938-939, 2282-2286).
+   Replies: {"message": "Generation paused successfully.", "status": "ok"} and {"message": "Generation continued
+   successfully.", "status": "ok"}. The stand-in runs a batch's requests one after another, so one is running
+   (through CPUEngine's pause) and the later ones are waiting; retract / in_place are not modelled (refused).
 6. Seeds (sampling/sampling_batch_info.py:157-171): with ``enable_deterministic_inference`` a request without
    ``sampling_seed`` samples with 42; without it every seed is ignored (the engine's own RNG, from random_seed).
    A seed that is not a plain int in [-2**63, 2**63 - 1] (e.g. numpy's int64) fails the whole batch with ValueError
@@ -138,7 +150,9 @@ def _checkpoint_names(model) -> dict[str, tuple[int, ...]]:
 
 class FakeSGLangEngine:
     # Test-only hooks, excluded from the signature contract check.
-    TEST_HOOKS = ("debug_checkpoint_tensor", "debug_checkpoint_state_dict", "debug_payload_log")
+    TEST_HOOKS = ("debug_checkpoint_tensor", "debug_checkpoint_state_dict", "debug_payload_log",
+                  # server endpoints, not sglang.Engine methods (item 10): excluded from the Engine signature check
+                  "pause_generation", "continue_generation")
 
     def __init__(self, model_path: str, tp_size: int = 1, context_length: Optional[int] = None,
                  enable_return_routed_experts: bool = False, enable_memory_saver: bool = False,
@@ -167,6 +181,10 @@ class FakeSGLangEngine:
         self.debug_payload_log: list[dict] = []
         self._flat_buckets = 0
         self._rng = np.random.default_rng(random_seed)
+        import threading
+
+        self.paused = False  # item 10: /pause_generation .. /continue_generation
+        self._pause_cond = threading.Condition()
         config = AutoConfig.from_pretrained(model_path)
         if getattr(config, "model_type", None) == "qwen3_moe":  # qwen3_moe.py:878: every layer sparse
             config.mlp_only_layers, config.decoder_sparse_step = [], 1
@@ -237,6 +255,8 @@ class FakeSGLangEngine:
                                  f"{self.context_len} tokens. You requested a total of {m + n} tokens: {n} tokens "
                                  f"from the input messages and {m} tokens for the completion. Please reduce the "
                                  f"number of tokens in the input messages or the completion to fit within the limit.")
+        with self._pause_cond:  # item 10: a request sent while paused waits (tokenizer_manager.py:938-939)
+            self._pause_cond.wait_for(lambda: not self.paused)
         aborts, self.abort_requests = set(self.abort_requests), set()
         outputs = []
         for i, (ids, sp) in enumerate(zip(batch, sps)):
@@ -252,6 +272,20 @@ class FakeSGLangEngine:
             s = self.cpu.generate([ids], params, 1, bool(return_routed_experts and self.return_routes),
                                   images=None if images[i] is None else [images[i]])[0][0]
             rid = f"req-{len(self.calls)}-{i}"
+            if s.finish_reason == "abort" and s.response_ids:  # item 10: running when the pause came
+                meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Aborted", "status_code": None,
+                                                     "err_type": None},
+                        "prompt_tokens": len(ids), "completion_tokens": len(s.response_ids)}
+                if return_logprob:
+                    meta["output_token_logprobs"] = [(float(lp), int(t), None)
+                                                     for lp, t in zip(s.logprobs, s.response_ids)]
+                if return_routed_experts and self.return_routes:
+                    import base64
+                    meta["routed_experts"] = base64.b64encode(s.routed_experts.astype("<i4").tobytes()).decode()
+                outputs.append({"text": None, "output_ids": list(s.response_ids), "meta_info": meta})
+                continue
+            if s.finish_reason == "abort":  # item 10: still waiting when the pause came (aborted as item 5)
+                aborts.add(i)
             if i in aborts:
                 n = min(self.abort_after, len(s.response_ids))
                 meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
@@ -298,6 +332,28 @@ class FakeSGLangEngine:
                                  "text-only checkpoint)")
             out.append(ImageInputs(items[0]["pixel_values"], items[0]["image_grid_thw"]))
         return out
+
+    # -- server endpoints (item 10) -------------------------------------------------------------
+    def pause_generation(self, mode: str = "abort"):
+        """POST /pause_generation {"mode": ...} (entrypoints/http_server.py:1831-1841)."""
+        self._alive("pause_generation")
+        if mode not in ("abort", "retract", "in_place"):  # io_struct.py:1946 Literal
+            raise ValueError(f"mode must be one of abort, retract, in_place, got {mode!r}")
+        if mode != "abort":
+            raise NotImplementedError(f"the stand-in models pause mode 'abort' only, not {mode!r}")
+        with self._pause_cond:
+            self.paused = True  # tokenizer_manager.py:2269
+            self.cpu.pause_generation()  # abort_request(abort_all=True): the running request returns what it has
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self):
+        """POST /continue_generation (entrypoints/http_server.py:1844-1854; tokenizer_manager.py:2282-2286)."""
+        self._alive("continue_generation")
+        with self._pause_cond:
+            self.paused = False
+            self.cpu.continue_generation()
+            self._pause_cond.notify_all()
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     def begin_weight_update(self, selector: str = "all"):
         self._alive("begin_weight_update")

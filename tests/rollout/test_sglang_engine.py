@@ -400,3 +400,45 @@ def test_context_length_defaults_like_sglang():
     assert _context_length({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default"}}) == 4096
     assert _context_length({"hidden_size": 64}) == 2048
     assert _context_length({}) is None
+
+
+def test_stand_in_pause_and_continue_as_sglang(ckpt):
+    """fake_sglang.py item 10 (sglang 0.5.23 entrypoints/http_server.py:1831-1854, managers/tokenizer_manager.py:
+    938-939, 2267-2286, managers/scheduler.py:5685-5705, 5797-5813, managers/schedule_batch.py:332-345): a pause
+    while a batch runs returns the running request's tokens and log-probs so far with finish_reason "Aborted" (+
+    routes), the waiting ones empty with "Abort in waiting queue"; a generate sent while paused waits for
+    continue_generation; the replies are the server's."""
+    import threading
+    import time
+
+    fake = FakeSGLangEngine(model_path=ckpt, enable_return_routed_experts=True, enable_deterministic_inference=True)
+    fake.cpu._decode_delay = 0.2
+    sp = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("out", fake.generate(
+        input_ids=PROMPTS, sampling_params=[sp, sp], return_logprob=True, return_routed_experts=True)))
+    t.start()
+    time.sleep(0.7)
+    assert fake.pause_generation() == {"message": "Generation paused successfully.", "status": "ok"}
+    t.join(timeout=30)
+    running, waiting = got["out"]
+    assert running["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                     "err_type": None}
+    r = len(running["output_ids"])
+    assert 0 < r < 10 and len(running["meta_info"]["output_token_logprobs"]) == r
+    lp, _ = teacher(ckpt, PROMPTS[0], running["output_ids"])
+    np.testing.assert_allclose([x[0] for x in running["meta_info"]["output_token_logprobs"]], lp, atol=1e-5)
+    assert "routed_experts" in running["meta_info"]
+    assert waiting["output_ids"] == [] and "routed_experts" not in waiting["meta_info"]
+    assert waiting["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    late = {}
+    t2 = threading.Thread(target=lambda: late.setdefault("out", fake.generate(
+        input_ids=PROMPTS[1], sampling_params={**sp, "max_new_tokens": 3}, return_logprob=True)))
+    t2.start()
+    time.sleep(0.5)
+    assert "out" not in late  # held while paused
+    assert fake.continue_generation() == {"message": "Generation continued successfully.", "status": "ok"}
+    t2.join(timeout=30)
+    assert late["out"]["meta_info"]["finish_reason"]["type"] == "length" and len(late["out"]["output_ids"]) == 3
+    with pytest.raises(NotImplementedError, match="'retract'"):
+        fake.pause_generation(mode="retract")
