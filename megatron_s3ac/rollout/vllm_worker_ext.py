@@ -193,7 +193,8 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if update_info.group not in self.groups:
-            raise RuntimeError(f"s3ac_gloo weight transfer group {update_info.group!r} not initialised (groups: "
+            raise RuntimeError(f"s3ac_{self.transport} weight transfer group {update_info.group!r} not initialised "
+                               f"(groups: "
                                f"{sorted(self.groups)}): call init_weight_transfer_engine first")
         if self.staged is None:
             raise RuntimeError("receive_weights outside a weight update: call start_weight_update first")
