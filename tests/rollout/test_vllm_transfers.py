@@ -91,7 +91,9 @@ def test_moe_update_refused_on_vllm_cpu_generation_works(tmp_path):
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(str(tmp_path))
-    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "model.safetensors"))  # the checkpoint's names (per-expert), as a sync sends
     eng = make_engine_factory("vllm", model_dir=str(tmp_path))()
     try:
         params = SamplingParams(max_new_tokens=6, seed=5)
