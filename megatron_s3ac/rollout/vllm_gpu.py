@@ -28,13 +28,13 @@ class RoutesError(RuntimeError):
     """vLLM's routed experts do not fit the project's layout (the message says why)."""
 
 
-def gpu_llm_kwargs(s, return_routed_experts: bool, placement: str = "separate") -> dict:
-    """vllm.LLM keywords of one GPU engine from ``rollout.vllm`` (``VLLMSettings``)."""
-    # weights: the s3ac_gloo backend on GPU too (host-staged, whole reload: correct, not fast); vLLM's nccl / ipc
-    # backends need their trainer-side engines, i.e. vLLM importable in the trainer (docs/rollout.md, what is left)
+def gpu_llm_kwargs(s, return_routed_experts: bool, placement: str = "separate", transfer: str = "nccl") -> dict:
+    """vllm.LLM keywords of one GPU engine from ``rollout.vllm`` (``VLLMSettings``). ``transfer``: the resolved
+    ``rollout.vllm.weight_transfer`` (separate: ``s3ac_nccl``, colocated: ``s3ac_ipc``; torch-only trainer halves,
+    see vllm_worker_ext for why not vLLM's own nccl / ipc engines)."""
     kw = dict(tensor_parallel_size=s.tp_size, data_parallel_size=s.dp_size, enable_expert_parallel=s.expert_parallel,
               gpu_memory_utilization=float(s.gpu_memory_utilization), enable_sleep_mode=True,
-              weight_transfer_config={"backend": "s3ac_gloo"})
+              weight_transfer_config={"backend": f"s3ac_{transfer}"})
     if return_routed_experts:
         kw.update(enable_return_routed_experts=True, enable_prefix_caching=False)
     return kw

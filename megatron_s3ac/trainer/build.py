@@ -330,8 +330,9 @@ def build_engine(cfg: Config, info):
     if in_process:
         dev["device"] = "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"
     if kind == "vllm":  # its own server process: the client lives in rank 0 whatever the placement
-        return make_engine_factory("vllm", model_dir=engine_model_dir(cfg), settings=r.vllm, seed=cfg.train.seed)(), \
-            False
+        factory = make_engine_factory("vllm", model_dir=engine_model_dir(cfg), settings=r.vllm, seed=cfg.train.seed,
+                                      placement=placement)
+        return build_rollout_engine(factory, placement), False
     if kind == "sglang":
         # sglang records routes only for R3 (a dense model has none to record: the engine refuses the flag)
         _, routes = r3_setting(cfg, info)
