@@ -165,7 +165,7 @@ def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded:
         return make_engine_factory("sglang", model_dir=model_dir, settings=settings, seed=seed,
                                    return_routed_experts=False)()
     if kind == "vllm":
-        from megatron_s3ac.rollout.vllm_settings import VLLMSettings
+        from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings
 
         settings = VLLMSettings(tp_size=tp_size, gpus_per_engine=tp_size)
         engine = make_engine_factory("vllm", model_dir=model_dir, settings=settings, seed=seed,

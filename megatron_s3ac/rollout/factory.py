@@ -11,7 +11,7 @@ the same way:
 * ``make_engine_factory`` — a picklable ``factory(slot=None) -> RolloutEngine`` (CPU or SGLang), to call in this
   process or inside Ray actors (``EnginePool``); ``build_rollout_engine`` picks local / RemoteEngine / EnginePool.
 * ``make_sync_strategy`` (or ``factory.sync_strategy(placement, engine)``) — next to the engine, the weight-sync
-  strategy its kind registered for the placement (``rollout.sync_strategy``): the trainer calls its ``sync`` /
+  strategy its kind registered for the placement (``rollout.sync.strategy``): the trainer calls its ``sync`` /
   ``sleep`` / ``close`` and never branches on the engine's name.
 
 sglang 0.5.23 layout facts the validation encodes (``sglang/srt/``): one engine uses tp_size GPUs (x pp_size, not
@@ -133,14 +133,14 @@ def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tin
     engine: "cpu", "hf" or "sglang". model_dir: the HF directory the engine starts from (config, safetensors, tokenizer).
     tiny: the built-in demo model's name (no HF directory, no tokenizer files): CPU engine only.
     """
-    from megatron_s3ac.rollout.sglang_engine import UnservableModelError, check_servable
+    from megatron_s3ac.rollout.engines.sglang.engine import UnservableModelError, check_servable
 
     if engine not in ENGINES:
         raise ConfigError(f"{key}: {engine!r} is not one of {ENGINES}")
     if engine in ("cpu", "hf"):
         return
     if engine == "vllm":
-        from megatron_s3ac.rollout.vllm_settings import check_vllm_model
+        from megatron_s3ac.rollout.engines.vllm.settings import check_vllm_model
 
         return check_vllm_model(model_dir, tiny=tiny, key=key)
     from megatron_s3ac.rollout.errors import check_checkpoint_dir
@@ -182,7 +182,7 @@ class EngineFactory:
         s = self.settings
         if self.kind != "sglang" or s is None or not s.context_length or not self.model_dir:
             return {}
-        from megatron_s3ac.rollout.sglang_engine import _context_length, read_hf_config
+        from megatron_s3ac.rollout.engines.sglang.engine import _context_length, read_hf_config
 
         hf = read_hf_config(self.model_dir) or {}
         derived = _context_length(hf.get("text_config") or hf)
@@ -197,7 +197,7 @@ class EngineFactory:
 
             torch.set_num_threads(int(self.torch_threads))
         if self.kind in ("cpu", "hf"):
-            from megatron_s3ac.rollout.cpu_engine import CPUEngine
+            from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
             dev = {k: v for k, v in (("dtype", self.dtype), ("device", self.device)) if v is not None}
             if self.multimodal:
@@ -206,8 +206,8 @@ class EngineFactory:
                 return CPUEngine.from_pretrained(self.model_dir, **dev)
             return CPUEngine.from_config(self.hf_config, seed=self.seed, **dev)
         if self.kind == "vllm":
-            from megatron_s3ac.rollout.vllm_engine import VLLMEngine
-            from megatron_s3ac.rollout.vllm_settings import VLLMSettings, dtype_setting
+            from megatron_s3ac.rollout.engines.vllm.engine import VLLMEngine
+            from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings, dtype_setting
 
             s = self.settings or VLLMSettings()
             if self.dtype is not None:
@@ -217,7 +217,7 @@ class EngineFactory:
                               placement=str(getattr(self.placement, "value", self.placement or "separate")))
         if self.kind != "sglang":
             raise ConfigError(f"rollout.engine: {self.kind!r} is not one of {ENGINES}")
-        from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
+        from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
 
         s = self.settings or SGLangSettings()
         cfg = SGLangConfig(
@@ -263,11 +263,11 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
 
 
 def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any = None, quantize=None):
-    """The weight-sync strategy the engine kind registered for ``placement`` (``rollout.sync_strategy``), built
+    """The weight-sync strategy the engine kind registered for ``placement`` (``rollout.sync.strategy``), built
     around ``engine`` (rank 0's engine; None on the other ranks, which build the same strategy from the config).
     ``settings``: the kind's own config section (``rollout.sglang`` ...; None for cpu / hf); ``quantize``: the
     stage leaders' stream transform (fp8) or None. An unregistered pair raises ConfigError naming both keys."""
-    from megatron_s3ac.rollout.sync_strategy import UnknownWeightSync, make_weight_sync
+    from megatron_s3ac.rollout.sync.strategy import UnknownWeightSync, make_weight_sync
 
     try:
         return make_weight_sync(kind, placement, engine, settings=settings, quantize=quantize)
@@ -283,26 +283,26 @@ def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *
     if factory.kind == "vllm":
         s = factory.settings
         if s is not None and s.num_engines > 1:  # one server process each; the clients stay in this process
-            from megatron_s3ac.rollout.vllm_settings import transfer_backend, vllm_on_gpu
+            from megatron_s3ac.rollout.engines.vllm.settings import transfer_backend, vllm_on_gpu
 
             on_gpu = vllm_on_gpu() if factory.device is None else factory.device != "cpu"
             if on_gpu and transfer_backend(s.weight_transfer, placement, True) == "ipc":
                 raise ConfigError(f"rollout.vllm.num_engines: {s.num_engines} colocated engines on GPUs: s3ac_ipc "
                                   f"hands rank 0's buckets to the engine on rank 0's GPU only; use one engine or "
                                   f"rollout.vllm.weight_transfer: nccl")
-            from megatron_s3ac.rollout.engine_pool import EngineSlot
-            from megatron_s3ac.rollout.vllm_pool import VLLMEnginePool
+            from megatron_s3ac.rollout.engines.pool import EngineSlot
+            from megatron_s3ac.rollout.engines.vllm.pool import VLLMEnginePool
 
             return VLLMEnginePool(lambda i: factory(EngineSlot(i, s.num_engines)), s.num_engines)
         return factory()  # the engine runs in its own server process already
     if factory.kind in ("cpu", "hf"):
         if placement == "separate":
-            from megatron_s3ac.rollout.remote import RemoteEngine
+            from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngine
 
             return RemoteEngine(factory, num_cpus=num_cpus, torch_threads=factory.torch_threads,
                                 ray_init_kwargs=ray_init_kwargs, pausable=pausable)
         return factory()
-    from megatron_s3ac.rollout.engine_pool import EnginePool
+    from megatron_s3ac.rollout.engines.pool import EnginePool
 
     s = factory.settings or SGLangSettings()
     gpus = 0 if factory.engine_cls is not None else s.gpus_per_engine  # a CPU stand-in takes no GPUs

@@ -167,7 +167,7 @@ def unsupported_engine_reason(kind: str) -> str:
                 "sglang.Engine (entrypoints/engine.py has no pause_generation). Use rollout.engine=cpu, or "
                 "rollout.partial_rollout=false")
     if kind == "vllm":
-        return ("rollout.partial_rollout=true with rollout.engine=vllm: the vLLM server here (rollout/vllm_server.py) "
+        return ("rollout.partial_rollout=true with rollout.engine=vllm: the vLLM server here (rollout/engines/vllm/server.py) "
                 "runs vLLM's offline LLM (vllm/entrypoints/llm.py), whose generate() runs every request to the end; "
                 "pause/resume is AsyncLLM's (vllm 0.32 vllm/v1/engine/async_llm.py:952-985, the /pause route of "
                 "vllm/entrypoints/rl/online/api_router.py:31). Use rollout.engine=cpu, or rollout.partial_rollout=false")

@@ -132,8 +132,8 @@ class AsyncRollout:
         the engine is rebuilt and re-synced with the actor's current weights, and every batch it had not returned
         is sent again (then tagged with the re-synced version) - at most ``rollout.max_engine_restarts`` times in
         one step, then a RuntimeError naming the last failure."""
-        from megatron_s3ac.rollout.engine_pool import EngineDied, EngineTimeout
-        from megatron_s3ac.rollout.remote import RemoteEngineDied, RemoteEngineTimeout
+        from megatron_s3ac.rollout.engines.pool import EngineDied, EngineTimeout
+        from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngineDied, RemoteEngineTimeout
 
         tr = self.tr
         while True:

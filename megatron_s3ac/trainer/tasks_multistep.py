@@ -3,7 +3,7 @@
     prompt  "12+7+30="   ->   response "19,49" <eos>      (every running value, comma separated)
 
 Each step's value is computed from the value written before it, so an early mistake dooms the
-answer (reward "multistep", rollout/reward_multistep.py: +1 iff the whole chain is right) while the
+answer (reward "multistep", rollout/rewards/multistep.py: +1 iff the whole chain is right) while the
 steps before it can be right: the response-level signal must be assigned to the step that failed,
 which a token-level critic can do and a response-level baseline cannot. Answers are ~5-30 tokens
 (vs 2-4 for "a+b="), with the same character-vocabulary machinery (trainer.data.CharVocab).
@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from megatron_s3ac.rollout.reward_multistep import multistep_reference, parse_prompt, running_values
+from megatron_s3ac.rollout.rewards.multistep import multistep_reference, parse_prompt, running_values
 from megatron_s3ac.trainer.data import BOS, CharVocab, Prompt
 
 # "0123456789+=" first: the arithmetic task's ids are unchanged (3..14); "," and "-" are 15, 16

@@ -104,7 +104,7 @@ def vl_trainer_path(hf_dir, actor_init, out_dir, tp, ep, trainable, samples):
     names = [n for bucket in buckets for n, _ in bucket]
     synced = None
     if dist.get_rank() == 0:  # the weight sync's consumer: a multimodal CPU engine of the VL checkpoint
-        from megatron_s3ac.rollout.cpu_engine import CPUEngine
+        from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
         engine = CPUEngine.from_pretrained(hf_dir, tokenizer=None, multimodal=True)
         for bucket in buckets:

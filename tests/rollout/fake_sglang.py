@@ -162,7 +162,7 @@ class FakeSGLangEngine:
         from transformers import AutoConfig
         from safetensors.torch import load_file
 
-        from megatron_s3ac.rollout.cpu_engine import CPUEngine
+        from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
         self.server_args = dict(model_path=model_path, tp_size=tp_size, **other_server_args)
         self.tp_size = tp_size
@@ -416,7 +416,7 @@ class FakeSGLangEngine:
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
                                   backend="nccl"):
         self._alive("init_weights_update_group")
-        from megatron_s3ac.rollout.broadcast import init_custom_process_group
+        from megatron_s3ac.rollout.engines.sglang.broadcast import init_custom_process_group
 
         if self.tp_size != 1:
             raise NotImplementedError("the stand-in joins broadcast groups with tp_size=1 only")

@@ -8,7 +8,7 @@ import torch
 
 from megatron_s3ac.models.multimodal import ImageInputs
 from megatron_s3ac.rollout.base import SamplingParams
-from megatron_s3ac.rollout.cpu_engine import CPUEngine
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 from megatron_s3ac.testing.tiny_qwen3_5 import VL_TOKENS, save_tiny_qwen3_5_vl_full, tiny_image_prompt
 from vl_reference import reference as _reference
 

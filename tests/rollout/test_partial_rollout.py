@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_s3ac.rollout.base import PartialRolloutUnsupported, RolloutEngine, Sample, SamplingParams
-from megatron_s3ac.rollout.cpu_engine import CPUEngine
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 from megatron_s3ac.rollout.partial import PartialPending, continuation_requests, merge, unsupported_engine_reason
 
 from rollout_fixtures import tiny_moe_config
@@ -176,7 +176,7 @@ def test_remote_engine_pauses_a_running_generate():
 
     import ray
 
-    from megatron_s3ac.rollout.remote import RemoteEngine
+    from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngine
 
     started = not ray.is_initialized()
     if started:

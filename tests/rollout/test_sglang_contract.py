@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_s3ac.rollout import sglang_engine as wrapper
+from megatron_s3ac.rollout.engines.sglang import engine as wrapper
 
 from fake_sglang import FakeSGLangEngine
 

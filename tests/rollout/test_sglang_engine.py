@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_s3ac.rollout.base import SamplingParams
-from megatron_s3ac.rollout.sglang_engine import (
+from megatron_s3ac.rollout.engines.sglang.engine import (
     FlushCacheError, PromptTooLongError, SGLangConfig, SGLangEngine, UnservableModelError, WeightUpdateError,
     decode_routed_experts, to_sglang_sampling_params,
 )
@@ -130,7 +130,7 @@ def test_bucket_by_bucket_sync_is_one_session(ckpt, other_weights):
     """weight_sync.sync_weights feeds update_weights(bucket) per bucket then flush_cache(): SessionSync turns that
     into one session (sglang would otherwise open/close one per bucket, or load nothing without one)."""
     from megatron_s3ac.rollout.base import iter_buckets
-    from megatron_s3ac.rollout.sglang_engine import SessionSync
+    from megatron_s3ac.rollout.engines.sglang.engine import SessionSync
 
     engine, fake = make(ckpt)
     fake.calls.clear()
@@ -256,7 +256,7 @@ def test_served_names_from_config_alone(ckpt, tmp_path):
     """Without safetensors (only config.json) the served names/shapes come from the config."""
     import shutil
 
-    from megatron_s3ac.rollout.sglang_engine import served_weight_shapes
+    from megatron_s3ac.rollout.engines.sglang.engine import served_weight_shapes
 
     shutil.copy(f"{ckpt}/config.json", tmp_path / "config.json")
     assert served_weight_shapes(str(tmp_path)) == served_weight_shapes(ckpt)
@@ -387,7 +387,7 @@ def test_sglang_engine_on_gpu(tmp_path, tokenizer):
 def test_context_length_defaults_like_sglang():
     """utils/hf_transformers/common.py:677-694: the first length key (times the RoPE factor unless the config keeps
     the original length), else 2048; no config at all: unknown (None), sglang's own refusal is then named later."""
-    from megatron_s3ac.rollout.sglang_engine import _context_length
+    from megatron_s3ac.rollout.engines.sglang.engine import _context_length
 
     assert _context_length({"max_position_embeddings": 4096}) == 4096
     assert _context_length({"seq_length": 1000, "max_position_embeddings": 4096}) == 1000

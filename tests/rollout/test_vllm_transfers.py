@@ -56,7 +56,7 @@ def ipc_engine(model_dir):
 
 
 def test_ipc_update_is_followed_and_refusals_load_nothing(ipc_engine, model_dir, base_state):
-    from megatron_s3ac.rollout.vllm_engine import WeightUpdateError
+    from megatron_s3ac.rollout.engines.vllm.engine import WeightUpdateError
 
     assert ipc_engine.transfer == "ipc"
     perturbed = _perturbed(base_state)
@@ -82,7 +82,7 @@ def test_moe_update_refused_on_vllm_cpu_generation_works(tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from megatron_s3ac.rollout.factory import make_engine_factory
-    from megatron_s3ac.rollout.vllm_engine import WeightUpdateError
+    from megatron_s3ac.rollout.engines.vllm.engine import WeightUpdateError
 
     cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                          num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
@@ -117,9 +117,9 @@ def test_moe_update_refused_on_vllm_cpu_generation_works(tmp_path):
 def test_two_engines_split_the_batch_and_follow_every_update(model_dir, base_state):
     require_vllm()
     from megatron_s3ac.rollout.factory import build_rollout_engine, make_engine_factory
-    from megatron_s3ac.rollout.vllm_engine import WeightUpdateError
-    from megatron_s3ac.rollout.vllm_pool import VLLMEnginePool
-    from megatron_s3ac.rollout.vllm_settings import VLLMSettings
+    from megatron_s3ac.rollout.engines.vllm.engine import WeightUpdateError
+    from megatron_s3ac.rollout.engines.vllm.pool import VLLMEnginePool
+    from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings
 
     settings = VLLMSettings(num_engines=2, max_model_len=64, max_num_seqs=16)
     pool = build_rollout_engine(make_engine_factory("vllm", model_dir=model_dir, settings=settings), "separate")

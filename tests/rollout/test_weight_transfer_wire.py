@@ -1,4 +1,4 @@
-"""The weight-transfer wire shared by the s3ac_gloo / s3ac_nccl / s3ac_ipc backends (rollout.gloo_transfer), in the
+"""The weight-transfer wire shared by the s3ac_gloo / s3ac_nccl / s3ac_ipc backends (rollout.engines.vllm.transfer), in the
 trainer's environment (no vLLM): a gloo sender group broadcast received and unpacked bit-exact, NCCL refused on a
 CPU-only torch naming the cause, a bucket shared through torch.multiprocessing.reductions (file_system shared
 memory) rebuilt from its JSON fields in another process, hostile handle fields refused, the backend chosen per
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_s3ac.rollout.base import SamplingParams
-from megatron_s3ac.rollout.gloo_transfer import (bucket_meta, join_group, open_shared, pack, share_flat, unpack,
+from megatron_s3ac.rollout.engines.vllm.transfer import (bucket_meta, join_group, open_shared, pack, share_flat, unpack,
                                                  flat_nbytes)
 
 
@@ -72,7 +72,7 @@ def test_nccl_group_needs_cuda():
 
 RECEIVER = """
 import json, sys, torch
-from megatron_s3ac.rollout.gloo_transfer import open_shared, unpack
+from megatron_s3ac.rollout.engines.vllm.transfer import open_shared, unpack
 handle, meta = json.loads(sys.stdin.read())
 flat = open_shared(handle)
 print(json.dumps([[n, t.float().flatten().tolist()] for n, t in unpack(flat, meta)]))
@@ -116,14 +116,14 @@ def test_ipc_handle_refuses_fields_it_does_not_write():
     ("auto", "colocated", False, "ipc"), ("auto", "colocated", True, "ipc"), ("auto", "separate", False, "gloo"),
     ("auto", "separate", True, "nccl"), ("gloo", "colocated", True, "gloo"), ("nccl", "separate", True, "nccl")])
 def test_transfer_backend_per_placement_and_device(setting, placement, gpu, want):
-    from megatron_s3ac.rollout.vllm_settings import transfer_backend
+    from megatron_s3ac.rollout.engines.vllm.settings import transfer_backend
 
     assert transfer_backend(setting, placement, gpu) == want
 
 
 def test_transfer_backend_refusals_name_the_key():
     from megatron_s3ac.rollout.errors import ConfigError
-    from megatron_s3ac.rollout.vllm_settings import VLLMSettings, transfer_backend, validate_vllm_settings
+    from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings, transfer_backend, validate_vllm_settings
 
     with pytest.raises(ConfigError, match="rollout.vllm.weight_transfer: nccl needs GPUs"):
         transfer_backend("nccl", "separate", False)
@@ -138,7 +138,7 @@ def test_transfer_backend_refusals_name_the_key():
 def test_split_generation_gives_request_k_seed_plus_k():
     """EnginePool and VLLMEnginePool split a batch the same way: contiguous balanced chunks, and request k of the
     whole batch (prompt-major, n samples per prompt) carries seed + k whichever engine runs it."""
-    from megatron_s3ac.rollout.engine_pool import split_generation
+    from megatron_s3ac.rollout.engines.pool import split_generation
 
     n, k = 7, 3
     chunks = split_generation(n, SamplingParams(seed=100), k, 3)

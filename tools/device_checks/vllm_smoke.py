@@ -86,7 +86,7 @@ def run(model_dir: str, cpu: bool) -> int:
 
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.factory import make_engine_factory
-    from megatron_s3ac.rollout.vllm_settings import VLLMSettings
+    from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings
     from megatron_s3ac.testing.tiny_models import char_tokenizer
 
     t0 = time.time()
@@ -140,7 +140,7 @@ def ipc_check(model_dir: str, other: str, settings, prompts, params, cpu: bool) 
     import torch
 
     from megatron_s3ac.rollout.factory import make_engine_factory
-    from megatron_s3ac.rollout.vllm_engine import WeightUpdateError
+    from megatron_s3ac.rollout.engines.vllm.engine import WeightUpdateError
 
     t0 = time.time()
     eng = make_engine_factory("vllm", model_dir=model_dir, settings=settings, return_routed_experts=False,

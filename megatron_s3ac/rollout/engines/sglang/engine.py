@@ -37,7 +37,7 @@ checks them against the pinned wheel. The 0.5.23 behaviours this wrapper handles
   (str/bytes, else TypeError in the caller: entrypoints/engine.py:1743-1759, utils/common.py:3109-3131); TP rank r
   deserializes only ``payloads[r]`` (managers/tp_worker.py:194-201: too few kill the scheduler with IndexError) with
   ``SafeUnpickler``, which kills it on any global outside its allowlist (utils/common.py:3144-3372). -> payloads
-  are built by rollout/ipc.py (SimpleNamespace metadata, one serialization per TP rank) and counted before the
+  are built by rollout/engines/sglang/ipc.py (SimpleNamespace metadata, one serialization per TP rank) and counted before the
   call (``load_serialized_bucket``); an exception from the engine becomes ``WeightUpdateError`` naming it.
 * Image prompts (``generate(..., images=...)``): ``GenerateReqInput.image_data`` takes, per request, a list of
   images (managers/io_struct.py:194-200; batch normalisation 645-678). A raw image (path, bytes, PIL) with token ids
@@ -336,7 +336,7 @@ def flatten_bucket(bucket: Sequence[tuple[str, Any]]) -> dict:
     utils/common.py:3144-3372). Serialized once per TP rank (ipc.serialize): one CUDA IPC handle per bucket."""
     import torch
 
-    from megatron_s3ac.rollout import ipc
+    from megatron_s3ac.rollout.engines.sglang import ipc
 
     tensors = [torch.as_tensor(t).detach().contiguous() for _, t in bucket]
     flat = (torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors
@@ -558,7 +558,7 @@ class SGLangEngine(RolloutEngine):
         sent in buckets of <= bucket_bytes inside ONE weight-update session; then the cache is flushed (retried).
 
         flattened: send each bucket as sglang's flattened bucket (load_format="flattened_bucket"): one flat
-            tensor + SimpleNamespace metadata (flatten_bucket), serialized once per TP rank (rollout/ipc.py): one
+            tensor + SimpleNamespace metadata (flatten_bucket), serialized once per TP rank (rollout/engines/sglang/ipc.py): one
             CUDA IPC handle (CPU: shared-memory segment) per bucket and rank instead of one per tensor.
         require_complete: raise if some served tensor was not sent (a full sync must cover the checkpoint).
 
@@ -597,7 +597,7 @@ class SGLangEngine(RolloutEngine):
             # 194-201; entrypoints/engine.py:1743-1759), and CUDA-IPC refcounts expect one consumer per serialization.
             # `payload` (the flat tensor) stays referenced until the engine has answered.
             payload = flatten_bucket(bucket)
-            from megatron_s3ac.rollout import ipc
+            from megatron_s3ac.rollout.engines.sglang import ipc
 
             self._call_checked("update_weights_from_tensor", what,
                                named_tensors=[ipc.serialize(payload) for _ in range(int(self.config.tp_size))],
@@ -612,7 +612,7 @@ class SGLangEngine(RolloutEngine):
 
     def load_serialized_bucket(self, payloads: Sequence[bytes], names: Sequence[str], shapes: Sequence[Sequence[int]],
                                dtypes: Optional[Sequence[Any]] = None, nbytes: Optional[int] = None) -> int:
-        """Load one flattened bucket that another process serialized (the colocated path, see rollout/ipc.py) inside
+        """Load one flattened bucket that another process serialized (the colocated path, see rollout/engines/sglang/ipc.py) inside
         the open session: ``payloads[r]`` is TP rank r's own serialization (ipc.serialize of ipc.flat_payload) of the
         bucket holding ``names`` with ``shapes``. Names and shapes are checked against the served checkpoint before
         the engine is called; the producer must keep the memory alive until this returns.
@@ -656,7 +656,7 @@ class SGLangEngine(RolloutEngine):
         GPU base_gpu_id + (r % tp_per_node) * gpu_id_step (entrypoints/engine.py:928-939, 2047-2077). For an engine
         spanning nodes (nnodes > 1) that is ranks node_rank * tp_per_node .. (node_rank + 1) * tp_per_node - 1 only;
         EnginePool.device_keys() covers every node. On CPU: "<host>:cpu<base_gpu_id + r>"."""
-        from megatron_s3ac.rollout import ipc
+        from megatron_s3ac.rollout.engines.sglang import ipc
 
         c = self.config
         keys = ipc.engine_device_keys(int(c.tp_size), int(c.base_gpu_id), int(c.extra.get("gpu_id_step", 1)),

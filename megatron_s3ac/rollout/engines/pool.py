@@ -23,7 +23,7 @@
   engine), then ``finish_sync`` (session end + cache flush) on every engine. ``sync_colocated`` wraps it in
   the colocated order wake(["weights"]) -> sync -> wake(["kv_cache", "cuda_graph"]).
   Separate GPUs: ``broadcast.WeightBroadcaster(pool)`` + ``begin_weight_update`` / ``finish_sync``.
-* Colocated hand-over (rollout/ipc.py, rollout/colocated.py): ``device_keys()`` says which device each engine's TP
+* Colocated hand-over (rollout/engines/sglang/ipc.py, rollout/engines/sglang/colocated.py): ``device_keys()`` says which device each engine's TP
   ranks use; ``submit(e, "load_serialized_bucket", payloads, names, shapes[, dtypes])`` loads one bucket from
   per-TP-rank payloads inside engine e's open session (SGLangEngine.load_serialized_bucket).
 * Ray (``ray_init.init_ray``): connects to a running cluster (``ray.init(address="auto")``) when RAY_ADDRESS is
@@ -40,9 +40,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megatron_s3ac.rollout.base import (PendingGeneration, RolloutEngine, Sample, SamplingParams, check_images,
                                         iter_buckets)
-from megatron_s3ac.rollout.ray_init import engine_runtime_env, init_ray
-from megatron_s3ac.rollout.remote import _death_cause, pack_bucket, unpack_bucket
-from megatron_s3ac.rollout.sglang_engine import PromptTooLongError
+from megatron_s3ac.rollout.engines.ray_init import engine_runtime_env, init_ray
+from megatron_s3ac.rollout.engines.cpu.remote import _death_cause, pack_bucket, unpack_bucket
+from megatron_s3ac.rollout.engines.sglang.engine import PromptTooLongError
 
 
 class EnginePoolError(RuntimeError):
@@ -489,7 +489,7 @@ def visible_devices() -> dict:
     """What a process placed in a bundle sees: {"host", "cuda": [ipc.device_key(i) per visible GPU]} (Ray task body)."""
     import torch
 
-    from megatron_s3ac.rollout import ipc
+    from megatron_s3ac.rollout.engines.sglang import ipc
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {"host": socket.gethostname(), "cuda": [ipc.device_key(i) for i in range(n)]}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from megatron_s3ac.rollout.reward_chain import common_prefix_len
+from megatron_s3ac.rollout.rewards.chain import common_prefix_len
 
 MAX_RESPONSE_CHARS = 256  # a longer response is not a chain of a CPU-sized task: -1
 _PROMPT = re.compile(r"^\s*(\d+)((?:[+-]\d+)+)\s*=\s*$")

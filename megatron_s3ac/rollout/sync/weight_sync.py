@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac.convert.export import export_hf_weights
-from megatron_s3ac.rollout.sync_strategy import WeightSyncStrategy
+from megatron_s3ac.rollout.sync.strategy import WeightSyncStrategy
 
 _END = -1
 
@@ -391,7 +391,7 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
 
 
 class RankZeroSync(WeightSyncStrategy):
-    """cpu / hf engines (registered in ``rollout.sync_strategy``): rank 0's engine receives every pipeline stage's
+    """cpu / hf engines (registered in ``rollout.sync.strategy``): rank 0's engine receives every pipeline stage's
     tensors through ``sync_weights`` (in process, or a ``RemoteEngine`` at ``rollout.placement: separate``). A
     sleeping engine is woken whole first: its weights come back re-allocated but stale, the sync refills every one."""
 

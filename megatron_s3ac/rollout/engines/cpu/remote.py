@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megatron_s3ac.rollout.base import (PendingGeneration, RolloutEngine, Sample, SamplingParams, check_images,
                                         iter_buckets)
-from megatron_s3ac.rollout.ray_init import init_ray
+from megatron_s3ac.rollout.engines.ray_init import init_ray
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 

@@ -52,7 +52,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from megatron_s3ac.rollout.gloo_transfer import flat_nbytes, join_group, open_shared, torch_dtype, unpack
+from megatron_s3ac.rollout.engines.vllm.transfer import flat_nbytes, join_group, open_shared, torch_dtype, unpack
 
 BACKEND = "s3ac_gloo"
 BACKENDS = ("s3ac_gloo", "s3ac_nccl", "s3ac_ipc")

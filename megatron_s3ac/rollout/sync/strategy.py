@@ -9,7 +9,7 @@ path without asking rank 0.
 
 Registration (the API a new engine uses; no trainer edit)::
 
-    register_weight_sync("vllm", "separate", "megatron_s3ac.rollout.vllm_engine:VLLMBroadcastSync")
+    register_weight_sync("vllm", "separate", "megatron_s3ac.rollout.engines.vllm.engine:VLLMBroadcastSync")
     register_weight_sync("vllm", "colocated", VLLMColocatedSync)   # or the class itself
 
 ``engine`` / ``placement`` may be plain strings or ``str`` Enum members (``trainer.config.EngineKind.vllm``); a
@@ -19,9 +19,9 @@ NCCL code is only imported on the ranks of a run that uses it). A class is calle
 engine kind's own config section (``rollout.<kind>``, e.g. ``SGLangSettings``; None if it has none), ``quantize``
 the stream transform the stage leaders apply before the transfer (``rollout.weights_dtype: fp8``) or None.
 
-Built in (``_BUILTIN`` below): cpu / hf at either placement -> the rank-0 path (``rollout.weight_sync``), colocated
-sleeping between rollouts; sglang separate -> ``rollout.broadcast.StageBroadcastSync``; sglang colocated ->
-``rollout.colocated.ColocatedIPCSync``, woken in sglang's order (weights -> sync -> kv_cache + cuda_graph).
+Built in (``_BUILTIN`` below): cpu / hf at either placement -> the rank-0 path (``rollout.sync.weight_sync``), colocated
+sleeping between rollouts; sglang separate -> ``rollout.engines.sglang.broadcast.StageBroadcastSync``; sglang colocated ->
+``rollout.engines.sglang.colocated.ColocatedIPCSync``, woken in sglang's order (weights -> sync -> kv_cache + cuda_graph).
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def weight_sync_class(engine: Any, placement: Any) -> type:
         have = sorted(f"{e}/{p}" for e, p in _REGISTRY)
         raise UnknownWeightSync(f"rollout.engine={key[0]!r} with rollout.placement={key[1]!r}: no weight-sync "
                                 f"strategy is registered for this pair (registered: {have}; an engine registers "
-                                f"its own with rollout.sync_strategy.register_weight_sync)")
+                                f"its own with rollout.sync.strategy.register_weight_sync)")
     if isinstance(target, str):
         module, _, name = target.partition(":")
         target = getattr(importlib.import_module(module), name)
@@ -125,14 +125,14 @@ def make_weight_sync(engine_kind: Any, placement: Any, engine=None, *, settings:
 
 
 _BUILTIN: dict[tuple[str, str], str] = {
-    ("cpu", "colocated"): "megatron_s3ac.rollout.weight_sync:ColocatedRankZeroSync",
-    ("cpu", "separate"): "megatron_s3ac.rollout.weight_sync:RankZeroSync",
-    ("hf", "colocated"): "megatron_s3ac.rollout.weight_sync:ColocatedRankZeroSync",
-    ("hf", "separate"): "megatron_s3ac.rollout.weight_sync:RankZeroSync",
-    ("sglang", "separate"): "megatron_s3ac.rollout.broadcast:SGLangBroadcastSync",
-    ("sglang", "colocated"): "megatron_s3ac.rollout.colocated:SGLangColocatedSync",
-    ("vllm", "colocated"): "megatron_s3ac.rollout.vllm_sync:VLLMSessionSync",
-    ("vllm", "separate"): "megatron_s3ac.rollout.vllm_sync:VLLMStageSync",
+    ("cpu", "colocated"): "megatron_s3ac.rollout.sync.weight_sync:ColocatedRankZeroSync",
+    ("cpu", "separate"): "megatron_s3ac.rollout.sync.weight_sync:RankZeroSync",
+    ("hf", "colocated"): "megatron_s3ac.rollout.sync.weight_sync:ColocatedRankZeroSync",
+    ("hf", "separate"): "megatron_s3ac.rollout.sync.weight_sync:RankZeroSync",
+    ("sglang", "separate"): "megatron_s3ac.rollout.engines.sglang.broadcast:SGLangBroadcastSync",
+    ("sglang", "colocated"): "megatron_s3ac.rollout.engines.sglang.colocated:SGLangColocatedSync",
+    ("vllm", "colocated"): "megatron_s3ac.rollout.engines.vllm.sync:VLLMSessionSync",
+    ("vllm", "separate"): "megatron_s3ac.rollout.engines.vllm.sync:VLLMStageSync",
 }
 for (_e, _p), _t in _BUILTIN.items():
     register_weight_sync(_e, _p, _t)

@@ -1,7 +1,7 @@
-"""The vLLM engine's server process: ``<vllm env python> -m megatron_s3ac.rollout.vllm_server --spec FILE``.
+"""The vLLM engine's server process: ``<vllm env python> -m megatron_s3ac.rollout.engines.vllm.server --spec FILE``.
 
 Runs in the engine's own environment (``make vllm-env``: vLLM pins its own transformers), around one ``vllm.LLM``
-(``entrypoints/llm.py``). The trainer side (``rollout.vllm_engine.VLLMEngine``) talks to it over loopback HTTP
+(``entrypoints/llm.py``). The trainer side (``rollout.engines.vllm.engine.VLLMEngine``) talks to it over loopback HTTP
 with JSON bodies; weights arrive through vLLM's weight-transfer API on a gloo group (CPU, ``vllm_worker_ext``) or
 vLLM's NCCL / IPC backends (GPU). Nothing is pickled across the boundary.
 

@@ -260,7 +260,7 @@ class RewardPool:
             # Forks from a server that already imported math-verify (sympy): replacing a killed
             # worker costs milliseconds instead of a fresh interpreter plus imports.
             self._ctx.set_forkserver_preload(["megatron_s3ac.rollout.rewards", "math_verify",
-                                             "megatron_s3ac.rollout._warm_rewards"])
+                                             "megatron_s3ac.rollout.rewards._warm"])
         self._workers = [_Worker(self._ctx, memory_limit_mb) for _ in range(num_workers)]
         self._startup_failures = 0
 
@@ -356,9 +356,9 @@ class RewardPool:
 
 
 # Task rewards defined in their own modules (pure functions, importing nothing of this package)
-from megatron_s3ac.rollout.reward_multistep import multistep_reward  # noqa: E402
+from megatron_s3ac.rollout.rewards.multistep import multistep_reward  # noqa: E402
 
 register_reward("multistep", isolate=False)(multistep_reward)
-from megatron_s3ac.rollout.reward_chain import chain_reward  # noqa: E402
+from megatron_s3ac.rollout.rewards.chain import chain_reward  # noqa: E402
 
 register_reward("chain", isolate=False)(chain_reward)

