@@ -58,9 +58,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _is_moe(cfg: dict) -> bool:
+def _num_experts(cfg: dict) -> int:
+    """Routed experts of a config.json dict (transformers 5 writes Qwen3-MoE's as ``num_local_experts``)."""
     cfg = cfg.get("text_config", cfg)
-    return int(cfg.get("num_experts", 0) or cfg.get("n_routed_experts", 0) or 0) > 0
+    return int(cfg.get("num_experts", 0) or cfg.get("num_local_experts", 0) or cfg.get("n_routed_experts", 0) or 0)
+
+
+def _is_moe(cfg: dict) -> bool:
+    return _num_experts(cfg) > 0
 
 
 class VLLMEngine(RolloutEngine):
@@ -90,7 +95,7 @@ class VLLMEngine(RolloutEngine):
         self.moe = _is_moe(self.hf_config)
         text = self.hf_config.get("text_config", self.hf_config)
         self.num_layers = int(text.get("num_hidden_layers", 0))
-        num_experts = int(text.get("num_experts", 0) or text.get("n_routed_experts", 0) or 0)
+        num_experts = _num_experts(self.hf_config)
         self.routes_dtype = routed_experts_dtype(num_experts) if num_experts else None
         self.return_routed_experts = bool(return_routed_experts and self.moe and self.device != "cpu")
         self.has_tokenizer = any(os.path.isfile(os.path.join(self.model_dir, f)) for f in TOKENIZER_FILES)

@@ -99,7 +99,8 @@ def served_checkpoint(model_dir: str) -> dict[str, tuple[str, tuple]]:
 
 def is_moe(hf_config) -> bool:
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    return int(getattr(cfg, "num_experts", 0) or getattr(cfg, "n_routed_experts", 0) or 0) > 0
+    return int(getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0)
+               or getattr(cfg, "n_routed_experts", 0) or 0) > 0
 
 
 class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
