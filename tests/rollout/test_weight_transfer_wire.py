@@ -1,5 +1,5 @@
-"""The weight-transfer wire shared by the s3ac_gloo / s3ac_nccl / s3ac_ipc backends (rollout.engines.vllm.transfer), in the
-trainer's environment (no vLLM): a gloo sender group broadcast received and unpacked bit-exact, NCCL refused on a
+"""The weight-transfer wire shared by the s3ac_gloo / s3ac_nccl / s3ac_ipc backends (rollout.engines.vllm.transfer),
+in the trainer's environment (no vLLM): a gloo sender group broadcast received and unpacked bit-exact, NCCL refused on a
 CPU-only torch naming the cause, a bucket shared through torch.multiprocessing.reductions (file_system shared
 memory) rebuilt from its JSON fields in another process, hostile handle fields refused, the backend chosen per
 placement / device, and the seeds of a batch split over engines."""

@@ -19,9 +19,11 @@ NCCL code is only imported on the ranks of a run that uses it). A class is calle
 engine kind's own config section (``rollout.<kind>``, e.g. ``SGLangSettings``; None if it has none), ``quantize``
 the stream transform the stage leaders apply before the transfer (``rollout.weights_dtype: fp8``) or None.
 
-Built in (``_BUILTIN`` below): cpu / hf at either placement -> the rank-0 path (``rollout.sync.weight_sync``), colocated
-sleeping between rollouts; sglang separate -> ``rollout.engines.sglang.broadcast.StageBroadcastSync``; sglang colocated ->
-``rollout.engines.sglang.colocated.ColocatedIPCSync``, woken in sglang's order (weights -> sync -> kv_cache + cuda_graph).
+Built in (``_BUILTIN`` below): cpu / hf at either placement -> the rank-0 path (``rollout.sync.weight_sync``),
+colocated sleeping between rollouts; sglang separate -> ``rollout.engines.sglang.broadcast.StageBroadcastSync``;
+sglang colocated -> ``rollout.engines.sglang.colocated.ColocatedIPCSync``, woken in sglang's order (weights -> sync
+-> kv_cache + cuda_graph); vllm -> ``rollout.engines.vllm.sync`` (colocated ``VLLMSessionSync``, separate
+``VLLMStageSync``).
 """
 from __future__ import annotations
 

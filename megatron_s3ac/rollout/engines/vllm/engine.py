@@ -1,10 +1,11 @@
 """``VLLMEngine``: a ``RolloutEngine`` on a real vLLM engine running in its own environment and process.
 
 The trainer's environment never imports vLLM (it pins its own transformers): ``VLLMEngine`` starts
-``rollout.engines.vllm.server`` with the engine environment's python (``make vllm-env``: ``.venv-vllm``), talks JSON over
-loopback HTTP, and streams weights through vLLM's weight-transfer API: on CPU the ``s3ac_gloo`` backend of
-``vllm_worker_ext`` (a stateless gloo group, this process is its rank 0); on GPU vLLM's own ``nccl`` (separate
-placement) or ``ipc`` (colocated) backends (``vllm_gpu``). Nothing is pickled across the boundary.
+``rollout.engines.vllm.server`` with the engine environment's python (``make vllm-env``: ``.venv-vllm``), talks
+JSON over loopback HTTP, and streams weights through vLLM's weight-transfer API with this package's backends
+(``worker_ext``; ``rollout.vllm.weight_transfer``): ``s3ac_ipc`` colocated (CUDA IPC / CPU shared memory),
+``s3ac_nccl`` separate on GPU, ``s3ac_gloo`` separate on CPU (this process is rank 0 of the group). Nothing is
+pickled across the boundary.
 
 * ``generate``: one vLLM request per sample, each with its own seed (``params.seed + k`` for sample k in
   prompt-major order, or a per-call base when ``params.seed`` is None); log-probs are vLLM's ``processed_logprobs``
@@ -144,7 +145,8 @@ class VLLMEngine(RolloutEngine):
             penv.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared host: no core pinning
         penv.update(env)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([self.python, "-m", "megatron_s3ac.rollout.engines.vllm.server", "--spec", spec_path],
+        self.proc = subprocess.Popen([self.python, "-m", "megatron_s3ac.rollout.engines.vllm.server", "--spec",
+                                      spec_path],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=penv, cwd=self._tmp,
                                      start_new_session=True)
         deadline = time.monotonic() + float(s.startup_timeout_s)
