@@ -16,7 +16,7 @@ pickled across the boundary.
   name or wrong shape: ``WeightUpdateError`` naming the engine, the call and the tensor; nothing loaded), then one
   weight-update session (start, one bucket per update call, finish); the engine loads nothing until finish.
   ``begin_weight_update`` / ``update_weights`` / ``finish_weight_update`` hold one session open across many
-  calls (the trainer's bucket-by-bucket sync, ``vllm_sync``).
+  calls (the trainer's bucket-by-bucket sync, ``engines.vllm.sync``).
 * every reply's ``ok`` is checked; errors name the engine, the call and the server's message.
 """
 from __future__ import annotations

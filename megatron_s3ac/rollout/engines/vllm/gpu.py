@@ -31,7 +31,7 @@ class RoutesError(RuntimeError):
 def gpu_llm_kwargs(s, return_routed_experts: bool, placement: str = "separate", transfer: str = "nccl") -> dict:
     """vllm.LLM keywords of one GPU engine from ``rollout.vllm`` (``VLLMSettings``). ``transfer``: the resolved
     ``rollout.vllm.weight_transfer`` (separate: ``s3ac_nccl``, colocated: ``s3ac_ipc``; torch-only trainer halves,
-    see vllm_worker_ext for why not vLLM's own nccl / ipc engines)."""
+    see worker_ext for why not vLLM's own nccl / ipc engines)."""
     kw = dict(tensor_parallel_size=s.tp_size, data_parallel_size=s.dp_size, enable_expert_parallel=s.expert_parallel,
               gpu_memory_utilization=float(s.gpu_memory_utilization), enable_sleep_mode=True,
               weight_transfer_config={"backend": f"s3ac_{transfer}"})

@@ -17,7 +17,7 @@ from typing import Optional
 from megatron_s3ac.rollout.errors import ConfigError, EngineSettings
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-WEIGHT_TRANSFERS = ("auto", "gloo", "nccl", "ipc")  # the s3ac_<name> backends of vllm_worker_ext
+WEIGHT_TRANSFERS = ("auto", "gloo", "nccl", "ipc")  # the s3ac_<name> backends of worker_ext
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))))
 # `make vllm-env` builds the engine's environment here (override: rollout.vllm.python or $S3AC_VLLM_PYTHON)
@@ -45,7 +45,7 @@ class VLLMSettings(EngineSettings):
     timeout_s: float = 1800.0  # per-engine limit of one call (generate, a sync, ...)
     startup_timeout_s: float = 900.0  # the server's start-up (model load, compile, KV cache)
     # how weights reach the engine: auto = ipc when colocated (CUDA IPC / CPU shared memory), else nccl on GPU and
-    # gloo on CPU; or one of gloo | nccl | ipc (the s3ac_<name> backends, vllm_worker_ext)
+    # gloo on CPU; or one of gloo | nccl | ipc (the s3ac_<name> backends, worker_ext)
     weight_transfer: str = "auto"
     extra: dict = dataclasses.field(default_factory=dict)  # other vllm.LLM / EngineArgs keywords, passed through
 

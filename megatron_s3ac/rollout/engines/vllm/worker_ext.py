@@ -79,7 +79,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list
     shapes: list
     group: str = "main"  # the sender's group (init_info.group)
-    handle: dict | None = None  # s3ac_ipc: the flat bucket's sharing fields (gloo_transfer.share_flat)
+    handle: dict | None = None  # s3ac_ipc: the flat bucket's sharing fields (transfer.share_flat)
 
 
 def served_checkpoint(model_dir: str) -> dict[str, tuple[str, tuple]]:
