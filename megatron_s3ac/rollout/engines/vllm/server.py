@@ -2,8 +2,8 @@
 
 Runs in the engine's own environment (``make vllm-env``: vLLM pins its own transformers), around one ``vllm.LLM``
 (``entrypoints/llm.py``). The trainer side (``rollout.engines.vllm.engine.VLLMEngine``) talks to it over loopback HTTP
-with JSON bodies; weights arrive through vLLM's weight-transfer API on a gloo group (CPU, ``worker_ext``) or
-vLLM's NCCL / IPC backends (GPU). Nothing is pickled across the boundary.
+with JSON bodies; weights arrive through vLLM's weight-transfer API with this package's backends (``worker_ext``:
+``s3ac_gloo`` / ``s3ac_nccl`` groups, ``s3ac_ipc`` handles as JSON). Nothing is pickled across the boundary.
 
 Why a small server of our own rather than ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``: the OpenAI routes
 take text-shaped requests (one seed per request, log-probs as top-k dicts keyed by decoded strings, no per-sample
