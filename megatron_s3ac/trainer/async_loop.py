@@ -113,7 +113,8 @@ class AsyncRollout:
         tr = self.tr
         e.collected = False
         e.pending = tr.engine.generate_async([tr.prompts[int(i)].ids for i in e.pids], self._params(e.step),
-                                             n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on)
+                                             n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on,
+                                             **tr.image_kwargs(e.pids))  # image prompts: as rollout_phases
 
     # ---- engine failure: restart, re-sync, resubmit ----------------------------------------------
     def _await(self, entries: list) -> None:
