@@ -180,6 +180,8 @@ class EngineFactory:
     dtype: Any = None  # cpu / hf: the transformers model's torch dtype (None: fp32)
     device: Optional[str] = None  # cpu / hf: where it runs (None: the engine process decides)
     multimodal: bool = False  # cpu / hf: a vision-language checkpoint as the full model (serves image prompts)
+    # cpu / hf: HF name prefixes of weights the sync never sends (a frozen vision tower): kept through sleep()
+    resident_prefixes: tuple = ()
 
     def sync_strategy(self, placement: Any, engine=None, quantize=None):
         """This factory's engine kind's weight-sync strategy at ``placement`` (``make_sync_strategy``)."""
@@ -215,8 +217,11 @@ class EngineFactory:
             if self.multimodal:
                 dev["multimodal"] = True
             if self.model_dir:
-                return CPUEngine.from_pretrained(self.model_dir, **dev)
-            return CPUEngine.from_config(self.hf_config, seed=self.seed, **dev)
+                engine = CPUEngine.from_pretrained(self.model_dir, **dev)
+            else:
+                engine = CPUEngine.from_config(self.hf_config, seed=self.seed, **dev)
+            engine.resident_prefixes = tuple(self.resident_prefixes)
+            return engine
         if self.kind == "vllm":
             from megatron_s3ac.rollout.vllm_engine import VLLMEngine
             from megatron_s3ac.rollout.vllm_settings import VLLMSettings, dtype_setting
@@ -246,7 +251,8 @@ class EngineFactory:
 def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config: Any = None,
                         settings: Optional[SGLangSettings] = None, seed: int = 0, return_routed_experts: bool = True,
                         engine_cls: Any = None, torch_threads: Optional[int] = None, dtype: Any = None,
-                        device: Optional[str] = None, multimodal: bool = False) -> EngineFactory:
+                        device: Optional[str] = None, multimodal: bool = False,
+                        resident_prefixes: tuple = ()) -> EngineFactory:
     """The one engine factory of training, periodic eval, s3ac-eval and coverage data (see EngineFactory).
 
     vllm: ``make_engine_factory("vllm", model_dir=DIR)`` alone builds one ``VLLMEngine`` in the environment ``make
@@ -266,7 +272,7 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
         raise ConfigError(f"multimodal: the {kind} engine serves a VL checkpoint as the checkpoint says (sglang: "
                           f"multimodal by default); the flag is for the cpu / hf engine")
     return EngineFactory(kind, model_dir, hf_config, settings, seed, return_routed_experts, engine_cls, torch_threads,
-                         dtype, device, multimodal)
+                         dtype, device, multimodal, tuple(resident_prefixes))
 
 
 def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any = None, quantize=None):

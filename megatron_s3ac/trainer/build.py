@@ -346,7 +346,11 @@ def build_engine(cfg: Config, info, multimodal: bool = False):
                                       seed=cfg.train.seed, torch_threads=threads, return_routed_experts=routes)
     elif cfg.model.engine_hf_dir:
         if multimodal:  # sglang / vllm read the VL checkpoint as it says; the cpu / hf engine needs the flag
+            from megatron_s3ac.models.vision import HF_VISION_PREFIX
+
             dev["multimodal"] = True
+            if not cfg.train.vision.trainable:  # a frozen tower is never sent: the engine keeps its own copy
+                dev["resident_prefixes"] = (HF_VISION_PREFIX,)
         factory = make_engine_factory(kind, model_dir=cfg.model.engine_hf_dir, torch_threads=threads, **dev)
     elif multimodal:
         raise ConfigError("image prompts need the rollout engine to load the vision-language checkpoint: set "
