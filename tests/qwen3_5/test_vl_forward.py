@@ -211,7 +211,7 @@ def test_image_token_count_mismatch_is_refused():
 def _samples():
     """Image + text samples (prompt / response split) with behaviour log-probs from transformers' VL forward."""
     rows, imgs = _rows()
-    splits = [40, 24, 20]  # prompt lengths: the response starts after the (last) image
+    splits = [42, 24, 20]  # prompt lengths: the response starts after the (last) image (row 0: its vision end at 41)
     return [{"prompt_ids": r[:p].tolist(), "response_ids": r[p:].tolist(), "logprobs": [0.0] * (len(r) - p),
              "reward": 1.0, "pid": i, "images": im} for i, (r, im, p) in enumerate(zip(rows, imgs, splits))]
 
