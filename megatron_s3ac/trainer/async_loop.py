@@ -161,7 +161,7 @@ class AsyncRollout:
                 getattr(tr.engine, "close", tr.engine.shutdown)()
             except Exception:  # noqa: BLE001 - already dead; close only releases what is left
                 pass
-            tr.engine, _ = B.build_engine(tr.cfg, tr.info)
+            tr.engine, _ = B.build_engine(tr.cfg, tr.info, multimodal=getattr(tr, "multimodal", False))
             tr.sync_strategy.attach(tr.engine)
         tr.sync_weights()  # every rank: the new engine gets the actor's weights of this moment
         version = tr.step_idx + int(getattr(self, "_trained", False))  # after this step's update: its next version
