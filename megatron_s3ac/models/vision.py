@@ -76,16 +76,30 @@ class InterleavedMRoPE(torch.nn.Module):
         return emb.transpose(0, 1)[:, :, None, :].contiguous()  # [s, b, 1, 2F]
 
 
+def image_positions(input_ids: torch.Tensor, image_token_id: int,
+                    prompt_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Bool [b, s]: the image placeholders, i.e. ``image_token_id`` inside each row's prompt (``prompt_len`` [b];
+    None: the whole row). A sampled image-token id in a response is text, as the engine decoded it (its
+    embedding is the word embedding, its position the next text position: transformers' decode steps use
+    ``rope_deltas`` and no pixels)."""
+    mask = input_ids == image_token_id
+    if prompt_len is not None:
+        pl = prompt_len.to(input_ids.device).view(-1, 1)
+        mask = mask & (torch.arange(input_ids.shape[1], device=input_ids.device)[None] < pl)
+    return mask
+
+
 def mrope_positions(input_ids: torch.Tensor, images: Sequence[Optional[ImageInputs]], image_token_id: int,
-                    spatial_merge_size: int) -> torch.Tensor:
-    """input_ids [b, s], one ImageInputs (or None) per row -> position ids [3, b, s] (long)."""
+                    spatial_merge_size: int, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """input_ids [b, s], one ImageInputs (or None) per row -> position ids [3, b, s] (long). ``image_mask``
+    [b, s] (``image_positions``): which tokens are image placeholders (default: every ``image_token_id``)."""
     b, s = input_ids.shape
     out = torch.empty(3, b, s, dtype=torch.long)
     ids = input_ids.cpu()
+    img = (ids == image_token_id) if image_mask is None else image_mask.cpu()
     for r in range(b):
-        row = ids[r]
         grids = [] if images[r] is None else images[r].image_grid_thw.tolist()
-        is_img = (row == image_token_id).tolist()
+        is_img = img[r].tolist()
         pos, cur, i, g = [], 0, 0, 0
         while i < s:
             j = i
@@ -205,7 +219,9 @@ def model_inputs(model, batch, ids: torch.Tensor):
     if batch.get("position_ids") is not None:
         raise ValueError("packed micro-batches with images are not supported (the mRoPE positions restart per "
                          "image prompt); use padded micro-batches (algo.max_tokens_per_micro_batch: 0)")
-    return mrope_positions(ids, images, *meta), decoder_input(model, ids, images)
+    # placeholders only inside the prompts: a response's sampled image-token id stays text (image_positions)
+    mask = image_positions(ids, meta[0], batch.get("prompt_len"))
+    return mrope_positions(ids, images, *meta, image_mask=mask), decoder_input(model, ids, images, mask)
 
 
 @contextlib.contextmanager
@@ -218,9 +234,11 @@ def _all_reduced_embeddings(word_embeddings):
         word_embeddings.reduce_scatter_embeddings = old
 
 
-def decoder_input(model, input_ids: torch.Tensor, images: Sequence[Optional[ImageInputs]]) -> Optional[torch.Tensor]:
+def decoder_input(model, input_ids: torch.Tensor, images: Sequence[Optional[ImageInputs]],
+                  image_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The decoder input [s(/cp)(/tp under SP), b, h] of a micro-batch with images: word embeddings with the
-    vision tower's output at the image tokens. None on a stage without embeddings (PP > first)."""
+    vision tower's output at the image tokens (``image_mask`` [b, s], default every ``image_token_id``).
+    None on a stage without embeddings (PP > first)."""
     from megatron.core import tensor_parallel
 
     from megatron_s3ac.models.context_parallel import cp_group_info, split_for_cp
@@ -236,7 +254,7 @@ def decoder_input(model, input_ids: torch.Tensor, images: Sequence[Optional[Imag
     with _all_reduced_embeddings(emb_mod.word_embeddings):
         emb = emb_mod.word_embeddings(input_ids)  # [b, s, h], whole sequence
     present = [im for im in images if im is not None]
-    mask = input_ids == gpt.s3ac_vision_meta[0]
+    mask = (input_ids == gpt.s3ac_vision_meta[0]) if image_mask is None else image_mask.to(input_ids.device)
     if present:
         feats = tower(concat(present)).to(emb.dtype)
         if int(mask.sum()) != feats.shape[0]:

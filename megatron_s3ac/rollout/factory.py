@@ -168,6 +168,8 @@ class EngineFactory:
     device: Optional[str] = None  # cpu / hf: where it runs (None: the engine process decides)
     multimodal: bool = False  # cpu / hf: a vision-language checkpoint as the full model (serves image prompts)
     placement: Optional[str] = None  # vllm: colocated -> the s3ac_ipc weight transfer (None: separate)
+    # cpu / hf: HF name prefixes of weights the sync never sends (a frozen vision tower): kept through sleep()
+    resident_prefixes: tuple = ()
 
     def sync_strategy(self, placement: Any, engine=None, quantize=None):
         """This factory's engine kind's weight-sync strategy at ``placement`` (``make_sync_strategy``)."""
@@ -203,8 +205,11 @@ class EngineFactory:
             if self.multimodal:
                 dev["multimodal"] = True
             if self.model_dir:
-                return CPUEngine.from_pretrained(self.model_dir, **dev)
-            return CPUEngine.from_config(self.hf_config, seed=self.seed, **dev)
+                engine = CPUEngine.from_pretrained(self.model_dir, **dev)
+            else:
+                engine = CPUEngine.from_config(self.hf_config, seed=self.seed, **dev)
+            engine.resident_prefixes = tuple(self.resident_prefixes)
+            return engine
         if self.kind == "vllm":
             from megatron_s3ac.rollout.engines.vllm.engine import VLLMEngine
             from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings, dtype_setting
@@ -236,7 +241,7 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
                         settings: Optional[SGLangSettings] = None, seed: int = 0, return_routed_experts: bool = True,
                         engine_cls: Any = None, torch_threads: Optional[int] = None, dtype: Any = None,
                         device: Optional[str] = None, multimodal: bool = False,
-                        placement: Optional[str] = None) -> EngineFactory:
+                        placement: Optional[str] = None, resident_prefixes: tuple = ()) -> EngineFactory:
     """The one engine factory of training, periodic eval, s3ac-eval and coverage data (see EngineFactory).
 
     vllm: ``make_engine_factory("vllm", model_dir=DIR)`` alone builds one ``VLLMEngine`` in the environment ``make
@@ -259,7 +264,7 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
         raise ConfigError(f"multimodal: the {kind} engine serves a VL checkpoint as the checkpoint says (sglang: "
                           f"multimodal by default); the flag is for the cpu / hf engine")
     return EngineFactory(kind, model_dir, hf_config, settings, seed, return_routed_experts, engine_cls, torch_threads,
-                         dtype, device, multimodal, placement)
+                         dtype, device, multimodal, placement, tuple(resident_prefixes))
 
 
 def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any = None, quantize=None):

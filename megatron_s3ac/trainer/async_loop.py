@@ -123,7 +123,8 @@ class AsyncRollout:
         tr = self.tr
         e.collected = False
         e.pending = tr.engine.generate_async([tr.prompts[int(i)].ids for i in e.pids], self._params(e.step),
-                                             n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on)
+                                             n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on,
+                                             **tr.image_kwargs(e.pids))  # image prompts: as rollout_phases
 
     # ---- engine failure: restart, re-sync, resubmit ----------------------------------------------
     def _await(self, entries: list) -> None:
@@ -170,7 +171,7 @@ class AsyncRollout:
                 getattr(tr.engine, "close", tr.engine.shutdown)()
             except Exception:  # noqa: BLE001 - already dead; close only releases what is left
                 pass
-            tr.engine, _ = B.build_engine(tr.cfg, tr.info)
+            tr.engine, _ = B.build_engine(tr.cfg, tr.info, multimodal=getattr(tr, "multimodal", False))
             tr.sync_strategy.attach(tr.engine)
         tr.sync_weights()  # every rank: the new engine gets the actor's weights of this moment
         version = tr.step_idx + int(getattr(self, "_trained", False))  # after this step's update: its next version

@@ -310,11 +310,18 @@ def build_data(cfg: Config, use_daps: bool) -> PromptData:
     return PromptData(vocab, prompts, eval_prompts, stats, D.PromptStream(len(prompts), cfg.data.seed), daps)
 
 
-def build_engine(cfg: Config, info):
+def image_prompts(prompts) -> bool:
+    """True when any prompt carries images (``Prompt.images``): the rollout engine then loads multimodal."""
+    return any(getattr(p, "images", None) is not None for p in prompts)
+
+
+def build_engine(cfg: Config, info, multimodal: bool = False):
     """Rank 0's rollout engine, chosen by ``rollout.engine`` through ``rollout.factory`` (the one factory of
     training, evaluation and coverage data). cpu: in this process (colocated) or its own Ray actor (separate:
     ``RemoteEngine``; same engine code, so the same samples for the same seed). sglang: ``rollout.sglang.num_engines``
     engines (an ``EnginePool`` of Ray actors; one colocated engine runs in this process).
+    ``multimodal``: load a vision-language checkpoint as the full model (vision tower included) to serve image
+    prompts; the trainer derives it from its data (``image_prompts``), not from the engine's name.
     Returns (engine, owns_ray): a Ray started here is shut down by ``Trainer.close``."""
     from megatron_s3ac.rollout.factory import build_rollout_engine, make_engine_factory
     from megatron_s3ac.trainer.config import EngineKind, Placement, engine_model_dir
@@ -339,7 +346,16 @@ def build_engine(cfg: Config, info):
         factory = make_engine_factory("sglang", model_dir=engine_model_dir(cfg), settings=r.sglang,
                                       seed=cfg.train.seed, torch_threads=threads, return_routed_experts=routes)
     elif cfg.model.engine_hf_dir:
+        if multimodal:  # sglang / vllm read the VL checkpoint as it says; the cpu / hf engine needs the flag
+            from megatron_s3ac.models.vision import HF_VISION_PREFIX
+
+            dev["multimodal"] = True
+            if not cfg.train.vision.trainable:  # a frozen tower is never sent: the engine keeps its own copy
+                dev["resident_prefixes"] = (HF_VISION_PREFIX,)
         factory = make_engine_factory(kind, model_dir=cfg.model.engine_hf_dir, torch_threads=threads, **dev)
+    elif multimodal:
+        raise ConfigError("image prompts need the rollout engine to load the vision-language checkpoint: set "
+                          "model.engine_hf_dir to its HF directory (the tower's weights are not synced when frozen)")
     else:
         if cfg.model.tiny is None:
             from transformers import AutoConfig

@@ -79,7 +79,10 @@ class Trainer(EngineSide, RolloutPhases):
         if self._offload_colocated():  # the engine sizes its KV cache beside what its phases keep here: nothing
             self._place({}, off=["actor", "critic"])
             dist.barrier()  # every rank's memory is back before rank 0 starts the engines on the node's GPUs
-        self.engine, self._owns_ray = B.build_engine(cfg, self.info) if self.rank == 0 else (None, False)
+        # image prompts (data rows with an ``images`` column): the engine loads the VL checkpoint multimodal
+        self.multimodal = B.image_prompts(self.prompts)
+        self.engine, self._owns_ray = (B.build_engine(cfg, self.info, multimodal=self.multimodal) if self.rank == 0
+                                       else (None, False))
         self.sync_strategy = sync_strategy_for(cfg, self.engine)  # every rank: the same path, from the config
         if self._offload_colocated():
             self._engine_sleep()  # the first sync wakes it in the colocated order, beside the actor's params only

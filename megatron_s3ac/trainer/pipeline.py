@@ -229,7 +229,7 @@ def restore_engine(tr) -> None:
     from megatron_s3ac.trainer import build as B
 
     with torch.random.fork_rng(devices=[]):
-        tr.engine, _ = B.build_engine(tr.cfg, tr.info)
+        tr.engine, _ = B.build_engine(tr.cfg, tr.info, multimodal=getattr(tr, "multimodal", False))
     tr.sync_strategy.attach(tr.engine)  # its sessions were closed before the old engine went (run_coverage)
     if getattr(tr, "_offload_colocated", lambda: False)():
         tr._engine_sleep()  # the next sync wakes it in the colocated order (trainer.engine_side)

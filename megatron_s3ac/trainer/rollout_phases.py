@@ -44,6 +44,12 @@ class RolloutPhases:
         self._last_v0 = v0
         return v0
 
+    def image_kwargs(self, pids) -> dict:
+        """{"images": [ImageInputs | None per prompt]} for the engine's generate / generate_async when any of
+        ``pids`` is an image prompt, else {} (text prompts: the call as before)."""
+        images = [getattr(self.prompts[int(i)], "images", None) for i in pids]
+        return {"images": images} if any(im is not None for im in images) else {}
+
     def rollout(self, pids: torch.Tensor, round_idx: int = 0, groups=None) -> list[dict]:
         """Rank 0 generates and scores. Returns one dict per kept sample on every rank: its metadata
         ("pid", "reward", "finish", "plen", "rlen"); on rank 0 also the sample itself ("prompt_ids",
@@ -60,11 +66,8 @@ class RolloutPhases:
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                     seed=self.cfg.train.seed * 1_000_003 + self.step_idx + 7919 * round_idx)
             if groups is None:
-                images = [getattr(self.prompts[int(i)], "images", None) for i in pids]
-                # image prompts: each prompt's ImageInputs (the engine's generate(images=...)); text: as before
-                kw = {"images": images} if any(im is not None for im in images) else {}
                 groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
-                                              return_routed_experts=self.r3_on, **kw)
+                                              return_routed_experts=self.r3_on, **self.image_kwargs(pids))
             # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
             # need all K samples; counted in rollout/aborted*
             aborted = sum(s.finish_reason == "abort" for g in groups for s in g)

@@ -104,10 +104,13 @@ def write_vision_set(path: str, pairs, embed: bool = False) -> str:
     return path
 
 
-def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: int = 100, seed: int = 0) -> dict:
+def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: int = 100, seed: int = 0,
+                          convert: bool = False) -> dict:
     """The miniature on disk: ``model/`` (tiny Qwen3.5-MoE VL checkpoint + the task's character tokenizer:
     ``VISION_CHARS``: digits, '+', '=' at ids 3-14; the image token ids 90-93 of the tiny config), ``train.jsonl`` and
-    ``heldout.jsonl`` (disjoint pictures). Returns the paths."""
+    ``heldout.jsonl`` (disjoint pictures). ``convert``: also ``mcore/``, the checkpoint through hf_to_mcore (what
+    ``model.actor_init`` of examples/cpu_demo_vl.yaml names: the actor's vision tower comes from its carried
+    ``model.visual.*``). Returns the paths."""
     from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full
     from transformers import AutoTokenizer
 
@@ -135,4 +138,9 @@ def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: i
                                 "choices": None, "answer": r["answer"], "question_type": "free_form",
                                 "answer_type": "integer"}) + "\n")
     out["heldout_mathvista"] = vista
+    if convert:
+        from megatron_s3ac.convert import hf_to_mcore
+
+        out["mcore"] = os.path.join(out_dir, "mcore")
+        hf_to_mcore(model, out["mcore"], progress=False)
     return out

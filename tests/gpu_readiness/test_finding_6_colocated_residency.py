@@ -60,9 +60,9 @@ def _audit(out_dir):
         real_models(self, par)
         seen["tr"] = self
 
-    def build_engine(cfg, info):  # what the engine's start (SGLang: its KV pool sizing) finds resident
+    def build_engine(cfg, info, **kw):  # what the engine's start (SGLang: its KV pool sizing) finds resident
         seen["at_engine_start"] = snapshot(seen["tr"])
-        return real_engine(cfg, info)
+        return real_engine(cfg, info, **kw)
 
     Trainer._build_models, B.build_engine = build_models, build_engine
     tr = Trainer(load_config(None, CFG + [f"train.out_dir={out_dir}"]))

@@ -145,6 +145,37 @@ def test_mrope_positions_equal_transformers_get_rope_index():
     assert not torch.equal(got[1, 0], got[0, 0])  # the image rows' H axis differs from T
 
 
+def test_sampled_image_token_in_a_response_is_text():
+    """A response that samples the image-token id: the engine decoded it as text (word embedding, next text
+    position via transformers' rope_deltas), so only the prompt's placeholders are image positions; the mRoPE
+    positions equal get_rope_index with mm_token_type_ids marking the prompt's image tokens only."""
+    from transformers import Qwen3_5MoeConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeModel
+
+    from megatron_s3ac.models.vision import image_positions, mrope_positions
+    from megatron_s3ac.testing.tiny_qwen3_5 import TEXT, VISION
+
+    t = VL_TOKENS
+    p_ids, p_pix, p_grid = tiny_image_prompt(0, text_before=(5, 6), text_after=(7,))
+    resp = torch.tensor([8, t["image_token_id"], 9, t["image_token_id"], t["image_token_id"], 3])
+    ids = torch.cat([p_ids[0], resp])[None]
+    plen = torch.tensor([p_ids.shape[1]])
+    mask = image_positions(ids, t["image_token_id"], plen)
+    assert int(mask.sum()) == int((p_ids == t["image_token_id"]).sum()) and not mask[0, plen[0]:].any()
+    im = [ImageInputs(p_pix, p_grid)]
+    with pytest.raises(ValueError, match="image-token runs|placeholder tokens"):  # unmasked: the response's ids
+        mrope_positions(ids, im, t["image_token_id"], 1)                         # would be taken as an image
+    got = mrope_positions(ids, im, t["image_token_id"], 1, image_mask=mask)
+    model = Qwen3_5MoeModel.__new__(Qwen3_5MoeModel)
+    torch.nn.Module.__init__(model)
+    model.config = Qwen3_5MoeConfig(text_config=dict(TEXT), vision_config=dict(VISION), **VL_TOKENS)
+    ref, _ = model.get_rope_index(ids, mask.long(), image_grid_thw=p_grid)
+    assert torch.equal(got, ref)
+    # and the response continues as text from the prompt's last position (the engine's decode positions)
+    n = plen[0]
+    assert torch.equal(got[:, 0, n:], got[:, 0, n - 1:n] + 1 + torch.arange(len(resp)))
+
+
 def test_interleaved_mrope_equals_transformers_rotary():
     """cos / sin of InterleavedMRoPE == Qwen3_5MoeTextRotaryEmbedding's, real model's sections [11, 11, 10]."""
     from transformers import Qwen3_5MoeTextConfig
@@ -180,7 +211,7 @@ def test_image_token_count_mismatch_is_refused():
 def _samples():
     """Image + text samples (prompt / response split) with behaviour log-probs from transformers' VL forward."""
     rows, imgs = _rows()
-    splits = [40, 24, 20]  # prompt lengths: the response starts after the (last) image
+    splits = [42, 24, 20]  # prompt lengths: the response starts after the (last) image (row 0: its vision end at 41)
     return [{"prompt_ids": r[:p].tolist(), "response_ids": r[p:].tolist(), "logprobs": [0.0] * (len(r) - p),
              "reward": 1.0, "pid": i, "images": im} for i, (r, im, p) in enumerate(zip(rows, imgs, splits))]
 

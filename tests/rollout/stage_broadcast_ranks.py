@@ -125,7 +125,7 @@ def trainer_separate_rank(hf_dir, overrides, n_engines):
     from megatron_s3ac.rollout.factory import make_engine_factory
     from megatron_s3ac.trainer.config import engine_model_dir
 
-    def build_engine(cfg, info):  # the trainer's own engine factory, each engine in a process of its own
+    def build_engine(cfg, info, **_kw):  # the trainer's own engine factory, each engine in a process of its own
         factory = make_engine_factory("sglang", model_dir=engine_model_dir(cfg), settings=cfg.rollout.sglang,
                                       seed=cfg.train.seed, engine_cls=FakeSGLangEngine, torch_threads=1)
         return TrainerTestPool(hf_dir, n_engines, factory=factory), False

@@ -90,3 +90,29 @@ def test_refusals(vl_dir, vl_engine):
         vl_engine.generate([[3, 4], prompt], params, images=[im])
     with pytest.raises(ValueError, match="not models.multimodal.ImageInputs"):
         vl_engine.generate([prompt], params, images=[{"pixel_values": im.pixel_values}])
+
+
+def test_frozen_tower_survives_sleep(vl_dir):
+    """EngineFactory(resident_prefixes=("model.visual.",)) (the trainer's frozen tower: never synced): sleep() frees
+    the language model only; after wake() + a sync of the language model's weights alone the engine serves the
+    image prompt exactly as before. Without the prefix the unsent tower is stale and generation is refused."""
+    from megatron_s3ac.rollout.factory import make_engine_factory
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    ids, im = _prompt(0, text_before=(5,), text_after=(6,))
+    for resident in (("model.visual.",), ()):
+        eng = make_engine_factory("cpu", model_dir=vl_dir, multimodal=True, resident_prefixes=resident)()
+        ref = eng.generate([ids], params, images=[im])[0][0].response_ids
+        text = {n: p.detach().clone() for n, p in eng.model.named_parameters() if not n.startswith("model.visual.")}
+        tower = {n: p.detach().clone() for n, p in eng.model.named_parameters() if n.startswith("model.visual.")}
+        eng.sleep()
+        assert all(eng.model.get_parameter(n).numel() == 0 for n in text)
+        assert all(eng.model.get_parameter(n).numel() > 0 for n in tower) == bool(resident)
+        eng.wake()
+        eng.update_weights(list(text.items()))
+        if resident:
+            assert all(torch.equal(eng.model.get_parameter(n), t) for n, t in tower.items())
+            assert eng.generate([ids], params, images=[im])[0][0].response_ids == ref
+        else:
+            with pytest.raises(RuntimeError, match="not loaded since wake.*model.visual"):
+                eng.generate([ids], params, images=[im])

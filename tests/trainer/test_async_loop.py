@@ -203,3 +203,48 @@ def test_killed_engine_is_restarted_resynced_and_resubmitted_world2(tmp_path):
     # step 2's batch was lost with the engine and regenerated after the re-sync of step 1's update: version 2
     assert r0["st"] == [0.0, 1.0, 0.0]
     assert r0["gap"] < 1e-4
+
+
+def test_async_submission_passes_the_prompts_images(tmp_path):
+    """AsyncRollout._send (first submission, refill and resubmission after an engine restart all go through it)
+    hands each image prompt's ImageInputs to generate_async as the synchronous rollout does: the samples equal
+    the engine's synchronous generate(images=...) for the same seed. Without the images the multimodal engine
+    refuses the prompts (placeholder tokens without images)."""
+    from types import SimpleNamespace
+
+    from megatron_s3ac.models.multimodal import ImageInputs
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
+    from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
+    from megatron_s3ac.trainer.async_loop import AsyncRollout, Submitted
+    from megatron_s3ac.trainer.data import Prompt
+    from megatron_s3ac.trainer.rollout_phases import RolloutPhases
+
+    engine = CPUEngine.from_pretrained(save_tiny_qwen3_5_vl_full(str(tmp_path / "vl")), multimodal=True,
+                                       tokenizer=None)
+    prompts = []
+    for seed in range(3):
+        ids, pv, grid = tiny_image_prompt(seed, text_before=(5 + seed,), text_after=(7,))
+        prompts.append(Prompt(ids=ids[0].tolist(), text="", reference="", images=ImageInputs(pv, grid)))
+    prompts.append(Prompt(ids=[5, 6, 7], text="", reference=""))  # a text prompt in the same batch
+
+    class Tr(RolloutPhases):
+        pass
+
+    tr = Tr()
+    tr.prompts, tr.engine, tr.r3_on, tr.weights_version = prompts, engine, True, 0
+    tr.cfg = SimpleNamespace(rollout=SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=4, k=2),
+                             train=SimpleNamespace(seed=3))
+    ar = AsyncRollout(tr, 1)
+    pids = torch.tensor([2, 3, 0])
+    e = Submitted(5, pids, {}, 0)
+    ar._send(e)
+    got = e.pending.result()
+    ref = engine.generate([prompts[i].ids for i in pids], ar._params(5), n_samples=2, return_routed_experts=True,
+                          images=[prompts[i].images for i in pids])
+    assert [[s.response_ids for s in g] for g in got] == [[s.response_ids for s in g] for g in ref]
+    assert all(torch.equal(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs)) for g, h in zip(got, ref)
+               for a, b in zip(g, h))
+    assert all(g[0].images is prompts[i].images for g, i in zip(got, pids.tolist())) and got[0][0].images is not None
+    assert got[1][0].images is None  # the text prompt
+    with pytest.raises(ValueError):  # what _send would meet without the images
+        engine.generate([prompts[0].ids], ar._params(5), n_samples=1)

@@ -16,10 +16,12 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_demo_config_data_and_engine(tmp_path):
-    paths = save_vision_miniature(str(tmp_path / "data"), num_prompts=8, eval_prompts=4)
+    paths = save_vision_miniature(str(tmp_path / "data"), num_prompts=8, eval_prompts=4, convert=True)
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"),
                       [f"model.hf_config={paths['model']}", f"model.engine_hf_dir={paths['model']}",
-                       f"data.path={paths['train']}", f"train.out_dir={tmp_path / 'run'}"])
+                       f"model.actor_init={paths['mcore']}", f"data.path={paths['train']}",
+                       f"train.out_dir={tmp_path / 'run'}"])
+    assert os.path.isfile(os.path.join(paths["mcore"], "metadata.json"))  # the set-up's hf_to_mcore conversion
     data = build_data(cfg, use_daps=False)
     assert len(data.prompts) == 8 and all(p.images is not None for p in data.prompts)
     assert all(p.ids.count(90) == p.images.num_image_tokens(1) == 32 for p in data.prompts)

@@ -355,6 +355,9 @@ class CPUEngine(RolloutEngine):
         self._stale: set[str] = set()  # params whose memory holds no valid weights (after sleep)
         self._partial: dict[str, set[str]] = {}
         self._backup: Optional[dict[str, torch.Tensor]] = None
+        # weights the trainer's sync never sends (a frozen vision tower, ``model.visual.``): kept through sleep()
+        # as loaded (nothing would refill them); EngineFactory(resident_prefixes=...) sets it
+        self.resident_prefixes: tuple[str, ...] = ()
         self._shapes = {n: (p.shape, p.dtype) for n, p in self._unique_params()}
         gen_cfg = getattr(model, "generation_config", None)
         eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
@@ -400,6 +403,11 @@ class CPUEngine(RolloutEngine):
 
     def _unique_params(self):
         return self.model.named_parameters()  # tied parameters appear once, under their first name
+
+    def _releasable(self):
+        """The parameters sleep() frees: all but the ``resident_prefixes`` ones."""
+        pre = tuple(self.resident_prefixes)
+        return ((n, p) for n, p in self._unique_params() if not (pre and n.startswith(pre)))
 
     # -- weights --------------------------------------------------------------------------------
     def _get_weight_map(self) -> _WeightMap:
@@ -480,14 +488,15 @@ class CPUEngine(RolloutEngine):
     def _is_asleep(self) -> bool:
         # sleep() empties every weight, so the first one tells (called per weight during a sync: walking all
         # parameters each time cost ~0.15 s per sync of a 0.4 GB model)
-        for n, p in self._unique_params():
+        for n, p in self._releasable():
             return p.numel() == 0 and self._shapes[n][0].numel() > 0
         return False
 
     def sleep(self, keep_cpu_backup: bool = False) -> None:
         """Free every weight's storage (tied weights stay tied: each Parameter object is kept).
 
-        Without keep_cpu_backup the values are gone, as SGLang's release without
+        Parameters under ``resident_prefixes`` (weights no sync refills: a frozen vision tower) are kept as they
+        are. Without keep_cpu_backup the values are gone, as SGLang's release without
         enable_weights_cpu_backup: after wake() the engine refuses to generate until
         update_weights has refilled every parameter. With it, the tensors are kept aside (on CPU
         this frees nothing; it exists to exercise the same sleep/wake flow as the GPU engine).
@@ -495,7 +504,7 @@ class CPUEngine(RolloutEngine):
         if self._is_asleep():
             return
         self._backup = {} if keep_cpu_backup else None
-        for name, p in self._unique_params():
+        for name, p in self._releasable():
             if keep_cpu_backup:
                 self._backup[name] = p.data
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
@@ -504,7 +513,7 @@ class CPUEngine(RolloutEngine):
         """Re-allocate weights: restored from the backup, or uninitialised and marked stale."""
         if not self._is_asleep():
             return
-        for name, p in self._unique_params():
+        for name, p in self._releasable():
             shape, dtype = self._shapes[name]
             if self._backup is not None:
                 p.data = self._backup[name]
