@@ -92,9 +92,11 @@ def mrope_section(tc: dict, n_freq: int) -> list[int]:
     if sec is None:
         sec = [11, 11, 10] if n_freq == 32 else [n_freq, 0, 0]
     sec = [int(x) for x in sec]
-    if len(sec) != 3 or sum(sec) != n_freq:
-        raise UnsupportedModelError(f"mrope_section {sec} must be 3 sections summing to the {n_freq} rotary "
-                                    "frequencies (head_dim * partial_rotary_factor / 2)")
+    # transformers reads only H and W (frequencies 1, 4, .. < 3 * H and 2, 5, .. < 3 * W; T elsewhere:
+    # Qwen3_5MoeTextRotaryEmbedding.recomposition_frequencies), so sections need not sum to n_freq
+    if len(sec) != 3 or min(sec) < 0:
+        raise UnsupportedModelError(f"mrope_section {sec} must be 3 non-negative sections (T, H, W) of the {n_freq} "
+                                    "rotary frequencies (head_dim * partial_rotary_factor / 2)")
     return sec
 
 

@@ -60,8 +60,8 @@ class InterleavedMRoPE(torch.nn.Module):
         super().__init__()
         self.inv_freq = inv_freq.detach().float().clone()
         n = self.inv_freq.numel()
-        if sum(mrope_section) != n:
-            raise ValueError(f"mrope_section {list(mrope_section)} must sum to the rotary frequencies ({n})")
+        if len(mrope_section) != 3 or min(mrope_section) < 0:  # H / W read as transformers does (mrope_axis)
+            raise ValueError(f"mrope_section {list(mrope_section)} must be 3 non-negative sections ({n} frequencies)")
         self.axis = mrope_axis(n, mrope_section)
 
     def forward(self, position_ids: torch.Tensor, mrope_section=None, cp_group=None, **_unused) -> torch.Tensor:

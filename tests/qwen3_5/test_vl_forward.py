@@ -309,3 +309,23 @@ def test_r3_replay_covers_image_tokens_tp2(vl, hf_routes):
     lp = next(o[0] for o in outs if o[0] is not None)
     for i, (_, _, ref) in enumerate(hf_routes):
         assert (lp[i, :lens[i] - 1] - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("head_dim,section", [(32, [1, 1, 0]), (16, [1, 1, 0]), (64, [2, 3, 1])])
+def test_interleaved_mrope_sections_not_summing_to_the_frequencies(head_dim, section):
+    """transformers reads only the H and W sections (T elsewhere), so a section list that does not sum to the
+    rotary frequencies (the wide tiny model: 4 frequencies, [1, 1, 0]) is served as transformers serves it."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
+
+    from megatron_s3ac.models.vision import InterleavedMRoPE
+
+    cfg = Qwen3_5MoeTextConfig(head_dim=head_dim, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
+        "mrope_section": section, "mrope_interleaved": True})
+    hf = Qwen3_5MoeTextRotaryEmbedding(cfg)
+    pos = torch.randint(0, 50, (3, 2, 5), generator=torch.Generator().manual_seed(1))
+    cos, sin = hf(torch.zeros(1, dtype=torch.float32), pos)
+    emb = InterleavedMRoPE(hf.inv_freq, section)(pos)
+    assert torch.allclose(emb[:, :, 0].transpose(0, 1).cos(), cos, atol=1e-6)
+    assert torch.allclose(emb[:, :, 0].transpose(0, 1).sin(), sin, atol=1e-6)
