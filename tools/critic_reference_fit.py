@@ -28,6 +28,8 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+
 CLIP = 10.0
 
 
@@ -138,6 +140,32 @@ def adam_fit(path, data, target, train_idx, test_idx, lr, epochs, batch, freeze,
     return {"steps": step, "ev_per_epoch": curve}
 
 
+def ours(run: str, rows: list[dict], targets: dict, out_dir: str) -> dict:
+    """This project's value pretraining (megatron critic from the run's warm-up actor, the run's config at one
+    rank) on ``rows`` with per-token ``targets[name]`` [n, T]; run under ``torchrun --nproc-per-node 1``.
+    Returns per target the EV of its last 10 steps (each step's own mini-batch, as value_pretrain logs it)."""
+    from megatron_s3ac.convert.carried import load_model
+    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.value_pretrain import value_pretrain
+
+    cfg = load_config(os.path.join(run, "config.yaml"), ["actor_layout.ep=1", f"train.out_dir={out_dir}",
+                                                           "model.actor_init=null", "model.critic_init=null",
+                                                           "train.tensorboard=false", "train.progress=false"])
+    tr = Trainer(cfg)
+    res = {}
+    for name, y in targets.items():
+        with tr.model_scope("actor"):
+            load_model(tr.actor, os.path.join(run, "stages", "warmup", "actor"))
+        tr.init_critic_from_actor()
+        hist = []
+        summ = value_pretrain(tr, [dict(r, returns=y[i, :len(r["response_ids"])].tolist())
+                                   for i, r in enumerate(rows)], log=hist.append)
+        res[name] = {"steps": summ["vpt/steps"],
+                     "ev_last10": round(sum(h["vpt/explained_variance"] for h in hist[-10:]) / 10, 4)}
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run")
@@ -148,6 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fits", default="probe,adam_frozen_attn,adam_full")
     p.add_argument("--targets", default="R,err", help="comma list of R, err")
+    p.add_argument("--ours", action="store_true", help="also (only) run this project's value pretraining on the same "
+                   "targets (all rows; under torchrun --nproc-per-node 1)")
     a = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,6 +200,13 @@ def main(argv=None) -> int:
     out = {"rows": n, "pass_rate": round(float((ret[:, 0] > 0).float().mean()), 4),
            "oracle_err_ev_on_R": round(ev(ret, oracle, mask), 4)}
     fits = a.fits.split(",")
+    if a.ours:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            out["ours"] = ours(a.run, rows, {tn: y for tn, y in (("R", ret), ("err", err))
+                                             if tn in a.targets.split(",")}, d)
+        fits = []
     if "probe" in fits:
         model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
         h = hidden(model, tokens, pos)

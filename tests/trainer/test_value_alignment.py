@@ -68,3 +68,37 @@ def test_reference_fit_targets_hand_derived():
     assert err.tolist() == [[0, 0, 0, 0], [0, 0, 1, 1], [0, 0, 0, 1]]  # an error among o_<t
     assert ret.tolist() == [[1] * 4, [-1] * 4, [-1] * 4]
     assert torch.equal(tokens[1, 5:9], torch.tensor(rows[1]["response_ids"]))
+
+
+def _vpt_returns(out_dir):
+    from megatron_s3ac.trainer.batch import collate
+    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.value_pretrain import value_pretrain
+
+    tr = Trainer(load_config(None, SMALL + ["actor_layout.ep=1", f"train.out_dir={out_dir}",
+                                            "value_pretrain.batch_size=8", "value_pretrain.epochs=1"]))
+    g = torch.Generator().manual_seed(1)
+    rows = [{"prompt_ids": p.ids, "response_ids": torch.randint(3, 15, (n,), generator=g).tolist(), "reward": -1.0}
+            for p, n in zip(tr.prompts[:8], (1, 2, 3, 4, 4, 3, 2, 1))]
+    for r in rows:  # a per-token target unlike the reward: +t
+        r["returns"] = [float(t) for t in range(len(r["response_ids"]))]
+    with torch.no_grad():
+        v0 = tr.critic_values(collate([dict(r, logprobs=[0.0] * len(r["response_ids"]), pid=0) for r in rows],
+                                      tr.pad_to))
+    hist = []
+    value_pretrain(tr, rows, log=hist.append)
+    err = None
+    try:
+        value_pretrain(tr, [dict(rows[0], returns=[0.0, 0.0])], log=None)
+    except ValueError as e:
+        err = str(e)
+    return v0, rows, hist[0]["vpt/value_loss"], err
+
+
+def test_value_pretrain_fits_per_token_returns_when_given(tmp_path):
+    v0, rows, loss0, err = run_distributed(_vpt_returns, 1, str(tmp_path))[0]
+    # the first step's loss is on the untrained critic: 1/2 mean over tokens (V0 - target)^2 (one mini-batch)
+    want = [0.5 * (float(v0[i, t]) - r["returns"][t]) ** 2 for i, r in enumerate(rows)
+            for t in range(len(r["response_ids"]))]
+    assert abs(loss0 - sum(want) / len(want)) < 1e-4 * max(1.0, sum(want) / len(want))
+    assert err is not None and "2 returns for 1 response tokens" in err
