@@ -58,8 +58,15 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
     opt = build_optimizer([ddp], lr=vc.lr, clip_grad=vc.clip_grad)
     samples = [dict(r, logprobs=[0.0] * len(r["response_ids"]), pid=0) for r in rows]
     batch = collate(samples, tr.pad_to).to(tr.device)  # on the models' device (trainer.device)
-    # lambda = 1, gamma = 1: the return of every valid token is the terminal reward R
+    # lambda = 1, gamma = 1: the return of every valid token is the terminal reward R; a row may instead carry
+    # per-token "returns" (one per response token): a controlled target (tools/critic_reference_fit.py, issue 29)
     batch.returns = batch.scores[:, None] * batch.mask
+    for i, r in enumerate(rows):
+        if r.get("returns") is not None:
+            if len(r["returns"]) != len(r["response_ids"]):
+                raise ValueError(f"value pretraining row {i}: {len(r['returns'])} returns for "
+                                 f"{len(r['response_ids'])} response tokens")
+            batch.returns[i, :len(r["returns"])] = torch.as_tensor(r["returns"], dtype=batch.returns.dtype)
     g = torch.Generator().manual_seed(tr.cfg.train.seed + 17)
     hist = []
     # grad norm split before the optimizer clips (main_grad holds the reduced gradient)
