@@ -37,7 +37,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from megatron_s3ac.trainer.batch import RolloutMeta
 
@@ -135,16 +134,23 @@ class AsyncRollout:
                 except (RemoteEngineDied, RemoteEngineTimeout, EngineDied, EngineTimeout) as err:
                     verdict = [(f"{type(err).__name__}: {err}", [q.step for q in self.queue if not q.collected]
                                 + [q.step for q in entries if not q.collected and q not in self.queue])]
-            if tr.world > 1:
-                dist.broadcast_object_list(verdict, src=0)
-            if verdict[0] is None:
+            # the other ranks wait for rank 0's wait on the engine on the gloo group with the run's deadline
+            # (trainer.rank0: never inside a default-group collective that NCCL's watchdog would abort)
+            verdict = self._share(verdict[0])
+            if verdict is None:
                 return
-            why, lost = verdict[0]
+            why, lost = verdict
             self._step_restarts += 1
             if self._step_restarts > tr.cfg.rollout.max_engine_restarts:
                 raise RuntimeError(f"the rollout engine died {self._step_restarts} times in step {tr.step_idx} "
                                    f"(rollout.max_engine_restarts={tr.cfg.rollout.max_engine_restarts}); last: {why}")
             self._restart(why, {s for s in lost}, entries)
+
+    def _share(self, verdict):
+        """Rank 0's engine verdict (None: the engine answered; else (why, lost steps)) on every rank, through
+        ``Trainer.rank0`` (``Rank0Phases``: a gloo group whose deadline is ``train.dist_timeout_s``)."""
+        tr = self.tr
+        return tr.rank0.share("asynchronous rollout's engine wait", verdict) if tr.world > 1 else verdict
 
     def _restart(self, why: str, lost: set, entries: list) -> None:
         from megatron_s3ac.trainer import build as B
