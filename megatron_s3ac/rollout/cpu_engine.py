@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -524,6 +524,16 @@ class CPUEngine(RolloutEngine):
         return_routed_experts: bool = False,
     ) -> list[list[Sample]]:
         """Sample n_samples responses per prompt (rows prompt-major: prompt 0's n, then prompt 1's ...)."""
+        out: list = [None] * len(prompt_ids)
+        for i, group in self.generate_groups(prompt_ids, params, n_samples, return_routed_experts):
+            out[i] = group
+        return out
+
+    def generate_groups(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                        return_routed_experts: bool = False) -> Iterator[tuple[int, list[Sample]]]:
+        """``generate`` handing back each prompt's group as soon as its n_samples rows have finished: yields
+        (prompt index, group) in completion order (groups finishing at one decode step in index order). One batch,
+        one generator: the samples are ``generate``'s, bit for bit, whatever the consumer does between groups."""
         from transformers import DynamicCache
 
         self._check_ready()
@@ -533,7 +543,8 @@ class CPUEngine(RolloutEngine):
             raise ValueError("return_routed_experts: this model has no MoE router")
         prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
         if not prompts:
-            return [[] for _ in prompt_ids]
+            yield from ((i, []) for i in range(len(prompt_ids)))
+            return
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
         B, P = len(prompts), max(len(p) for p in prompts)
@@ -561,6 +572,19 @@ class CPUEngine(RolloutEngine):
         if self._capture is not None:
             self._capture.enabled = return_routed_experts
 
+        def sample(row: int) -> Sample:  # a finished row: its tokens, log-probs and routes are complete
+            resp = tokens[row]
+            return Sample(
+                prompt_ids=prompts[row],
+                response_ids=resp,
+                logprobs=np.asarray(logps[row], dtype=np.float32),
+                finish_reason=finish[row],
+                routed_experts=(routes[row, : len(prompts[row]) + len(resp) - 1].numpy().astype(self.routes_dtype)
+                                if routes is not None else None),
+                response_text=self.tokenizer.decode(resp, skip_special_tokens=True) if self.tokenizer is not None else None,
+            )
+
+        yielded: set[int] = set()
         cache = DynamicCache(config=self.model.config)
         active = torch.arange(B)  # batch position -> sample row
         try:
@@ -585,6 +609,10 @@ class CPUEngine(RolloutEngine):
                         finish[row], done[i] = "stop", True
                     elif len(tokens[row]) >= params.max_new_tokens:
                         finish[row], done[i] = "length", True
+                for g in sorted({row // n_samples for i, row in enumerate(active.tolist()) if done[i]}):
+                    if all(finish[r] for r in range(g * n_samples, (g + 1) * n_samples)):
+                        yielded.add(g)
+                        yield g, [sample(r) for r in range(g * n_samples, (g + 1) * n_samples)]
                 if bool(done.all()):
                     break
                 keep = (~done).nonzero()[:, 0]
@@ -605,19 +633,9 @@ class CPUEngine(RolloutEngine):
                 self._capture.enabled = False
                 self._capture.pop()
 
-        samples = []
-        for row in range(B):
-            resp = tokens[row]
-            samples.append(Sample(
-                prompt_ids=prompts[row],
-                response_ids=resp,
-                logprobs=np.asarray(logps[row], dtype=np.float32),
-                finish_reason=finish[row],
-                routed_experts=(routes[row, : len(prompts[row]) + len(resp) - 1].numpy().astype(self.routes_dtype)
-                                if routes is not None else None),
-                response_text=self.tokenizer.decode(resp, skip_special_tokens=True) if self.tokenizer is not None else None,
-            ))
-        return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
+        for g in range(len(prompt_ids)):  # every row has finished by now; nothing is left unless n_samples is 0
+            if g not in yielded:
+                yield g, [sample(r) for r in range(g * n_samples, (g + 1) * n_samples)]
 
     def _hit_stop_string(self, response: list[int], stop_strings: tuple[str, ...]) -> bool:
         # Decode only a tail window: a stop string that just appeared ends inside it. A token is at

@@ -52,6 +52,7 @@ class Submitted:
     version: int
     pending: object = None
     collected: bool = False  # rank 0: its samples are back (and its engine span recorded)
+    rewards: list | None = None  # rank 0, streaming rewards: each group's rewards (None: an aborted group)
 
 
 def staleness_metrics(samples: list[dict], step: int) -> dict:
@@ -64,6 +65,41 @@ def staleness_metrics(samples: list[dict], step: int) -> dict:
     return {"async/staleness_mean": float((st * n).sum() / n.sum().clamp(min=1.0)),
             "async/staleness_sample_mean": float(st.mean()), "async/staleness_max": float(st.max()),
             "async/trained_tokens": float(n.sum())}
+
+
+class _Floats(list):
+    """A list of rewards with ``tolist()`` (as the pool stream's float32 arrays)."""
+
+    def tolist(self):
+        return list(self)
+
+
+def reward_overlap(events: list) -> dict:
+    """Streaming rewards' waiting saved, from the ("generated" | "scored", step, group, time) events of one step's
+    awaited batches: ``time/reward_overlap_s``, the seconds during which some group was being scored while its
+    batch was still generating (scoring the batch path would have done after the slowest group), and
+    ``time/reward_tail_s``, the seconds the trainer still waited on scores after each batch's last group arrived."""
+    by_step: dict = {}
+    for kind, step, i, t in events:
+        by_step.setdefault(step, {"generated": {}, "scored": {}})[kind][i] = t
+    overlap = tail = 0.0
+    for d in by_step.values():
+        if not d["generated"]:
+            continue
+        end = max(d["generated"].values())
+        spans = sorted((d["generated"][i], min(d["scored"][i], end)) for i in d["scored"] if i in d["generated"])
+        lo = None
+        for a, b in spans:  # the union of [arrival, min(scored, generation end)]
+            if lo is None or a > hi:
+                if lo is not None:
+                    overlap += hi - lo
+                lo, hi = a, b
+            else:
+                hi = max(hi, b)
+        if lo is not None:
+            overlap += max(0.0, hi - lo)
+        tail += max(0.0, max(d["scored"].values(), default=end) - end)
+    return {"time/reward_overlap_s": overlap, "time/reward_tail_s": tail}
 
 
 def busy_seconds(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -85,6 +121,8 @@ class AsyncRollout:
         self.wait_s = 0.0  # rank 0: seconds spent waiting on the engine in the current step
         self.log: list[tuple[int, int, tuple[float, float] | None]] = []  # rank 0: (step, version, engine span)
         self.restarts = 0  # engine restarts in this run (rollout/engine_restarts)
+        self.stream = bool(getattr(tr.cfg.rollout, "stream_rewards", False)) if hasattr(tr, "cfg") else False
+        self.reward_events: list = []  # rank 0, streaming rewards: (kind, step, group, time) of the current step
         self._step_restarts = 0  # in the current step (bounded by rollout.max_engine_restarts)
 
     # ---- submission ---------------------------------------------------------------------------
@@ -110,9 +148,11 @@ class AsyncRollout:
     def _send(self, e: Submitted) -> None:
         """Rank 0: hand ``e``'s prompts to the engine (its sampling seed is the step's, whenever it is sent)."""
         tr = self.tr
-        e.collected = False
-        e.pending = tr.engine.generate_async([tr.prompts[int(i)].ids for i in e.pids], self._params(e.step),
-                                             n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on)
+        e.collected, e.rewards = False, None
+        # streaming rewards: the engine hands each group back as it finishes (RolloutEngine.generate_stream_async)
+        submit = tr.engine.generate_stream_async if self.stream else tr.engine.generate_async
+        e.pending = submit([tr.prompts[int(i)].ids for i in e.pids], self._params(e.step),
+                           n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on)
 
     # ---- engine failure: restart, re-sync, resubmit ----------------------------------------------
     def _await(self, entries: list) -> None:
@@ -181,6 +221,8 @@ class AsyncRollout:
         if e.pending is None:
             return None
         t = time.time()
+        if self.stream and e.rewards is None and hasattr(e.pending, "groups"):
+            e.rewards = self._score_stream(e)
         groups = e.pending.result()
         self.wait_s += time.time() - t
         if not e.collected:
@@ -190,6 +232,43 @@ class AsyncRollout:
             self.log.append((e.step, e.version, e.pending.timing))
         return groups
 
+    # ---- streaming rewards ----------------------------------------------------------------------
+    def _score_stream(self, e: Submitted) -> list:
+        """Rank 0: score ``e``'s groups as the engine hands them back (``StreamingGeneration.groups()``): an isolated
+        reward goes to the pool's workers at once (``RewardPool.stream``), a cheap one is scored inline; a group is
+        complete when its K answers are scored. Returns each group's rewards in prompt order (None for a group with
+        an aborted sample, which the rollout drops unscored). Records ("generated" | "scored", step, group index,
+        time.time()) in ``self.reward_events``; the scores are ``Trainer._score``'s, whatever the order."""
+        from megatron_s3ac.rollout.rewards import get_reward
+
+        tr, ev = self.tr, self.reward_events
+        name = tr.cfg.rollout.reward
+        stream = tr._reward_pool().stream(name) if get_reward(name).isolate else None
+        rewards: dict = {}
+
+        def scored(items):
+            for i, r in items:
+                rewards[i] = r.tolist()
+                ev.append(("scored", e.step, i, time.time()))
+
+        try:
+            for i, group in e.pending.groups():
+                ev.append(("generated", e.step, i, time.time()))
+                if any(smp.finish_reason == "abort" for smp in group):
+                    rewards[i] = None
+                    continue
+                ref = tr.prompts[int(e.pids[i])].reference
+                texts = [tr.decode(smp.response_ids) for smp in group]
+                if stream is None:
+                    scored([(i, _Floats(tr._score(texts, [ref] * len(texts))))])
+                else:
+                    stream.add(i, texts, [ref] * len(texts))
+                    scored(stream.poll(0.0))
+        finally:  # the engine died mid-stream too: no answer of this stream is left with the pool's workers
+            if stream is not None:
+                scored(stream.wait_all())
+        return [rewards[i] for i in range(len(e.pids))]
+
     # ---- collection ---------------------------------------------------------------------------
     def _collect(self, e: Submitted, groups, m: dict):
         """(every drawn sample, their metadata, this rank's shard of the kept batch, metrics, the kept samples):
@@ -197,9 +276,9 @@ class AsyncRollout:
         tr = self.tr
         if tr.cfg.algo.dynamic_sampling_refill:
             tr._place(m, off=["actor"])  # as the synchronous step (a no-op unless train.offload_idle)
-            samples, drawn, batch, fm = tr.rollout_refilled(first=(e.pids, e.stats, groups, e.version))
+            samples, drawn, batch, fm = tr.rollout_refilled(first=(e.pids, e.stats, groups, e.version, e.rewards))
             return samples, drawn, batch, fm, (getattr(tr, "_kept", []) if batch is not None else [])
-        samples = tr.rollout(e.pids, groups=groups)
+        samples = tr.rollout(e.pids, groups=groups, rewards=e.rewards)
         for d in samples:
             d["version"] = e.version
         if not samples:
@@ -218,6 +297,7 @@ class AsyncRollout:
         t0 = time.time()
         s = tr.step_idx
         self.wait_s, self._step_restarts, self._trained = 0.0, 0, False
+        self.reward_events = []
         m: dict = {"step": s}
         tr.weights_version = s  # the engine holds this step's weights (synced at the end of the last step / resume)
         tr._place(m, on=["critic"] if tr.daps is not None else [])  # DAPS scores prompts with V(s0)
@@ -280,6 +360,8 @@ class AsyncRollout:
                       "time/engine_idle_frac": 1.0 - busy / max(t - t0, 1e-9),
                       "time/tokens_per_s": sum(int(d["rlen"]) for d in kept) / max(t - t0, 1e-9),
                       "time/samples_per_s": len(kept) / max(t - t0, 1e-9), "async/in_flight": len(self.queue)})
+            if self.stream:
+                m.update(reward_overlap(self.reward_events))
             self.spans = [sp for sp in self.spans if sp[1] > t]  # later steps only see what is still running
         return m
 
@@ -347,5 +429,5 @@ def make_async_rollout(tr):
     return AsyncRollout(tr, n) if n > 0 else None
 
 
-__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "load_state_dict", "make_async_rollout", "staleness_metrics",
+__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "reward_overlap", "load_state_dict", "make_async_rollout", "staleness_metrics",
            "state_dict"]

@@ -175,6 +175,9 @@ class RolloutCfg:
     # asynchronous loop (train.max_staleness > 0): an engine whose process died is rebuilt, re-synced and its
     # unfinished batches resubmitted, at most this many times in one step (then the step raises)
     max_engine_restarts: int = 3
+    # asynchronous loop: score each prompt's group as the engine hands it back (while later groups still
+    # generate) instead of the whole batch after its slowest group; the same rewards either way
+    stream_rewards: bool = True
 
     def errors(self) -> list[str]:
         out = []
