@@ -67,6 +67,14 @@ def staleness_metrics(samples: list[dict], step: int) -> dict:
             "async/trained_tokens": float(n.sum())}
 
 
+def engine_death_types() -> tuple:
+    """The errors that say a separate engine's process died or stopped answering (RemoteEngine, EnginePool)."""
+    from megatron_s3ac.rollout.engine_pool import EngineDied, EngineTimeout
+    from megatron_s3ac.rollout.remote import RemoteEngineDied, RemoteEngineTimeout
+
+    return (RemoteEngineDied, RemoteEngineTimeout, EngineDied, EngineTimeout)
+
+
 class _Floats(list):
     """A list of rewards with ``tolist()`` (as the pool stream's float32 arrays)."""
 
@@ -161,9 +169,6 @@ class AsyncRollout:
         the engine is rebuilt and re-synced with the actor's current weights, and every batch it had not returned
         is sent again (then tagged with the re-synced version) - at most ``rollout.max_engine_restarts`` times in
         one step, then a RuntimeError naming the last failure."""
-        from megatron_s3ac.rollout.engine_pool import EngineDied, EngineTimeout
-        from megatron_s3ac.rollout.remote import RemoteEngineDied, RemoteEngineTimeout
-
         tr = self.tr
         while True:
             verdict = [None]
@@ -171,20 +176,55 @@ class AsyncRollout:
                 try:
                     for e in entries:
                         self._result(e)
-                except (RemoteEngineDied, RemoteEngineTimeout, EngineDied, EngineTimeout) as err:
-                    verdict = [(f"{type(err).__name__}: {err}", [q.step for q in self.queue if not q.collected]
-                                + [q.step for q in entries if not q.collected and q not in self.queue])]
+                except engine_death_types() as err:
+                    verdict = [(f"{type(err).__name__}: {err}", self._lost(entries))]
             # the other ranks wait for rank 0's wait on the engine on the gloo group with the run's deadline
             # (trainer.rank0: never inside a default-group collective that NCCL's watchdog would abort)
             verdict = self._share(verdict[0])
             if verdict is None:
                 return
-            why, lost = verdict
-            self._step_restarts += 1
-            if self._step_restarts > tr.cfg.rollout.max_engine_restarts:
-                raise RuntimeError(f"the rollout engine died {self._step_restarts} times in step {tr.step_idx} "
-                                   f"(rollout.max_engine_restarts={tr.cfg.rollout.max_engine_restarts}); last: {why}")
-            self._restart(why, {s for s in lost}, entries)
+            self.recover(*verdict, entries=entries)
+
+    def _lost(self, entries=()) -> list:
+        """Rank 0: the steps of the batches the engine had not handed back (to resubmit after a restart)."""
+        return ([q.step for q in self.queue if not q.collected]
+                + [q.step for q in entries if not q.collected and q not in self.queue])
+
+    def recover(self, why: str, lost, entries=()) -> None:
+        """Every rank (collective), once all know the engine died (``why``; ``lost``: the steps of the batches it had
+        not returned): count the restart (at most ``rollout.max_engine_restarts`` in one step, then a RuntimeError
+        naming the last failure), rebuild the engine, re-sync it with the actor's current weights and resubmit the
+        lost batches."""
+        tr = self.tr
+        self._step_restarts += 1
+        if self._step_restarts > tr.cfg.rollout.max_engine_restarts:
+            raise RuntimeError(f"the rollout engine died {self._step_restarts} times in step {tr.step_idx} "
+                               f"(rollout.max_engine_restarts={tr.cfg.rollout.max_engine_restarts}); last: {why}")
+        self._restart(why, set(lost), list(entries))
+
+    def sync_weights(self) -> None:
+        """Every rank: ``Trainer.sync_weights`` that survives the engine dying during it (its process killed while
+        it loads a bucket): the sync runs to its end on every rank (``rollout.weight_sync``: a failed engine takes
+        no more buckets, the export's collectives go on), rank 0's verdict is shared, and a dead engine is rebuilt
+        and synced again (``recover``), its unreturned batches resubmitted."""
+        tr = self.tr
+        while True:
+            verdict = None
+            try:
+                tr.sync_weights()
+            except engine_death_types() as err:
+                if tr.rank != 0:
+                    raise
+                verdict = (f"{type(err).__name__} during the weight sync: {err}", self._lost())
+            verdict = self._share(verdict)
+            if verdict is None:
+                return
+            self.recover(*verdict)
+            return  # recover re-synced the rebuilt engine
+
+    def is_engine_death(self, err: BaseException) -> bool:
+        """``err`` says the engine's process is gone or unresponsive (a restart may cure it)."""
+        return isinstance(err, engine_death_types())
 
     def _share(self, verdict):
         """Rank 0's engine verdict (None: the engine answered; else (why, lost steps)) on every rank, through
@@ -208,7 +248,8 @@ class AsyncRollout:
                 pass
             tr.engine, _ = B.build_engine(tr.cfg, tr.info)
             tr.sync_strategy.attach(tr.engine)
-        tr.sync_weights()  # every rank: the new engine gets the actor's weights of this moment
+        self.sync_weights()  # every rank: the new engine gets the actor's weights of this moment (a death here too
+        # is recovered, within the same bound)
         version = tr.step_idx + int(getattr(self, "_trained", False))  # after this step's update: its next version
         for e in list(self.queue) + [q for q in entries if q not in self.queue]:
             if e.step in lost:
@@ -344,7 +385,7 @@ class AsyncRollout:
         # inside the sync's collectives
         self._await(list(self.queue))
         t3 = time.time()
-        tr.sync_weights()
+        self.sync_weights()  # an engine killed during the sync is restarted and re-synced
         m["time/sync"] = time.time() - t3
         tr.step_idx += 1
         tr.weights_version = tr.step_idx

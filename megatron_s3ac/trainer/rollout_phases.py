@@ -16,6 +16,9 @@ from megatron_s3ac.algorithms.registry import clamp_values
 from megatron_s3ac.trainer.batch import RolloutBatch, RolloutMeta, collate
 
 
+_ENGINE_DIED = "engine died"  # rank 0's hand-over when the engine died in a round (the asynchronous loop)
+
+
 class RolloutPhases:
     @property
     def device(self) -> torch.device:
@@ -57,12 +60,25 @@ class RolloutPhases:
         r = self.cfg.rollout
         payload = [None]
         full = None
+        recovery = getattr(self, "async_rollout", None)  # the asynchronous loop restarts a dead engine
         if self.rank == 0:
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                     seed=self.cfg.train.seed * 1_000_003 + self.step_idx + 7919 * round_idx)
             if groups is None:
-                groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
-                                              return_routed_experts=self.r3_on)
+                try:
+                    groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
+                                                  return_routed_experts=self.r3_on)
+                except Exception as err:
+                    if recovery is None or not recovery.is_engine_death(err):
+                        raise
+                    payload = [(_ENGINE_DIED, f"{type(err).__name__} during a rollout round: {err}",
+                                recovery._lost())]
+        if recovery is not None:  # the asynchronous loop: every rank learns whether rank 0's engine died here
+            died = self.rank0.share("rollout generation", payload[0])
+            if died is not None:  # all restart and re-sync it; the round is generated again with its own seed
+                recovery.recover(died[1], died[2])
+                return self.rollout(pids, round_idx, None, None)
+        if self.rank == 0:
             # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
             # need all K samples; counted in rollout/aborted*
             aborted = sum(s.finish_reason == "abort" for g in groups for s in g)

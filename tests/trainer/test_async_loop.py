@@ -2,6 +2,8 @@
 staleness and busy-time arithmetic by hand; on 2 ranks with the CPU engine in its own process (Ray actor): each
 trained sample's version, the bound, behaviour log-probs that are the generating version's (checked by a forward
 pass of the saved version-0 weights), and generation that runs while the trainer trains."""
+import time
+
 import pytest
 import torch
 
@@ -159,31 +161,40 @@ def test_async_resume_after_kill_matches_uninterrupted(tmp_path):
     assert ma == mb
 
 
-def _killed_run(out_dir):
+def _killed_run(out_dir, when="generation", extra=()):
+    """max_staleness=1, 3 steps; rank 0 kills the engine's process at step 1: ``when`` = "generation" (right after
+    step 1 submits its next batch), "sync" (as step 1's weight sync loads its first bucket) or "refill" (as step 1's
+    first DAPO refill round generates)."""
     import os
     import signal
 
     from megatron_s3ac.trainer.loop import Trainer
 
-    tr = Trainer(load_config(None, SMALL + SEP + ["train.max_staleness=1", "train.steps=3",
-                                                  "algo.dynamic_sampling=false", f"train.out_dir={out_dir}"]))
+    tr = Trainer(load_config(None, SMALL + SEP + ["train.max_staleness=1", "train.steps=3", f"train.out_dir={out_dir}"]
+                             + (["algo.dynamic_sampling=false"] if when != "refill" else []) + list(extra)))
     try:
         pids = []
-        if tr.rank == 0:  # kill the engine's process right after step 1 submits its next batch (mid-rollout)
-            eng, real = tr.engine, tr.engine.generate_async
+        if tr.rank == 0:
+            eng = tr.engine
+            name = {"generation": "generate_async", "sync": "update_weights", "refill": "generate"}[when]
+            real = getattr(eng, name)
 
-            def submit_then_kill(*a, **k):
+            def kill_then(*a, **k):
+                if tr.step_idx == 1 and not pids and (when != "generation"):
+                    pids.append(eng.pid)
+                    os.kill(eng.pid, signal.SIGKILL)
+                    time.sleep(1.0)  # the actor's death is seen by the next call
                 p = real(*a, **k)
-                if tr.step_idx == 1 and not pids:
+                if tr.step_idx == 1 and not pids and when == "generation":
                     pids.append(eng.pid)
                     os.kill(eng.pid, signal.SIGKILL)
                 return p
 
-            eng.generate_async = submit_then_kill
+            setattr(eng, name, kill_then)
         ms = [tr.step() for _ in range(3)]
         res = {"restarts": [m["rollout/engine_restarts"] for m in ms],
                "st": [m.get("async/staleness_max") for m in ms], "killed": pids,
-               "new_pid": getattr(tr.engine, "pid", None)}
+               "new_pid": getattr(tr.engine, "pid", None), "rounds": [m.get("refill/rounds") for m in ms]}
         # the restarted engine holds the trainer's weights: its behaviour log-probs of a fresh rollout equal the
         # actor's (the final sync sent the last update)
         samples = tr.rollout(tr.stream.take(4))
@@ -203,3 +214,35 @@ def test_killed_engine_is_restarted_resynced_and_resubmitted_world2(tmp_path):
     # step 2's batch was lost with the engine and regenerated after the re-sync of step 1's update: version 2
     assert r0["st"] == [0.0, 1.0, 0.0]
     assert r0["gap"] < 1e-4
+
+
+def test_engine_killed_during_the_weight_sync_world2(tmp_path):
+    """Killed as step 1's sync loads: every rank finishes the sync's export, the engine is rebuilt and synced with
+    step 1's update; step 2's batch (generated before the kill, by version 1) still trains at staleness 1."""
+    r0, r1 = run_distributed(_killed_run, 2, str(tmp_path), "sync")
+    assert len(r0["killed"]) == 1 and r0["new_pid"] not in (None, r0["killed"][0])
+    assert r0["restarts"] == [0, 1, 1] == r1["restarts"]
+    assert r0["st"] == [0.0, 1.0, 1.0]
+    assert r0["gap"] < 1e-4  # the rebuilt engine holds the trainer's weights
+
+
+@pytest.mark.slow
+def test_engine_killed_during_a_refill_round_world2(tmp_path):
+    """Killed as step 1's first DAPO refill round generates: the round is generated again on the rebuilt engine
+    (re-synced with the current, not yet updated, weights) and the step goes on; the next batch, lost with the
+    engine, is resubmitted."""
+    r0, r1 = run_distributed(_killed_run, 2, str(tmp_path), "refill",
+                             ["rollout.reward=test_char_parity", "algo.dynamic_sampling_refill=true"])
+    assert len(r0["killed"]) == 1, r0  # a refill round did run at step 1
+    assert r0["restarts"][1:] == [1, 1] == r1["restarts"][1:]
+    assert r0["gap"] < 1e-4
+
+
+def test_engine_that_keeps_dying_is_a_clear_error_world2(tmp_path):
+    """rollout.max_engine_restarts=0: the first death ends the run with an error naming the bound and the cause."""
+    from megatron_s3ac.testing.dist import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match=r"(?s)the rollout engine died 1 times in step 1 "
+                                                   r"\(rollout.max_engine_restarts=0\); last: RemoteEngineDied "
+                                                   r"during the weight sync"):
+        run_distributed(_killed_run, 2, str(tmp_path), "sync", ["rollout.max_engine_restarts=0"])
