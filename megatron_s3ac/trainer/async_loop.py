@@ -27,7 +27,7 @@ times a step (``rollout/engine_restarts``). The queue is saved with the checkpoi
 
 Every rank runs ``step`` (prompt selection, the DAPO filter and the training phases are collective); rank 0 owns
 the engine, submits and waits. ``Trainer.step`` delegates here when ``train.max_staleness > 0``; the training
-phases are the synchronous step's, in its order.
+phases are ``Trainer.train_on``, the one sequence both steps call.
 """
 from __future__ import annotations
 
@@ -131,6 +131,7 @@ class AsyncRollout:
         self.restarts = 0  # engine restarts in this run (rollout/engine_restarts)
         self.stream = bool(getattr(tr.cfg.rollout, "stream_rewards", False)) if hasattr(tr, "cfg") else False
         self.reward_events: list = []  # rank 0, streaming rewards: (kind, step, group, time) of the current step
+        self.reward_log: collections.deque = collections.deque(maxlen=100_000)  # the same over the run (tests)
         self._step_restarts = 0  # in the current step (bounded by rollout.max_engine_restarts)
 
     # ---- submission ---------------------------------------------------------------------------
@@ -366,20 +367,9 @@ class AsyncRollout:
             raise RuntimeError(f"asynchronous rollout: a sample {st['async/staleness_max']:g} weight versions old "
                                f"would train at step {s}, above train.max_staleness={self.n}")
         m.update(st)
-        t1 = time.time()
-        tr._place(m, on=["actor", "critic"])
-        m.update(tr.old_logprobs(batch))  # the current actor: the proximal policy
-        m.update(tr.advantages(batch))  # the current critic; IS old/behaviour
-        m["time/old_logp_values"] = time.time() - t1
-        t2 = time.time()
-        tr._place(m, off=["critic"])
-        m.update(tr.update_actor(batch))
-        tr._place(m, on=["critic"], off=["actor"])
-        m.update(tr.update_critic(batch))
-        tr._place(m, on=["actor"])
-        m["time/train"] = time.time() - t2
-        tr.skipped_steps += int(m.get("actor/skipped_minibatches", 0) + m.get("critic/skipped_minibatches", 0) > 0)
-        m["skipped_steps_total"] = tr.skipped_steps
+        # the synchronous step's training phases, the same code (Trainer.train_on): the current actor recomputes the
+        # old log-probs (the proximal policy), the current critic the values; IS / IcePoP / MIS on old / behaviour
+        tr.train_on(batch, m)
         self._trained = True  # from here a re-sync sends the updated weights (version s + 1)
         # the engine loads the new weights after the submitted batches (its calls run in order): wait here, not
         # inside the sync's collectives
@@ -403,6 +393,7 @@ class AsyncRollout:
                       "time/samples_per_s": len(kept) / max(t - t0, 1e-9), "async/in_flight": len(self.queue)})
             if self.stream:
                 m.update(reward_overlap(self.reward_events))
+                self.reward_log.extend(self.reward_events)
             self.spans = [sp for sp in self.spans if sp[1] > t]  # later steps only see what is still running
         return m
 
