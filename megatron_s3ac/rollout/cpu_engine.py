@@ -581,7 +581,8 @@ class CPUEngine(RolloutEngine):
                 finish_reason=finish[row],
                 routed_experts=(routes[row, : len(prompts[row]) + len(resp) - 1].numpy().astype(self.routes_dtype)
                                 if routes is not None else None),
-                response_text=self.tokenizer.decode(resp, skip_special_tokens=True) if self.tokenizer is not None else None,
+                response_text=(self.tokenizer.decode(resp, skip_special_tokens=True)
+                               if self.tokenizer is not None else None),
             )
 
         yielded: set[int] = set()

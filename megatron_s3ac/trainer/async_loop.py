@@ -178,7 +178,7 @@ class AsyncRollout:
                     for e in entries:
                         self._result(e)
                 except engine_death_types() as err:
-                    verdict = [(f"{type(err).__name__}: {err}", self._lost(entries))]
+                    verdict = [(f"{type(err).__name__}: {err}", self.lost_steps(entries))]
             # the other ranks wait for rank 0's wait on the engine on the gloo group with the run's deadline
             # (trainer.rank0: never inside a default-group collective that NCCL's watchdog would abort)
             verdict = self._share(verdict[0])
@@ -186,7 +186,7 @@ class AsyncRollout:
                 return
             self.recover(*verdict, entries=entries)
 
-    def _lost(self, entries=()) -> list:
+    def lost_steps(self, entries=()) -> list:
         """Rank 0: the steps of the batches the engine had not handed back (to resubmit after a restart)."""
         return ([q.step for q in self.queue if not q.collected]
                 + [q.step for q in entries if not q.collected and q not in self.queue])
@@ -216,7 +216,7 @@ class AsyncRollout:
             except engine_death_types() as err:
                 if tr.rank != 0:
                     raise
-                verdict = (f"{type(err).__name__} during the weight sync: {err}", self._lost())
+                verdict = (f"{type(err).__name__} during the weight sync: {err}", self.lost_steps())
             verdict = self._share(verdict)
             if verdict is None:
                 return
@@ -461,5 +461,6 @@ def make_async_rollout(tr):
     return AsyncRollout(tr, n) if n > 0 else None
 
 
-__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "reward_overlap", "load_state_dict", "make_async_rollout", "staleness_metrics",
+__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "engine_death_types", "load_state_dict", "make_async_rollout",
+           "reward_overlap", "staleness_metrics",
            "state_dict"]

@@ -72,7 +72,7 @@ class RolloutPhases:
                     if recovery is None or not recovery.is_engine_death(err):
                         raise
                     payload = [(_ENGINE_DIED, f"{type(err).__name__} during a rollout round: {err}",
-                                recovery._lost())]
+                                recovery.lost_steps())]
         if recovery is not None:  # the asynchronous loop: every rank learns whether rank 0's engine died here
             died = self.rank0.share("rollout generation", payload[0])
             if died is not None:  # all restart and re-sync it; the round is generated again with its own seed
