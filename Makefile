@@ -25,7 +25,7 @@ demo: $(STAMP)
 # imported): fetched once from the package index; offline, those tests skip and say so.
 SGLANG_CACHE := $(HOME)/.cache/megatron_s3ac
 sglang-wheel: $(STAMP)
-	@v=$$($(PY) -c "from megatron_s3ac.rollout.sglang_engine import SGLANG_VERSION as v; print(v)"); \
+	@v=$$($(PY) -c "from megatron_s3ac.rollout.engines.sglang.engine import SGLANG_VERSION as v; print(v)"); \
 	ls $(SGLANG_CACHE)/sglang-$$v-*.whl >/dev/null 2>&1 || \
 	$(PY) -m pip download -q "sglang==$$v" --no-deps -d $(SGLANG_CACHE) 2>/dev/null || \
 	echo "could not fetch sglang==$$v (pip download sglang==$$v --no-deps -d $(SGLANG_CACHE)):" \

@@ -25,7 +25,7 @@ CORE = [
 # `pip install --dry-run --ignore-installed --no-build-isolation ".[gpu]"` on Python 3.12 (resolves);
 # checked at start-up by megatron_s3ac/env.py (its MATRIX holds the same versions).
 GPU = [
-    "sglang==0.5.23",                       # the rollout engine wrapped by rollout/sglang_engine.py
+    "sglang==0.5.23",                       # the rollout engine wrapped by rollout/engines/sglang/engine.py
     "torch==2.14.1",                        # sglang 0.5.23 and sglang-kernel 0.4.10: Requires-Dist torch==2.14.1 (CUDA 13.0 wheel)
     "sglang-kernel==0.4.10",                # sglang 0.5.23: Requires-Dist sglang-kernel==0.4.10 (the `sgl_kernel` module)
     "flashinfer-python[cu13]==0.7.2",       # sglang 0.5.23: Requires-Dist flashinfer_python[cu13]==0.7.2

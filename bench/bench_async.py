@@ -1,12 +1,16 @@
 """Asynchronous rollout (``train.max_staleness``): measured on this machine, and simulated at scale.
 
     python bench/bench_async.py [--steps 4] [--warmup 1] [--world 1] [--max-new-tokens 24] [--prompts 16] [--k 4]
+                                [--arms sync,async,partial] [--partial-staleness 2] [--comparable]
                                 [--set algo.name=grpo_x ...]
     python bench/bench_async.py --sim-only
 
 1. Measured: the demo's tiny MoE (model.tiny=arithmetic_moe) with the CPU engine in its own process (a Ray actor,
    ``rollout.placement: separate``), the synchronous loop (max_staleness 0) then one-step off-policy (1) in one run,
-   same config otherwise. Reported: each mode's trained samples / s of wall time over the steps after ``--warmup``
+   same config otherwise, and the partial-rollout arm (``rollout.partial_rollout=true`` at max_staleness
+   ``--partial-staleness``, default 2: the sync pauses the engine instead of draining it). ``--comparable`` sets a
+   config where generation and training take comparable time (GRPO-X without a critic, one actor mini-batch,
+   32 prompts x 4, 96 new tokens). Reported: each mode's trained samples / s of wall time over the steps after ``--warmup``
    (every sample trains: algo.dynamic_sampling=false), the synchronous run's generation and training seconds per
    step (what "comparable" means here), and the async run's engine busy fraction and trainer wait; ``--repeat``
    pairs alternate and the median / min / max ratio is reported. On a shared
@@ -32,6 +36,10 @@ sys.path.insert(0, ROOT)
 
 
 # ---- 1. measured ---------------------------------------------------------------------------------------
+COMPARABLE = ["algo.name=grpo_x", "algo.actor_minibatches=1"]  # + --prompts 32 --max-new-tokens 96 (main)
+ARMS = {"sync": (0, []), "async": (1, []), "partial": (None, ["rollout.partial_rollout=true"])}
+
+
 def _run(n, overrides, steps, out_dir):
     from megatron_s3ac.trainer.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
@@ -62,10 +70,16 @@ def measure(args) -> dict:
            "load_before": os.getloadavg()}
     samples = args.prompts * args.k
     pairs = []
-    for rep in range(args.repeat):  # sync and async alternate, so a change of the machine's load hits both
+    arms = [a for a in args.arms.split(",") if a]
+    if "sync" not in arms or any(a not in ARMS for a in arms):
+        raise SystemExit(f"--arms: a comma list of {sorted(ARMS)} including sync, got {args.arms!r}")
+    for rep in range(args.repeat):  # the arms alternate, so a change of the machine's load hits all
         pair = {}
-        for name, n in (("sync", 0), ("async", 1)):
-            rows = run_distributed(_run, args.world, n, over, args.steps, f"/tmp/bench_async_{name}_{os.getpid()}")[0]
+        for name in arms:
+            n, extra = ARMS[name]
+            n = args.partial_staleness if n is None else n
+            rows = run_distributed(_run, args.world, n, over + extra, args.steps,
+                                   f"/tmp/bench_async_{name}_{os.getpid()}")[0]
             timed = rows[args.warmup:]
             wall = sum(r["wall"] for r in timed)
             pair[name] = {"samples_per_s": samples * len(timed) / wall, "s_per_step": wall / len(timed),
@@ -75,14 +89,22 @@ def measure(args) -> dict:
                           "sync_s_per_step": sum(r.get("time/sync", 0.0) for r in timed) / len(timed)}
             if n:
                 pair[name].update({k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in (
-                    "time/engine_busy_frac", "time/trainer_wait", "async/staleness_mean")})
-        pair["ratio"] = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]
+                    "time/engine_busy_frac", "time/trainer_wait", "async/staleness_mean", "async/staleness_max",
+                    "async/partial_resumes", "async/partial_regenerated", "async/partial_unstarted",
+                    "async/versions_per_response_max")
+                    if any(k in r for r in timed)})
+                pair[name]["max_staleness"] = n
+        pair["sync"]["gen_over_train"] = pair["sync"]["rollout_s_per_step"] / max(pair["sync"]["train_s_per_step"],
+                                                                                    1e-9)
+        for name in [a for a in arms if a != "sync"]:
+            pair[f"ratio_{name}"] = pair[name]["samples_per_s"] / pair["sync"]["samples_per_s"]
         pair["load_after"] = os.getloadavg()
         pairs.append(pair)
     out["pairs"] = pairs
-    ratios = sorted(p["ratio"] for p in pairs)
-    out["ratio_async_over_sync_samples_per_s"] = {"median": ratios[len(ratios) // 2], "min": ratios[0],
-                                                  "max": ratios[-1]}
+    for name in [a for a in arms if a != "sync"]:
+        ratios = sorted(p[f"ratio_{name}"] for p in pairs)
+        out[f"ratio_{name}_over_sync_samples_per_s"] = {"median": ratios[len(ratios) // 2], "min": ratios[0],
+                                                        "max": ratios[-1]}
     return out
 
 
@@ -151,8 +173,12 @@ def simulate(seed: int = 0) -> dict:
         "weight_sync_s": "61 GB of bf16 weights broadcast at 40 GB/s (IB, per-GPU NIC) = 1.5 s",
         "kv_capacity": "not binding: the planner's capacity is at the max length; at the mean context (~1/4-1/2 of "
                        "it) an engine holds its 64 sequences",
-        "partial_rollout": "the engine never idles on the tail: each step it decodes at full concurrency and "
-                           "carries unfinished responses into the next step (bounded versions per response)",
+        "partial_rollout": "rollout.partial_rollout at train.max_staleness >= 2: a weight sync pauses the engines "
+                           "instead of draining them, so the tail of batch s+1 (resumed on the new weights) decodes "
+                           "beside batch s+2's fresh requests (SGLang's continuous batching) and the engine never "
+                           "idles on the tail: it decodes at full concurrency, the batch trained at step s had two "
+                           "steps to finish. Not reproduced by the CPU engine here, which runs its calls one after "
+                           "another; the measured partial arm shows the loop, not this saving",
     }
     rng = np.random.default_rng(seed)
     out = {"assumptions": A, "results": {}}
@@ -195,11 +221,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=1, help="sync/async pairs, alternating")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of the arms, alternating")
+    p.add_argument("--arms", default="sync,async,partial", help="comma list of sync, async, partial")
+    p.add_argument("--partial-staleness", type=int, default=2, help="train.max_staleness of the partial arm")
+    p.add_argument("--comparable", action="store_true",
+                   help="generation ~ training: GRPO-X, 1 actor mini-batch, 32 prompts x 4, 96 new tokens")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more trainer overrides (both modes)")
     p.add_argument("--sim-only", action="store_true")
     p.add_argument("--mismatch", action="store_true", help="only the staleness 0 / 2, corrections on / off runs")
     args = p.parse_args(argv)
+    if args.comparable:
+        args.prompts, args.max_new_tokens = 32, 96
+        args.set = COMPARABLE + list(args.set)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.mismatch:
         print(json.dumps(mismatch(args), indent=1))

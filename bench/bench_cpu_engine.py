@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3MoeConfig
 
 from megatron_s3ac.rollout.base import SamplingParams
-from megatron_s3ac.rollout.cpu_engine import CPUEngine, sample_tokens
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine, sample_tokens
 
 
 def tiny_config(layers: int) -> Qwen3MoeConfig:

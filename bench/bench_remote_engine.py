@@ -18,8 +18,8 @@ from transformers import Qwen3Config
 from transformers.core_model_loading import revert_weight_conversion
 
 from megatron_s3ac.rollout.base import SamplingParams
-from megatron_s3ac.rollout.cpu_engine import CPUEngine
-from megatron_s3ac.rollout.remote import RemoteEngine
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
+from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngine
 
 
 def model_config(a) -> Qwen3Config:

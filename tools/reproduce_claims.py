@@ -301,7 +301,9 @@ def base_overrides(args, size: Size) -> list[str]:
               f"data.max_len={cs.max_len}", f"rollout.max_new_tokens={cs.max_response_tokens()}",
               # the warm-up's pass rate jumps within ~50 steps on this task (docs/reproduction.md): evaluate
               # often enough to stop inside the 10-60% band
-              "demo.warmup_eval_every=25"]
+              "demo.warmup_eval_every=25",
+              # coverage from two snapshots past the target beside it: the ones before the jump pass ~0-6%
+              "demo.coverage_overshoot_evals=2"]
     if args.task in CREDIT_TASKS:
         o.append("train.credit_every=1")  # per-token advantages of every step: the credit plot
     if args.task == "multistep":
@@ -735,7 +737,10 @@ def main(argv=None) -> int:
     rep = write_report(out, entries, by_name, cmdline, args.seeds, jobs, missing, size, time.time() - t0, credit)
     for e in entries:  # the verdict with the numbers it follows from (the rule of megatron_s3ac/eval/claims.py)
         arms_s = "; ".join(f"{a} {_fmt_arm(s)}" for a, s in e["arms"].items())
-        print(f"{e['name']}: {e['verdict']}\n  arms: {arms_s}\n  rule: {e['rule']}")
+        # every seed's value (seeds in order): the paired differences and their t-interval can be recomputed
+        per_seed = "; ".join(f"{a} " + ", ".join(f"seed {sd}: " + ("n/a" if v is None else f"{v:.6g}")
+                                               for sd, v in zip(args.seeds, s["values"])) for a, s in e["arms"].items())
+        print(f"{e['name']}: {e['verdict']}\n  arms: {arms_s}\n  per seed: {per_seed}\n  rule: {e['rule']}")
     print(f"claims: {os.path.join(out, 'claims.json')}  report: {rep}  wall {time.time() - t0:.0f} s")
     return 0
 

@@ -23,7 +23,7 @@ import math
 import torch
 
 from megatron_s3ac.convert.dcp_io import DistcpCheckpoint
-from megatron_s3ac.convert.plan import is_carried_key
+from megatron_s3ac.convert.plan import CARRIED_KEY_PREFIX, is_carried_key
 
 ATTR = "s3ac_carried"
 
@@ -42,9 +42,11 @@ def assign(blocks: list[tuple[str, tuple, tuple, int]], world: int) -> list[list
 class CarriedTensors:
     """This rank's blocks of a checkpoint's carried tensors: ``{(key, offset): tensor}`` (CPU)."""
 
-    def __init__(self, global_shapes: dict[str, tuple], blocks: dict[tuple, torch.Tensor]):
+    def __init__(self, global_shapes: dict[str, tuple], blocks: dict[tuple, torch.Tensor],
+                 dtypes: dict[str, torch.dtype] | None = None):
         self.global_shapes = global_shapes
         self.blocks = blocks
+        self.dtypes = dtypes or {k: t.dtype for (k, _), t in blocks.items()}
 
     @classmethod
     def layout(cls, ckpt_dir: str, rank: int, world: int) -> "CarriedTensors | None":
@@ -52,11 +54,12 @@ class CarriedTensors:
         the checkpoint has none. Reads only ``.metadata``."""
         ck = DistcpCheckpoint(ckpt_dir)
         try:
-            shapes, blocks = {}, []
+            shapes, blocks, dtypes = {}, [], {}
             for key, md in ck.md.state_dict_metadata.items():
                 if not (is_carried_key(key) and ck.has(key)):
                     continue
                 shapes[key] = tuple(md.size)
+                dtypes[key] = ck.dtype(key)
                 item = ck.dtype_name(key).itemsize
                 for c in md.chunks:
                     blocks.append((key, tuple(c.offsets), tuple(c.sizes), math.prod(c.sizes) * item))
@@ -65,7 +68,7 @@ class CarriedTensors:
             mine = assign(blocks, world)[rank]
             data = {(blocks[i][0], blocks[i][1]): torch.empty(blocks[i][2], dtype=ck.dtype(blocks[i][0]))
                     for i in sorted(mine)}
-            return cls(shapes, data)
+            return cls(shapes, data, dtypes)
         finally:
             ck.close()
 
@@ -102,12 +105,69 @@ def _rank_world() -> tuple[int, int]:
 
 
 def model_sharded_state_dict(model) -> dict:
-    """``model.sharded_state_dict()`` plus the carried blocks it holds (none: the same dict)."""
+    """``model.sharded_state_dict()`` plus the carried blocks it holds (none: the same dict). A trainable
+    vision tower's current weights are copied into its carried blocks first, so the checkpoint has them."""
     sd = model.sharded_state_dict()
     carried = getattr(model, ATTR, None)
     if carried is not None:
+        refresh_from_vision(model)
         sd.update(carried.sharded_state_dict())
     return sd
+
+
+def full_tensors(model, hf_prefix: str) -> dict[str, torch.Tensor]:
+    """``{HF name: whole tensor}`` of the carried tensors under ``hf_prefix`` (e.g. ``model.visual.``), on every
+    rank: each rank contributes its blocks, one all-reduce (sum) per tensor over the world (every block is held
+    by exactly one rank). Collective; {} when the model carries none."""
+    import torch.distributed as dist
+
+    carried = getattr(model, ATTR, None)
+    if carried is None:
+        return {}
+    key_prefix = CARRIED_KEY_PREFIX + hf_prefix
+    out = {}
+    for key in sorted(k for k in carried.global_shapes if k.startswith(key_prefix)):  # same list on every rank
+        full = torch.zeros(carried.global_shapes[key], dtype=carried.dtypes[key])
+        for (k, off), t in carried.blocks.items():
+            if k == key:
+                full[tuple(slice(o, o + n) for o, n in zip(off, t.shape))] = t
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(full)
+        out[key[len(CARRIED_KEY_PREFIX):]] = full
+    return out
+
+
+def attach_vision_from_carried(model, info, trainable: bool = False, dtype=torch.float32) -> bool:
+    """Build the model's vision tower (models/vision.py) from the ``model.visual.*`` tensors it carries and
+    attach it (collective). False (nothing attached) for a model without a vision config or carried tower."""
+    from megatron_s3ac.models.vision import HF_VISION_PREFIX, VisionTower, attach_vision
+
+    hf = info.hf
+    if not isinstance(hf.get("vision_config"), dict):
+        return False
+    tensors = full_tensors(model, HF_VISION_PREFIX)
+    if not tensors:
+        return False
+    tower = VisionTower(hf["vision_config"], {k[len(HF_VISION_PREFIX):]: v for k, v in tensors.items()}, dtype)
+    dev = next(model.parameters()).device
+    attach_vision(model, tower.to(dev), trainable, image_token_id=int(hf.get("image_token_id", 248056)))
+    return True
+
+
+@torch.no_grad()
+def refresh_from_vision(model) -> None:
+    """Copy a trainable vision tower's weights into this rank's carried blocks of ``model.visual.*``."""
+    from megatron_s3ac.models.vision import VISION_ATTR
+
+    tower = model._modules.get(VISION_ATTR) if hasattr(model, "_modules") else None
+    carried = getattr(model, ATTR, None)
+    if tower is None or carried is None:
+        return
+    params = {CARRIED_KEY_PREFIX + n: p for n, p in tower.hf_named_parameters()}
+    for (key, off), t in carried.blocks.items():
+        p = params.get(key)
+        if p is not None:
+            t.copy_(p.detach()[tuple(slice(o, o + n) for o, n in zip(off, t.shape))].to(t.dtype).cpu())
 
 
 def load_model(model, ckpt_dir: str) -> None:

@@ -14,7 +14,8 @@ all ranks with that PP rank) must iterate the generator to the end, in lockstep.
 yields an empty list per bucket. Each stage emits only its own layers (the first stage the embedding,
 the last the final norm and, when untied, ``lm_head``). Tensors keep the model's dtype and device.
 Names are the plan's, i.e. those of the HF checkpoint layout of ``info.model_type`` (for a
-vision-language checkpoint such as ``qwen3_5_moe``: ``model.language_model.*``; no vision tensors).
+vision-language checkpoint such as ``qwen3_5_moe``: ``model.language_model.*``; the vision tower only when it
+trains, as ``model.visual.*``, after the language model's buckets).
 """
 from __future__ import annotations
 
@@ -316,6 +317,29 @@ def export_hf_weights(model_chunks, info: ModelInfo, bucket_bytes: int = 1 << 30
             yield []
             continue
         yield _assemble(plan, bucket, regions, by_rank, group, into)
+    yield from _vision_buckets(model_chunks, bucket_bytes, me)
+
+
+def _vision_buckets(model_chunks, bucket_bytes: int, me: int):
+    """A trainable vision tower (models/vision.py; replicated on the first stage) as ``model.visual.*`` HF
+    tensors, from the stage leader (the others yield ``[]`` per bucket, in lockstep). A frozen tower is not
+    a submodule and sends nothing: the engine keeps its copy."""
+    from megatron_s3ac.models.vision import VISION_ATTR, unwrap_gpt
+
+    for m in model_chunks:
+        tower = unwrap_gpt(m)._modules.get(VISION_ATTR)
+        if tower is None:
+            continue
+        bucket, size = [], 0
+        for name, p in tower.hf_named_parameters():
+            nb = p.numel() * p.element_size()
+            if bucket and size + nb > bucket_bytes:
+                yield bucket if me == 0 else []
+                bucket, size = [], 0
+            bucket.append((name, p.detach()))
+            size += nb
+        if bucket:
+            yield bucket if me == 0 else []
 
 
 def _assemble(plan: _ExportPlan, bucket, regions, by_rank, group, into=None) -> list[tuple[str, torch.Tensor]]:

@@ -293,10 +293,10 @@ class Fp8WeightUpdates:
     ``Fp8WeightUpdates(engine, keep)`` wraps any rollout engine (duck-typed: ``update_weights``); every
     other attribute is the engine's: the export stream is quantized bucket by bucket on the engine rank,
     right before the engine loads it (after any transfer). The trainer's weight sync instead quantizes on
-    the stage leaders, before the transfer (``rollout.weight_sync.sync_weights(quantize=quantize_stream)``)."""
+    the stage leaders, before the transfer (``rollout.sync.weight_sync.sync_weights(quantize=quantize_stream)``)."""
 
     # the export must reach the engine through update_weights to be quantized: hide a colocated engine's
-    # in-place assembly (CPUEngine.weight_buffer, used by rollout.weight_sync when present)
+    # in-place assembly (CPUEngine.weight_buffer, used by rollout.sync.weight_sync when present)
     weight_buffer = None
 
     def __init__(self, engine, keep: Sequence[str] = DEFAULT_KEEP, block: Sequence[int] = BLOCK):

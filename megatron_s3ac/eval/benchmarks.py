@@ -16,6 +16,18 @@ read), else it is refused naming the missing columns:
 - hmmt26:           MathArena/hmmt_feb_2026 (parquet)    problem_idx, problem, answer, problem_type
 - imo_answerbench:  google-deepmind/superhuman imobench/answerbench.csv
                     Problem ID, Problem, Short Answer, Category, Subcategory, Source (Level optional)
+Multimodal releases (the image benchmarks of the Qwen3.5 / Intern-S2 papers; ``VISION_SCHEMAS``, each citing its
+layout): the item's prompt holds one ``<image>`` marker per image (``Item.images``: the raw entries, a path relative
+to the file or bytes / {"bytes", "path"} as HF ``datasets.Image`` stores them), evaluated on a vision-language model
+(``--engine cpu`` loads it multimodal):
+- mathvista:   AI4Math/MathVista (testmini)  pid, question, image, decoded_image, choices, answer, question_type,
+               answer_type (+ query, unit, precision, metadata); question_type "multi_choice" -> choice (the answer is
+               the correct choice's text), "free_form" -> math
+- mathvision:  MathLLMs/MathVision  id, question, options, image (+ decoded_image, answer, solution, level, subject);
+               options non-empty -> choice (answer letter), empty -> math
+- mmmu_pro:    MMMU/MMMU_Pro  "standard (4/10 options)": id, question, options (a Python-literal list in a string),
+               image_1 .. image_7, answer (letter), subject, ...; "<image k>" in the question marks image_k;
+               "vision": id, image (question and options are inside it), options, answer, subject
 Any row may also carry "prompt_ids" (a list of token ids): it is then fed to the model exactly, with
 no template; the trainer uses this for its held-out split, so eval sees the prompts as training does.
 
@@ -66,6 +78,8 @@ class Item:
     kind: str
     choices: tuple[str, ...] = ()
     token_ids: tuple[int, ...] = ()  # pre-tokenized prompt (row field "prompt_ids"): used as is
+    images: tuple = ()  # image benchmarks: the raw image entries, one per "<image>" in prompt, in order
+    image_dir: str = ""  # where relative image paths are resolved (the benchmark file's directory)
 
 
 @dataclasses.dataclass
@@ -235,6 +249,199 @@ def _schema_row(row: dict, schema: Schema) -> tuple[Optional[Item], str]:
     return Item(prompt=question, reference=reference, kind="math"), ""
 
 
+# ----------------------------------------------------------------------------------------------
+# Multimodal releases
+# ----------------------------------------------------------------------------------------------
+IMAGE_MARK = "<image>"
+
+
+def _image_entry(value: Any) -> Any:
+    """A row's image cell as an entry trainer.data.load_image reads (path str, bytes, {"bytes", "path"}), or None."""
+    if value is None or (isinstance(value, float) and value != value):
+        return None
+    if isinstance(value, dict):
+        return value if (value.get("bytes") or value.get("path")) else None
+    if isinstance(value, (bytes, bytearray)) or (isinstance(value, str) and value.strip()):
+        return value
+    return None
+
+
+def _options(value: Any) -> Optional[list[str]]:
+    """A choices / options cell: a list, or (MMMU-Pro) a Python-literal list in a string (read with
+    ast.literal_eval: literals only, nothing executed). None when absent or empty."""
+    import ast
+
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return None
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    out = [_text(v) for v in value]
+    return out if all(out) else None
+
+
+def _letter(answer: Any, choices: list[str]) -> Optional[str]:
+    a = _text(answer)
+    if a is None:
+        return None
+    a = a.strip("()").strip()
+    if len(a) == 1 and a.upper() in LETTERS[: len(choices)]:
+        return a.upper()
+    return LETTERS[choices.index(a)] if a in choices else None
+
+
+def _mathvista(r: dict) -> tuple[Optional[Item], str]:
+    image = _image_entry(r.get("decoded_image")) or _image_entry(r.get("image"))
+    if image is None:
+        return None, "missing_image"
+    question = _text(r.get("question"))
+    if question is None:
+        return None, "missing_question"
+    if str(r.get("question_type", "")).strip() == "multi_choice":
+        choices = _options(r.get("choices"))
+        if choices is None or not 2 <= len(choices) <= len(LETTERS):
+            return None, "bad_choices"
+        letter = _letter(r.get("answer"), choices)
+        if letter is None:
+            return None, "bad_answer"
+        item = _choice_item(f"{IMAGE_MARK}{question}", choices, letter)
+    else:
+        answer = _text(r.get("answer"))
+        if answer is None:
+            return None, "missing_answer"
+        unit = _text(r.get("unit"))
+        item = Item(prompt=f"{IMAGE_MARK}{question}" + (f" (unit: {unit})" if unit else ""), reference=answer,
+                    kind="math")
+    return dataclasses.replace(item, images=(image,)), ""
+
+
+def _mathvision(r: dict) -> tuple[Optional[Item], str]:
+    image = _image_entry(r.get("decoded_image")) or _image_entry(r.get("image"))
+    if image is None:
+        return None, "missing_image"
+    question = _text(r.get("question"))
+    if question is None:
+        return None, "missing_question"
+    question = question.replace("<image1>", "").strip()  # MathVision marks its one image in the text
+    choices = _options(r.get("options"))
+    if choices:
+        letter = _letter(r.get("answer"), choices)
+        if letter is None:
+            return None, "bad_answer"
+        item = _choice_item(f"{IMAGE_MARK}{question}", choices, letter)
+    else:
+        answer = _text(r.get("answer"))
+        if answer is None:
+            return None, "missing_answer"
+        item = Item(prompt=f"{IMAGE_MARK}{question}", reference=answer, kind="math")
+    return dataclasses.replace(item, images=(image,)), ""
+
+
+def _mmmu_pro(r: dict) -> tuple[Optional[Item], str]:
+    import re
+
+    choices = _options(r.get("options"))
+    if choices is None or not 2 <= len(choices) <= len(LETTERS):
+        return None, "bad_choices"
+    letter = _letter(r.get("answer"), choices)
+    if letter is None:
+        return None, "bad_answer"
+    if "question" not in r:  # the "vision" setting: question and options are in the screenshot
+        image = _image_entry(r.get("image"))
+        if image is None:
+            return None, "missing_image"
+        item = _choice_item(IMAGE_MARK + "Answer the question in the image.", choices, letter)
+        return dataclasses.replace(item, images=(image,)), ""
+    question = _text(r.get("question"))
+    if question is None:
+        return None, "missing_question"
+    text = question + "\n" + "\n".join(choices)
+    order = []  # images in order of first mention; "<image k>" -> "<image>"
+    for m in re.finditer(r"<image (\d+)>", text):
+        k = int(m.group(1))
+        if k not in order:
+            order.append(k)
+    images = []
+    for k in order:
+        e = _image_entry(r.get(f"image_{k}"))
+        if e is None:
+            return None, "missing_image"
+        images.append(e)
+    if not images:
+        return None, "missing_image"
+    seen = set()
+
+    def mark(m):  # the first mention of image k stands for it; a repeat becomes plain text
+        k = int(m.group(1))
+        if k in seen:
+            return f"(image {k})"
+        seen.add(k)
+        return IMAGE_MARK
+
+    item = _choice_item(re.sub(r"<image (\d+)>", mark, question),
+                        [re.sub(r"<image (\d+)>", mark, c) for c in choices], letter)
+    return dataclasses.replace(item, images=tuple(images)), ""
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionSchema:
+    """An image benchmark's release layout: ``columns`` every row must have (case-insensitive), ``any_of`` groups of
+    which each row needs one (the image column: a path or the decoded image), ``parse`` the row reader."""
+
+    name: str
+    columns: tuple[str, ...]
+    any_of: tuple[tuple[str, ...], ...]
+    parse: Any
+    source: str
+
+
+VISION_SCHEMAS = {s.name: s for s in (
+    # huggingface.co/datasets/AI4Math/MathVista README.md dataset_info (commit d32e834): pid, question, image
+    # (string path "images/<pid>.jpg"), decoded_image (image), choices (sequence string), unit, precision, answer,
+    # question_type, answer_type, metadata, query; splits testmini (1000 rows), test (5141).
+    VisionSchema("mathvista", ("pid", "question", "answer", "question_type"), (("image", "decoded_image"),),
+                 _mathvista, "AI4Math/MathVista (Hugging Face dataset card, testmini split)"),
+    # huggingface.co/datasets/MathLLMs/MathVision (parquet, splits test / testmini): id, question, options (list,
+    # empty for free-form), image (path "images/<id>.jpg"), decoded_image, answer (a letter for multiple choice),
+    # solution, level, subject.
+    VisionSchema("mathvision", ("id", "question", "options", "answer"), (("image", "decoded_image"),),
+                 _mathvision, "MathLLMs/MathVision (Hugging Face dataset)"),
+    # huggingface.co/datasets/MMMU/MMMU_Pro README.md dataset_info (commit cd9382d): configs "standard (10 options)"
+    # / "standard (4 options)": id, question, options (string), explanation, image_1 .. image_7, img_type, answer,
+    # topic_difficulty, subject; "vision": id, image, options, answer, subject.
+    VisionSchema("mmmu_pro", ("id", "options", "answer"), (("question", "image"),), _mmmu_pro,
+                 "MMMU/MMMU_Pro (Hugging Face dataset card: standard and vision configs)"),
+)}
+VISION_ALIASES = {"mathvista_mini": "mathvista", "mathvista-mini": "mathvista", "mathvista_testmini": "mathvista",
+                  "math_vision": "mathvision", "math-vision": "mathvision", "mmmu-pro": "mmmu_pro",
+                  "mmmupro": "mmmu_pro"}
+
+
+def vision_schema_for(name: Optional[str]) -> Optional[VisionSchema]:
+    """The image-benchmark layout a benchmark named (or given the schema) ``name`` follows, else None."""
+    if not name:
+        return None
+    key = name.strip().lower()
+    return VISION_SCHEMAS.get(VISION_ALIASES.get(key, key))
+
+
+def _check_vision_schema(rows: list[Any], schema: VisionSchema, where: str) -> None:
+    if not rows:
+        raise EvalInputError(f"{where}: no rows; expected the {schema.name} layout of {schema.source}")
+    for i, row in enumerate(rows):
+        keys = {str(k).strip().lower() for k in row} if isinstance(row, dict) else set()
+        missing = [c for c in schema.columns if c.lower() not in keys]
+        missing += ["/".join(g) for g in schema.any_of if not any(c.lower() in keys for c in g)]
+        if missing:
+            found = sorted(map(str, row)) if isinstance(row, dict) else type(row).__name__
+            raise EvalInputError(f"{where}: not in the {schema.name} layout of {schema.source}: row {i} is missing "
+                                 f"column(s) {missing} (found {found})")
+
+
 def load_benchmark(name: str, source: Union[str, Iterable[Any]], schema: Optional[str] = None) -> Benchmark:
     """Load a file path or an iterable of row dicts into a Benchmark (malformed rows skipped, counted).
 
@@ -246,13 +453,21 @@ def load_benchmark(name: str, source: Union[str, Iterable[Any]], schema: Optiona
         rows, skipped = read_rows(path)
     else:
         rows, skipped = list(source), {}
-    release = None if schema == "auto" else (get_schema(schema) if schema else schema_for(name))
+    vision = None if schema == "auto" else vision_schema_for(schema or name)
+    release = None if schema == "auto" or vision is not None else (get_schema(schema) if schema else schema_for(name))
     if release is not None:
         check_schema(rows, release, f"{name} ({path or 'rows'})")
+    if vision is not None:
+        _check_vision_schema(rows, vision, f"{name} ({path or 'rows'})")
+    image_dir = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
     counts = collections.Counter(skipped)
     items = []
     for row in rows:
-        item, reason = _schema_row(row, release) if release is not None else normalize_row(row)
+        if vision is not None:
+            item, reason = vision.parse({str(k).strip().lower(): v for k, v in row.items()})
+            item = item if item is None else dataclasses.replace(item, image_dir=image_dir)
+        else:
+            item, reason = _schema_row(row, release) if release is not None else normalize_row(row)
         if item is None:
             counts[reason] += 1
         else:
@@ -408,6 +623,25 @@ def prompt_ids(item: Item, tokenizer, template: str = "auto") -> list[int]:
     if not callable(tokenizer):
         return list(tokenizer.encode(text))
     return list(tokenizer(text, add_special_tokens=not uses_chat_template(tokenizer, template))["input_ids"])
+
+
+def prompt_inputs(item: Item, tokenizer, template: str = "auto", vision=None):
+    """(ids, ImageInputs or None) of an item: ``prompt_ids`` for a text item; for an image item the rendered
+    prompt through the model's ``trainer.data.VisionProcessor`` (each ``<image>`` expanded to its tokens).
+    EvalInputError for an image item without a vision-language model (``vision`` None) or an unreadable image."""
+    if not item.images:
+        return prompt_ids(item, tokenizer, template), None
+    if vision is None:
+        raise EvalInputError("an image benchmark needs a vision-language model (a checkpoint with vision_config and "
+                             "preprocessor_config.json); this one is text-only")
+    from megatron_s3ac.trainer.data import load_image
+
+    text = render_prompt(item, tokenizer, template)
+    try:
+        pil = [load_image(e, item.image_dir, f"image {j} of {item.prompt[:40]!r}") for j, e in enumerate(item.images)]
+        return vision.expand(text, pil, tokenizer, f"{item.prompt[:40]!r}")
+    except ValueError as err:
+        raise EvalInputError(str(err)) from None
 
 
 def undecodable_ids(tokenizer, ids) -> list[int]:

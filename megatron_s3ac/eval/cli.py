@@ -143,7 +143,7 @@ def has_tokenizer_files(path: str) -> bool:
 
 
 def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded: bool = True, seed: int = 0,
-                 dtype: str = "fp32"):
+                 dtype: str = "fp32", multimodal: bool = False):
     """The evaluated model's engine, through the rollout factory training uses (one engine, in this process).
 
     kind: cpu | hf | sglang | vllm (``--engine``; a model sglang cannot serve is refused naming ``--engine``).
@@ -165,7 +165,7 @@ def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded:
         return make_engine_factory("sglang", model_dir=model_dir, settings=settings, seed=seed,
                                    return_routed_experts=False)()
     if kind == "vllm":
-        from megatron_s3ac.rollout.vllm_settings import VLLMSettings
+        from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings
 
         settings = VLLMSettings(tp_size=tp_size, gpus_per_engine=tp_size)
         engine = make_engine_factory("vllm", model_dir=model_dir, settings=settings, seed=seed,
@@ -174,7 +174,8 @@ def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded:
         return engine
     device = "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"
     factory = make_engine_factory(kind, model_dir=model_dir, seed=seed, return_routed_experts=False,
-                                  dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], device=device)
+                                  dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], device=device,
+                                  multimodal=multimodal)
     engine = build_rollout_engine(factory, "colocated")
     engine.tokenizer = tokenizer
     return engine
@@ -235,12 +236,21 @@ def _run(args: argparse.Namespace) -> int:
             # response would decode to "" (scored 0): refuse instead
             raise EvalInputError(f"{tok_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass --tokenizer DIR")
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        engine = build_engine(args.engine, model_dir, tokenizer, args.tp_size, seed=args.seed, dtype=args.dtype)
+        from megatron_s3ac.trainer.data import VisionProcessor
+
+        # image benchmarks: the checkpoint's image processor, and the cpu / hf engine loads the full VL model
+        images = any(it.images for spec in benches.values() for it in spec.source.items)
+        vision = VisionProcessor.from_pretrained(model_dir) if images and os.path.isdir(model_dir) else None
+        if images and vision is None:
+            raise EvalInputError(f"{args.model}: image benchmarks need a vision-language checkpoint (vision_config "
+                                 f"in config.json); this one is text-only")
+        engine = build_engine(args.engine, model_dir, tokenizer, args.tp_size, seed=args.seed, dtype=args.dtype,
+                              multimodal=images and args.engine in ("cpu", "hf"))
         try:
             report = evaluate(engine, tokenizer, benches, k=args.k, params=params, seed=args.seed,
                               template=args.template, batch_size=args.batch_size,
                               reward_workers=args.reward_workers, verifier_timeout_s=args.verifier_timeout,
-                              keep_samples=args.save_samples, judge=judge)
+                              keep_samples=args.save_samples, judge=judge, vision=vision)
         finally:
             engine.shutdown()
     report["model"] = os.path.abspath(args.model)

@@ -109,3 +109,42 @@ def plot_credit(panels: dict[str, dict], path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def _pearson(x: list[float], y: list[float]) -> Optional[float]:
+    n = len(x)
+    if n < 2:
+        return None
+    mx, my = sum(x) / n, sum(y) / n
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
+    return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else None
+
+
+def v0_calibration(rows: Iterable[dict], steps: Optional[tuple[int, int]] = None) -> dict:
+    """How well the critic's V(s0) tracks each prompt's empirical pass rate (its group of K responses):
+    per prompt p_c = (V(s0) + 1) / 2 (paper eq. 4) vs the group's fraction of correct responses.
+    {"prompts": n, "corr": Pearson r pooled over (step, prompt) pairs (None if undefined),
+    "corr_per_step_mean": mean of the per-step r, "v0_std": std of V(s0) over prompts,
+    "pass_pred_mean" / "pass_emp_mean": mean predicted / empirical pass rate}; rows without V(s0) skipped."""
+    pred, emp, per_step = [], [], []
+    for row in rows:
+        if row.get("v0") is None or (steps is not None and not steps[0] <= row["step"] < steps[1]):
+            continue
+        v0, ok = {}, defaultdict(list)
+        for p, v, r in zip(row["pid"], row["v0"], row["reward"]):
+            v0[p] = v
+            ok[p].append(1.0 if r > 0 else 0.0)
+        ps = sorted(v0)
+        x = [(v0[p] + 1) / 2 for p in ps]
+        y = [sum(ok[p]) / len(ok[p]) for p in ps]
+        pred += x
+        emp += y
+        r = _pearson(x, y)
+        if r is not None:
+            per_step.append(r)
+    n = len(pred)
+    mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
+    std = (sum((2 * a - 1 - (2 * mean(pred) - 1)) ** 2 for a in pred) / n) ** 0.5 if n else None
+    return {"prompts": n, "corr": _pearson(pred, emp), "corr_per_step_mean": mean(per_step), "v0_std": std,
+            "pass_pred_mean": mean(pred), "pass_emp_mean": mean(emp)}

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from megatron_s3ac.eval.benchmarks import (Benchmark, EvalInputError, decode_response, load_benchmark, prompt_ids,
+from megatron_s3ac.eval.benchmarks import (Benchmark, EvalInputError, decode_response, load_benchmark, prompt_inputs,
                                            undecodable_ids)
 from megatron_s3ac.eval.estimators import summarize
 from megatron_s3ac.eval.rng import preserved_rng_state
@@ -103,7 +103,7 @@ def batch_seed(seed: int, name: str, batch: int) -> int:
 def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, BenchmarkSource], k: Union[int, Mapping[str, int]] = 1,
              params: Optional[SamplingParams] = None, seed: int = 0, *, template: str = "auto",
              reward_pool: Optional[RewardPool] = None, batch_size: int = 64, reward_workers: int = 2,
-             verifier_timeout_s: float = 5.0, keep_samples: bool = False, judge=None) -> dict:
+             verifier_timeout_s: float = 5.0, keep_samples: bool = False, judge=None, vision=None) -> dict:
     """Evaluate `engine` on each benchmark with k samples per prompt; returns the report dict.
 
     k: one value, or {name: k} (missing names get 1); a BenchmarkSpec's own k wins.
@@ -114,12 +114,18 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, Benchmar
     judge: None (math items scored by their reward: math-verify for "math") or an eval.judge.LLMJudge, which
         scores the math items of the sets it applies to (``judge.applies(name, reward)``); its endpoint is
         checked before anything is generated.
+    vision: the model's ``trainer.data.VisionProcessor`` (image benchmarks: each item's images go to the engine
+        with its expanded ids); None for a text-only model, which refuses an image benchmark.
     """
     params = params or SamplingParams()
     loaded = {name: as_spec(name, src) for name, src in benchmarks.items()}
     # every benchmark's reward is settled before anything is generated: no partial report
     loaded = {name: (dataclasses.replace(spec, reward=resolve_reward(spec, bench)), bench)
               for name, (spec, bench) in loaded.items()}
+    for name, (_, bench) in loaded.items():  # before anything is generated: no partial report
+        if vision is None and any(it.images for it in bench.items):
+            raise EvalInputError(f"{name}: an image benchmark, but the model is text-only (no vision_config / "
+                                 f"preprocessor_config.json): evaluate a vision-language checkpoint")
     judged = {name for name, (spec, _) in loaded.items() if judge is not None and judge.applies(name, spec.reward)}
     if judged:
         judge.check()  # a down endpoint fails now, not after the generation
@@ -137,7 +143,7 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, Benchmar
                     pool = own_pool
                 report["benchmarks"][name] = _evaluate_one(
                     engine, tokenizer, bench, spec, bench_k, params, seed, spec.template or template, pool,
-                    batch_size, keep_samples, judge if name in judged else None)
+                    batch_size, keep_samples, judge if name in judged else None, vision)
         finally:
             if own_pool is not None:
                 own_pool.close()
@@ -179,7 +185,7 @@ def _check_decodable(name: str, tokenizer, bad: list[int], content: int, empty: 
 
 
 def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: int, params: SamplingParams,
-                  seed: int, template: str, pool, batch_size: int, keep_samples: bool, judge=None) -> dict:
+                  seed: int, template: str, pool, batch_size: int, keep_samples: bool, judge=None, vision=None) -> dict:
     if k < 1:
         raise ValueError(f"{bench.name}: k must be >= 1, got {k}")
     t0 = time.monotonic()
@@ -190,8 +196,13 @@ def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: i
     bad, content, empty, example = [], 0, 0, ()
     for b, start in enumerate(range(0, len(items), batch_size)):
         batch = items[start:start + batch_size]
-        ids = [prompt_ids(it, tokenizer, template) for it in batch]
-        out = engine.generate(ids, dataclasses.replace(params, seed=batch_seed(seed, bench.name, b)), n_samples=k)
+        inputs = [prompt_inputs(it, tokenizer, template, vision) for it in batch]
+        ids, images = [i for i, _ in inputs], [im for _, im in inputs]
+        p = dataclasses.replace(params, seed=batch_seed(seed, bench.name, b))
+        if any(im is not None for im in images):
+            out = engine.generate(ids, p, n_samples=k, images=images)
+        else:  # engines without image prompts keep their four-argument generate
+            out = engine.generate(ids, p, n_samples=k)
         for samples in out:
             texts.append([s.response_text if s.response_text is not None
                           else decode_response(tokenizer, s.response_ids) for s in samples])

@@ -56,8 +56,11 @@ def build_transformer_config(info: ModelInfo, layout: ParallelLayout, dtype: tor
         # megatron's only cp check for it is "not supported yet" (the GDN's); nothing is derived from cp
         config = TransformerConfig(**{**kw, "context_parallel_size": 1})
         config.context_parallel_size = cp
-        return config
-    return TransformerConfig(**kw)
+    else:
+        config = TransformerConfig(**kw)
+    # the torch spec's CP attention exchange (SDPAttention); not a megatron field, TE reads its cp_comm_type
+    config.s3ac_cp_comm = layout.cp_comm
+    return config
 
 
 def _stage_flags(config: TransformerConfig) -> tuple[bool, bool]:
@@ -72,9 +75,11 @@ def build_actor(info: ModelInfo, config: TransformerConfig, use_te: bool | None 
     """The policy: GPTModel for this rank's pipeline stage; logits [b, s, padded_vocab/tp]."""
     pre, post = _stage_flags(config)
     arch = get_arch(info.model_type)
-    return GPTModel(config=config, transformer_layer_spec=arch.block_spec(config, info, use_te),
-                    pre_process=pre, post_process=post, parallel_output=True,
-                    share_embeddings_and_output_weights=info.tie_embeddings, **arch.gpt_model_kwargs(info))
+    gpt = GPTModel(config=config, transformer_layer_spec=arch.block_spec(config, info, use_te),
+                   pre_process=pre, post_process=post, parallel_output=True,
+                   share_embeddings_and_output_weights=info.tie_embeddings, **arch.gpt_model_kwargs(info))
+    arch.finish_model(gpt, info)
+    return gpt
 
 
 class ValueHead(MegatronModule):
@@ -121,6 +126,7 @@ class Critic(torch.nn.Module):
         self.module = GPTModel(config=config, transformer_layer_spec=arch.block_spec(config, info, use_te),
                               pre_process=pre, post_process=post, parallel_output=True,
                               share_embeddings_and_output_weights=False, **arch.gpt_model_kwargs(info))
+        arch.finish_model(self.module, info)
         if post:
             self.module.output_layer = ValueHead(config, head)
         self.config = config

@@ -137,3 +137,94 @@ def cp_core_attention(query, key, value, attention_mask, softmax_scale, dropout_
     allowed = _local_mask(attention_mask, sq, cp, rank, query.device)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=softmax_scale)
     return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+class _RingShift(torch.autograd.Function):
+    """One ring step: send ``x`` to the next CP rank, receive the previous rank's. Backward is the
+    transpose (send the gradient back to the previous rank, receive the next rank's), so autograd
+    carries every dK / dV back, hop by hop, to the rank that owns those keys."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _shift(x, group, +1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _shift(grad, ctx.group, -1), None
+
+
+def _shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
+    """Send ``x`` to CP rank r + step, return what rank r - step sent (isend / irecv pair, both
+    posted before either waits, so the ring cannot deadlock)."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dst = dist.get_global_rank(group, (r + step) % cp)
+    src = dist.get_global_rank(group, (r - step) % cp)
+    reqs = [dist.isend(x, dst, group=group), dist.irecv(out, src, group=group)]
+    for q in reqs:
+        q.wait()
+    return out
+
+
+_MASKED = -1e30  # finite "minus infinity": a query row with no allowed key in a block stays NaN-free
+
+
+def _block_attention(q, k, v, allowed, scale):
+    """Attention of q [b, np, sq, hn] over one K / V block [b, np, sk, hn] with allowed [b|1, 1, sq, sk]:
+    (out [b, np, sq, hn] normalised within the block, lse [b, np, sq, 1]). A row with no allowed key
+    gets lse ~ -1e30, so its block weight exp(lse - lse_total) in the merge is exactly 0."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, _MASKED)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(scores - lse), v), lse
+
+
+def cp_ring_attention(query, key, value, attention_mask, softmax_scale, dropout_p, group):
+    """Ring attention (``cp_comm: ring``): the same function as ``cp_core_attention``. Step i: this rank
+    attends its queries to the K / V block of CP rank r - i (mask rows of its query positions, columns of
+    that rank's key positions), then passes the block on to rank r + 1 (``_RingShift``); the cp partial
+    results merge by their log-sum-exp (online softmax: out = sum_i exp(lse_i - lse) out_i). Backward is
+    torch autograd through the ring (each hop's transpose sends dK / dV back), exact like the forward.
+    query [sq, b, np, hn], key / value [sq, b, ng, hn] -> [sq, b, np*hn]. Memory: autograd keeps every
+    received block and its [sq, sq] scores for backward, so the torch ring saves no activation memory
+    over the all-gather; it replaces one collective by cp - 1 neighbour exchanges."""
+    if dropout_p:
+        raise NotImplementedError("cp_comm=ring: attention dropout is not supported (set attention_dropout=0)")
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    sq, b, np_, hn = query.shape
+    s = sq * cp
+    scale = softmax_scale if softmax_scale is not None else hn ** -0.5
+    q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+    qpos = local_positions(s, cp, rank, query.device)
+    if attention_mask is not None and attention_mask.shape[-2:] != (s, s):
+        raise ValueError(f"context parallel: attention_mask must cover the whole sequence [.., {s}, {s}], "
+                         f"got {tuple(attention_mask.shape)}")
+    rows = None if attention_mask is None else ~attention_mask.index_select(-2, qpos)  # allowed [b|1, 1, sq, s]
+    kv = torch.cat([key, value], -1)  # one message per hop: [sq, b, ng, 2 hn]
+    outs, lses = [], []
+    for i in range(cp):
+        if i:
+            kv = _RingShift.apply(kv, group)
+        src = (rank - i) % cp  # whose keys this block holds
+        kpos = local_positions(s, cp, src, query.device)
+        allowed = ((kpos[None, :] <= qpos[:, None])[None, None] if rows is None
+                   else rows.index_select(-1, kpos))
+        k, v = kv.permute(1, 2, 0, 3).split(hn, dim=-1)  # [b, ng, sq, hn]
+        if k.shape[1] != np_:  # GQA: expand kv groups to query heads (after the hop: less traffic)
+            rep = np_ // k.shape[1]
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        o, lse = _block_attention(q, k, v, allowed, scale)
+        outs.append(o)
+        lses.append(lse)
+    lse_all = torch.stack(lses)  # [cp, b, np, sq, 1]
+    w = torch.exp(lse_all - torch.logsumexp(lse_all, dim=0, keepdim=True))
+    out = (w * torch.stack(outs)).sum(0)  # [b, np, sq, hn]
+    return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+# ``ParallelLayout.cp_comm`` -> the torch core attention's CP function (same signature, same result)
+CP_ATTENTION = {"allgather": cp_core_attention, "ring": cp_ring_attention}
+CP_COMMS = tuple(CP_ATTENTION)

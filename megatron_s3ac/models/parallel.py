@@ -21,6 +21,10 @@ class ParallelLayout:
     # Context parallel: every sequence split over cp ranks (megatron's load-balanced 2 x cp chunks,
     # models/context_parallel.py); the dense data-parallel size is world / (tp * cp * pp).
     cp: int = 1
+    # How the torch core attention exchanges K / V over CP: "allgather" (one all-gather, reduce-scatter
+    # backward) or "ring" (cp - 1 neighbour send / recv hops, online-softmax merge); the same function
+    # either way (models/context_parallel.py). The TE spec ignores it (TE's cp_comm_type, default p2p).
+    cp_comm: str = "allgather"
     # Expert tensor parallel. None -> tp when ep == 1 (experts are TP-sharded like dense MLPs), else 1
     # (the usual EP choice: whole experts per rank).
     etp: int | None = None
@@ -78,6 +82,10 @@ class ParallelLayout:
         for name in ("tp", "cp", "pp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)} must be >= 1")
+        from megatron_s3ac.models.context_parallel import CP_COMMS
+
+        if self.cp_comm not in CP_COMMS:
+            raise LayoutError(f"cp_comm={self.cp_comm!r} must be one of {', '.join(CP_COMMS)}")
         if world_size % (self.tp * self.cp * self.pp):
             raise LayoutError(
                 f"world size {world_size} is not divisible by tp*cp*pp = {self.tp}*{self.cp}*{self.pp}")

@@ -2,7 +2,9 @@
 
 One entry point for every model pass of the trainer (log-probs, values, updates) at any PP size.
 A micro-batch is a dict with ``input_ids`` [b, s], optional ``position_ids`` and ``attention_mask``
-(megatron convention: bool, True = masked, [b, 1, s, s]; None = causal), plus whatever the loss needs.
+(megatron convention: bool, True = masked, [b, 1, s, s]; None = causal), optional ``images`` (one
+``models.multimodal.ImageInputs`` or None per row: the vision tower's embeddings go into the decoder
+input and the positions become 3-D mRoPE ones, models/vision.py), plus whatever the loss needs.
 
 ``loss_fn(batch, output) -> (loss_sum, num_tokens, metrics_dict)`` runs on the last stage. With
 ``config.calculate_per_token_loss`` on (set by ``prepare_config``), megatron neither divides by the
@@ -39,12 +41,21 @@ def _forward_step(data_iterator, model, loss_fn):
     if pos is None:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
     _, cp, _ = cp_group_info()
+    if cp > 1 and ids.shape[1] % (2 * cp):
+        raise ValueError(f"context parallel cp={cp}: micro-batch length {ids.shape[1]} is not a multiple of "
+                         f"2 x cp (pad to the layout's seq_multiple)")
+    kw = {}
+    if batch.get("images") is not None:  # image prompts: 3-D mRoPE positions, vision embeddings in the input
+        from megatron_s3ac.models.vision import model_inputs
+
+        mm = model_inputs(model, batch, ids)
+        if mm is not None:
+            pos, dec = mm
+            if dec is not None:
+                kw["decoder_input"] = dec  # this CP rank's (and SP rank's) part already
     if cp > 1:
-        if ids.shape[1] % (2 * cp):
-            raise ValueError(f"context parallel cp={cp}: micro-batch length {ids.shape[1]} is not a multiple of "
-                             f"2 x cp (pad to the layout's seq_multiple)")
-        ids, pos = split_for_cp(ids, 1), split_for_cp(pos, 1)
-    out = model(ids, pos, batch.get("attention_mask"))
+        ids, pos = split_for_cp(ids, 1), split_for_cp(pos, pos.ndim - 1)
+    out = model(ids, pos, batch.get("attention_mask"), **kw)
     return out, partial(loss_fn, batch)
 
 

@@ -2,9 +2,10 @@
 
 HF model_types: ``qwen3_5_moe`` (``Qwen3_5MoeForConditionalGeneration`` checkpoints; the language model
 is the ``text_config``, HF tensors under ``model.language_model.``) and ``qwen3_5_moe_text``
-(``Qwen3_5MoeForCausalLM``, tensors under ``model.``). Only the language model is built; the vision
-tower and the MTP head are carried through checkpoints as is (convert/carried.py), and asking for MTP
-layers raises.
+(``Qwen3_5MoeForCausalLM``, tensors under ``model.``). The language model is megatron's; the vision tower
+(transformers' module, models/vision.py) is built from the tensors the checkpoint carries
+(convert/carried.py) and feeds the decoder input at the image tokens; the MTP head is carried as is, and
+asking for MTP layers raises.
 
 What the architecture needs from megatron-core, and where it comes from:
   * hybrid layers from ``layer_types`` (or ``full_attention_interval``): ``linear_attention`` ->
@@ -19,8 +20,9 @@ What the architecture needs from megatron-core, and where it comes from:
     store ``w - 1`` for it, because TE's norm is zero-centred there);
   * MoE on every layer: softmax top-k router with renormalised top-k, shared expert with a sigmoid
     gate (``moe_shared_expert_gate``);
-  * partial RoPE (``rotary_percent``). HF's mRoPE equals 1-D RoPE for text (all three position
-    axes are the text position), which is all this model receives.
+  * partial RoPE (``rotary_percent``) as Qwen3.5's interleaved mRoPE (``mrope_section``, models/vision.py:
+    ``InterleavedMRoPE`` replaces megatron's rotary module in ``finish_model``): 3-D positions for image
+    tokens, and for text (all three axes the text position) exactly 1-D RoPE.
 
 Kernels: without flash-linear-attention (CPU, or a GPU without fla) the GDN runs megatron's own torch
 ``torch_chunk_gated_delta_rule`` (``cpu_compat.patch_missing_fla``). Under bf16 the GDN core (q/k
@@ -79,6 +81,21 @@ def rope(tc: dict) -> tuple[float, float]:
     for key in ("mrope_section", "mrope_interleaved"):
         rp.pop(key, None)  # text positions: mRoPE == 1-D RoPE
     return _rope({**tc, "rope_parameters": rp})
+
+
+def mrope_section(tc: dict, n_freq: int) -> list[int]:
+    """The interleaved mRoPE sections (T, H, W frequencies; transformers' default [11, 11, 10]). A config
+    without one whose rotary frequencies differ from 32 (a text-only model) uses T for every frequency,
+    which is 1-D RoPE."""
+    rp = tc.get("rope_parameters") or {}
+    sec = rp.get("mrope_section", tc.get("mrope_section"))
+    if sec is None:
+        sec = [11, 11, 10] if n_freq == 32 else [n_freq, 0, 0]
+    sec = [int(x) for x in sec]
+    if len(sec) != 3 or sum(sec) != n_freq:
+        raise UnsupportedModelError(f"mrope_section {sec} must be 3 sections summing to the {n_freq} rotary "
+                                    "frequencies (head_dim * partial_rotary_factor / 2)")
+    return sec
 
 
 def expert_layout(cfg: dict) -> str:
@@ -153,6 +170,19 @@ class Qwen35Moe(Arch):
             linear_num_value_heads=tc.get("linear_num_value_heads", 32),
         )
         return kw
+
+    def finish_model(self, gpt, info: ModelInfo) -> None:
+        """Interleaved mRoPE in place of megatron's 1-D rotary module (same frequencies); GPTModel's
+        ``mrope`` branch then passes it the position ids ([b, s] text or [3, b, s], models.pipeline)."""
+        from megatron_s3ac.models.vision import InterleavedMRoPE
+
+        old = getattr(gpt, "rotary_pos_emb", None)
+        if old is None:
+            return
+        sec = mrope_section(text_config(info.hf), old.inv_freq.numel())
+        gpt.rotary_pos_emb = InterleavedMRoPE(old.inv_freq, sec)
+        gpt.position_embedding_type = "mrope"
+        gpt.mrope_section = sec
 
     def context_parallel_error(self, info: ModelInfo, layout) -> str | None:
         """The GDN's head-parallel all-to-all gives every CP rank 1/cp of each TP rank's heads."""

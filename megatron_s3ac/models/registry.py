@@ -222,6 +222,9 @@ class Arch:
 
         return decoder_block_spec(config, qk_layernorm=info.qk_norm, use_te=use_te, pp_rank=pp_rank)
 
+    def finish_model(self, gpt, info: ModelInfo) -> None:
+        """Adjust a freshly built GPTModel (actor, or critic backbone) for the architecture; default: nothing."""
+
     def gpt_model_kwargs(self, info: ModelInfo) -> dict[str, Any]:
         return dict(
             vocab_size=info.padded_vocab_size, max_sequence_length=info.max_position_embeddings,

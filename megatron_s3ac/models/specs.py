@@ -53,7 +53,8 @@ class SDPAttention(DotProductAttention):
     None means causal. Block-diagonal masks express packed sequences.
 
     Context parallel (cp > 1): q / k / v hold this CP rank's tokens and K / V are all-gathered over the
-    CP group (``context_parallel.cp_core_attention``); the mask, if any, covers the whole sequence.
+    CP group (``context_parallel.cp_core_attention``) or passed round a ring (``cp_ring_attention``,
+    ``ParallelLayout.cp_comm='ring'``); the mask, if any, covers the whole sequence.
     megatron's ``DotProductAttention`` asserts cp == 1 (TE-only CP), so its constructor sees a copy
     of the config with cp = 1; nothing else it builds depends on cp.
     """
@@ -69,6 +70,7 @@ class SDPAttention(DotProductAttention):
         super().__init__(base, *args, **kwargs)
         self.config = config
         self.cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
+        self.cp_comm = getattr(config, "s3ac_cp_comm", "allgather")  # set by build_transformer_config
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -78,9 +80,10 @@ class SDPAttention(DotProductAttention):
             raise NotImplementedError("SDPAttention has no attention_bias")
         dropout = self.attention_dropout.p if self.training else 0.0
         if self.cp_group is not None:
-            from megatron_s3ac.models.context_parallel import cp_core_attention
+            from megatron_s3ac.models.context_parallel import CP_ATTENTION
 
-            return cp_core_attention(query, key, value, attention_mask, self.softmax_scale, dropout, self.cp_group)
+            return CP_ATTENTION[self.cp_comm](query, key, value, attention_mask, self.softmax_scale, dropout,
+                                              self.cp_group)
         sq, b, np_, hn = query.shape
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)

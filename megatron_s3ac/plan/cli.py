@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--critic-minibatches", type=int)
     g.add_argument("--micro-batch-size", type=int, help="rows per micro-batch (0 = whole mini-batch)")
     g.add_argument("--max-tokens-per-micro-batch", type=int, help="token budget per packed micro-batch")
+    g.add_argument("--image-tokens", type=int,
+                   help="image placeholder tokens per prompt on top of --prompt-len (vision-language models)")
     g = p.add_argument_group("trainer knobs")
     g.add_argument("--dtype", choices=sorted(C.DTYPE_BYTES))
     g.add_argument("--recompute", choices=("none", "selective", "full"))
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--critic", dest="critic", action="store_true", default=None)
     g.add_argument("--no-critic", dest="critic", action="store_false")
     g.add_argument("--logprob-chunk", type=int, help="tokens per log-prob chunk (0 = unchunked)")
+    g.add_argument("--vision-trainable", action="store_true", default=None,
+                   help="the vision tower trains (grads + optimizer states); default: frozen")
     g.add_argument("--backend", choices=("gpu", "cpu"),
                    help="activation kernels: gpu = TE / flash-attention / fla; cpu = this project's torch spec "
                         "(torch norms, SDPA with expanded KV, torch chunked delta rule without fla)")
@@ -163,16 +167,23 @@ def resolve(args) -> tuple:
         actor_epochs=int(algo.get("actor_epochs", 1)), critic_epochs=int(algo.get("critic_epochs", 2)),
         micro_batch_size=int(pick(args.micro_batch_size, algo.get("micro_batch_size"), default=1)),
         max_tokens_per_micro_batch=int(pick(args.max_tokens_per_micro_batch, algo.get("max_tokens_per_micro_batch"),
-                                            default=0)))
+                                            default=0)),
+        image_tokens=int(pick(args.image_tokens, default=0)))
     for key in ("prompt_len", "response_len", "prompts_per_step", "k", "actor_minibatches", "critic_minibatches"):
         if getattr(w, key) < 1:
             raise PlanInputError(f"{key.replace('_', '-')}={getattr(w, key)} must be >= 1")
+    if w.image_tokens < 0:
+        raise PlanInputError(f"image-tokens={w.image_tokens} must be >= 0")
+    if w.image_tokens and not info.hf.get("vision_config"):
+        raise PlanInputError(f"--image-tokens {w.image_tokens}: {info.model_type} is a text-only model (no "
+                             f"vision_config)")
     if w.micro_batch_size < 0 or w.max_tokens_per_micro_batch < 0:
         raise PlanInputError("micro-batch size and token budget must be >= 0")
     knobs = Knobs(
         dtype=pick(args.dtype, default="bf16"), recompute=pick(args.recompute, default="none"),
         optimizer_offload=float(pick(args.optimizer_offload, default=0.0)),
         precision_aware=bool(pick(args.precision_aware_optimizer, default=False)),
+        vision_trainable=bool(pick(args.vision_trainable, default=False)),
         offload_idle=bool(pick(args.offload_idle, default=False)), critic=bool(pick(args.critic, default=True)),
         placement=pick(args.placement, ro.get("placement"), default="colocated"),
         engine_gpus=int(pick(args.engine_gpus, default=0)), engine_tp=int(pick(args.engine_tp, default=0)),
@@ -394,7 +405,8 @@ def run(argv=None) -> int:
     elif args.yaml:
         print(yaml_snippet(best), end="")
     else:
-        print(f"{info.model_type}: {w.prompts_per_step}x{w.k} sequences of {w.prompt_len}+{w.response_len} tokens, "
+        img = f"+{w.image_tokens} image" if w.image_tokens else ""
+        print(f"{info.model_type}: {w.prompts_per_step}x{w.k} sequences of {w.prompt_len}{img}+{w.response_len} tokens, "
               f"{cluster.gpus} GPUs ({cluster.gpus_per_node}/node, {cluster.gpu_mem_gib:g} GiB), dtype={knobs.dtype}, "
               f"recompute={knobs.recompute}, optimizer_offload={knobs.optimizer_offload:g}, "
               f"offload_idle={knobs.offload_idle}, critic={knobs.critic}, engine={knobs.placement}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from megatron_s3ac.models.registry import ModelInfo
 from megatron_s3ac.plan import constants as C
-from megatron_s3ac.plan.params import StageParams, rank_params, total_params
+from megatron_s3ac.plan.params import StageParams, rank_params, total_params, vision_params
 
 PHASES = ("rollout", "forward", "actor_update", "critic_update", "weight_sync")
 # the phases of model-state residency (residency()): "forward" is the critic's values, then the actor's old log-probs
@@ -39,10 +39,13 @@ class Workload:
     critic_epochs: int = 2
     micro_batch_size: int = 1  # rows per micro-batch (0 = the whole mini-batch of the rank)
     max_tokens_per_micro_batch: int = 0  # > 0: packed micro-batches of at most this many tokens
+    image_tokens: int = 0  # image placeholder tokens per prompt, on top of prompt_len (vision-language models)
 
     @property
     def seq_len(self) -> int:
-        return self.prompt_len + self.response_len
+        """Tokens per sequence: the prompt's text and image tokens (the decoder and the engine's KV hold both) +
+        the response."""
+        return self.prompt_len + self.image_tokens + self.response_len
 
     @property
     def sequences(self) -> int:
@@ -65,6 +68,7 @@ class Knobs:
     engine_mem_fraction: float = 0.0  # SGLang mem_fraction_static (0 = what is left after training)
     logprob_chunk: int = 0  # tokens per log-prob / entropy chunk (0 = the whole micro-batch at once)
     backend: str = "gpu"  # gpu: TE / flash / fla kernels; cpu: this project's torch spec (calibration)
+    vision_trainable: bool = False  # the vision tower trains (grads + optimizer states); default frozen
 
     def validate(self) -> list[str]:
         errs = []
@@ -134,6 +138,25 @@ def opt_bytes_per_elem(knobs: Knobs) -> int:
     if knobs.dtype == "fp32":
         return 8  # the fp32 params are their own main params
     return 4 + (4 if knobs.precision_aware else 8)
+
+
+def add_vision(states: States, n: int, layout, world: int, knobs: Knobs) -> States:
+    """``states`` plus a vision tower of ``n`` parameters on this rank: replicated on every rank of the first
+    pipeline stage (not sharded over TP / EP), in the model dtype; frozen (default): no grads, no optimizer
+    states; trainable: fp32 grads and the optimizer states sharded over DP like the dense parameters."""
+    if not n:
+        return states
+    b = C.DTYPE_BYTES[knobs.dtype]
+    states.params += n * b
+    if knobs.vision_trainable:
+        dp = world // (layout.tp * layout.pp)
+        ob = opt_bytes_per_elem(knobs)
+        opt = -(-n // dp) * ob
+        states.grads += n * 4
+        states.optimizer += opt
+        states.optimizer_dense_group += n * ob
+        states.optimizer_host += int(round(opt * knobs.optimizer_offload))
+    return states
 
 
 def model_states(sp: StageParams, layout, world: int, knobs: Knobs) -> States:
@@ -374,6 +397,7 @@ def engine_estimate(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs
     gpu = cluster.gpu_mem_gib * C.GIB
     total, expert = total_params(info)
     dense = total - expert
+    vision = vision_params(info.hf)
     kinds = layer_kinds(info)
     n_attn = sum(1 for m, _ in kinds if m != "gdn")
     n_gdn = len(kinds) - n_attn
@@ -392,7 +416,7 @@ def engine_estimate(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs
         ep = knobs.engine_ep or (tp if info.is_moe else 1)
         a = knobs.engine_attn_dp
         shard = max(1, tp // a)
-        weights = (dense / shard + expert / ep) * 2
+        weights = (dense / shard + expert / ep + vision) * 2  # the vision tower counted whole on every GPU
         kv_heads = max(1, info.num_kv_heads // shard)
         kv_tok = n_attn * 2 * kv_heads * info.head_dim * C.ENGINE_KV_BYTES
         state = 0.0
@@ -535,6 +559,8 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
     for p, sp in enumerate(a_params):
         st = StageEstimate(stage=p, layers=sp.layers, params=sp, critic_params=None,
                            actor=model_states(sp, layout, train_gpus, knobs), critic=None)
+        if p == 0:  # the vision tower feeds the decoder's input: first stage
+            add_vision(st.actor, vision_params(info.hf), layout, train_gpus, knobs)
         in_flight = min(layout.pp - p, n_micro)
         held, rebuild, work_a = activation_bytes(info, sp.layers, layout, knobs, tokens, in_flight, kinds)
         st.act_actor = held + rebuild
@@ -544,6 +570,8 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
             cp = c_params[min(p, len(c_params) - 1)]
             st.critic_params = cp
             st.critic = model_states(cp, critic_layout, train_gpus, knobs)
+            if p == 0:
+                add_vision(st.critic, vision_params(info.hf), critic_layout, train_gpus, knobs)
             c_in = min(critic_layout.pp - min(p, critic_layout.pp - 1), c_micro)
             held, rebuild, work_c = activation_bytes(info, cp.layers, critic_layout, knobs, c_tokens, c_in, kinds)
             st.act_critic = held + rebuild

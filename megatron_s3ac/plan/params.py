@@ -177,3 +177,37 @@ def total_params(info: ModelInfo) -> tuple[int, int]:
     ts = tensors(info)
     per = {t.key: t.numel * (info.num_layers if t.layer == -1 else 1) for t in ts}
     return sum(per.values()), sum(per[t.key] for t in ts if t.expert)
+
+
+def vision_params(hf: dict) -> int:
+    """Parameters of a Qwen3.5 / Qwen3-VL style vision tower from the checkpoint's ``vision_config`` (0 without
+    one): patch embedding (Conv3d C x t x p x p -> h, with bias), learned position embeddings (P x h), ``depth``
+    blocks (two LayerNorms, qkv h -> 3h and proj h -> h with biases, MLP h -> I -> h with biases) and the patch
+    merger (LayerNorm(h), (h m^2) -> (h m^2) -> out_hidden with biases)."""
+    v = dict(hf.get("vision_config") or {})
+    if not v:
+        return 0
+    missing = {"intermediate_size", "patch_size", "out_hidden_size", "depth", "hidden_size"} - set(v)
+    if missing:  # a partial vision_config (e.g. examples/hf_configs): the architecture's defaults fill it
+        v = {**_vision_defaults(hf), **v}
+        if "out_hidden_size" in missing:  # the merger projects onto the language model's width
+            v["out_hidden_size"] = (hf.get("text_config") or hf).get("hidden_size", v.get("out_hidden_size"))
+    h, inter, depth = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["depth"])
+    c, p, t = int(v.get("in_channels", 3)), int(v["patch_size"]), int(v.get("temporal_patch_size", 2))
+    m, out, npos = int(v.get("spatial_merge_size", 2)), int(v["out_hidden_size"]), int(v.get("num_position_embeddings", 0))
+    patch = h * c * t * p * p + h
+    block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (inter * h + inter) + (h * inter + h)
+    hm = h * m * m
+    merger = 2 * h + (hm * hm + hm) + (out * hm + out)
+    return patch + npos * h + depth * block + merger
+
+
+def _vision_defaults(hf: dict) -> dict:
+    """transformers' default vision_config of the checkpoint's model type ({} when it has none)."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        sub = CONFIG_MAPPING[hf["model_type"]].sub_configs.get("vision_config")
+        return sub().to_dict() if sub is not None else {}
+    except (KeyError, ImportError, AttributeError, TypeError):
+        return {}

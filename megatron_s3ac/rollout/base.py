@@ -8,7 +8,12 @@ Shapes and layouts here are the contract the trainer relies on:
   experts used when token i (prompt tokens first, then response tokens) was the model's input;
   the last response token is never fed forward, so it has no row. num_layers is the model's
   num_hidden_layers (dense layers included, their rows are 0, as in SGLang); expert ids are
-  logical. Stored in the compact dtype of `routed_experts_dtype`.
+  logical. Stored in the compact dtype of `routed_experts_dtype`. Image prompts: the rows of the image
+  placeholder tokens are there too (they are prompt tokens the decoder routes like any other).
+- `images` (the ``generate`` argument): None, or a list aligned with ``prompt_ids`` of
+  ``models.multimodal.ImageInputs`` (None for a text prompt); the prompt's ids already hold each image's
+  vision_start, n x image_token_id, vision_end. An engine that cannot serve images refuses them
+  (``refuse_images``); one that can returns them as ``Sample.images``.
 """
 from __future__ import annotations
 
@@ -60,6 +65,29 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) ->
         yield bucket
 
 
+def check_images(prompt_ids: Sequence[Sequence[int]], images) -> Optional[list]:
+    """``images`` as a list aligned with ``prompt_ids`` (None entries for text prompts), or None when no prompt
+    has an image. ValueError for a list of the wrong length or an entry that is not ``ImageInputs``."""
+    if images is None:
+        return None
+    from megatron_s3ac.models.multimodal import ImageInputs
+
+    images = list(images)
+    if len(images) != len(prompt_ids):
+        raise ValueError(f"images: {len(images)} entries for {len(prompt_ids)} prompts (one per prompt, None for "
+                         f"a text prompt)")
+    for i, im in enumerate(images):
+        if im is not None and not isinstance(im, ImageInputs):
+            raise ValueError(f"images[{i}] is a {type(im).__name__}, not models.multimodal.ImageInputs")
+    return images if any(im is not None for im in images) else None
+
+
+def refuse_images(engine: str, images, why: str) -> None:
+    """Raise ValueError when ``images`` holds an image: ``engine`` cannot serve image prompts (``why``)."""
+    if images is not None and any(im is not None for im in images):
+        raise ValueError(f"{engine} cannot serve image prompts: {why}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings shared by all engines.
@@ -103,12 +131,18 @@ class Sample:
     routed_experts: Optional[np.ndarray] = None  # [P + R - 1, num_layers, top_k], compact int dtype
     response_text: Optional[str] = None  # decoded response when the engine has a tokenizer
     images: Optional[Any] = None  # models.multimodal.ImageInputs of an image prompt (prompt_ids hold its placeholders)
+    # [R] int: the weights version that generated each response token (partial rollout, rollout/partial.py: a
+    # response interrupted at a weight sync and resumed on the new weights spans several); None = one version, the
+    # batch's (every engine returns None; the asynchronous loop tags the tokens)
+    token_versions: Optional[np.ndarray] = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
         if len(self.logprobs) != len(self.response_ids):
             raise ValueError(f"{len(self.logprobs)} log-probs for {len(self.response_ids)} response tokens")
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(f"{len(self.token_versions)} token versions for {len(self.response_ids)} response tokens")
         if self.routed_experts is not None:
             rows = len(self.prompt_ids) + len(self.response_ids) - 1
             if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != rows:
@@ -190,35 +224,73 @@ class StreamingGeneration(PendingGeneration):
         return self._out
 
 
+class PartialRolloutUnsupported(RuntimeError):
+    """The engine cannot pause its in-flight requests and continue them (``rollout.partial_rollout``)."""
+
+
 class RolloutEngine(abc.ABC):
-    """A generator whose weights follow the trainer's."""
+    """A generator whose weights follow the trainer's.
+
+    Partial rollout (``rollout.partial_rollout``, rollout/partial.py; docs/rollout.md "Partial rollout"): an engine
+    that can pause sets ``supports_pause`` and implements ``pause_generation`` (its in-flight ``generate`` calls
+    return what they have: unfinished responses with finish_reason "abort", their tokens, log-probs and routes so
+    far; a call that starts while paused returns every response empty and aborted), ``continue_generation`` and
+    ``generate_continuations`` (each request = prompt + partial response and its remaining token budget; the samples
+    hold the new tokens only, their log-probs under the weights of that moment)."""
+
+    supports_pause = False
+
+    def pause_generation(self) -> None:
+        raise PartialRolloutUnsupported(f"{type(self).__name__} cannot pause generation (rollout.partial_rollout)")
+
+    def continue_generation(self) -> None:
+        raise PartialRolloutUnsupported(f"{type(self).__name__} cannot pause generation (rollout.partial_rollout)")
+
+    def generate_continuations(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
+                               return_routed_experts: bool = False) -> list[Sample]:
+        """One sample per (prefix ids, max new tokens) request; ``params.max_new_tokens`` is ignored."""
+        raise PartialRolloutUnsupported(f"{type(self).__name__} cannot continue partial responses")
+
+    def continue_async(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
+                       return_routed_experts: bool = False) -> PendingGeneration:
+        """``generate_continuations`` submitted as ``generate_async`` is (in-process: run now)."""
+        import time
+
+        t0 = time.time()
+        out = self.generate_continuations(requests, params, return_routed_experts)
+        return PendingGeneration(lambda: (out, t0, time.time()))
 
     def generate_groups(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                        return_routed_experts: bool = False) -> Iterator[tuple[int, list[Sample]]]:
+                        return_routed_experts: bool = False, images=None) -> Iterator[tuple[int, list[Sample]]]:
         """(prompt index, group) as each prompt's group finishes; an engine that cannot tell yields ``generate``'s
         groups in prompt order once all are done (CPUEngine yields them at the decode step they finish)."""
-        yield from enumerate(self.generate(prompt_ids, params, n_samples, return_routed_experts))
+        kw = {} if images is None else {"images": images}  # engines written before image prompts: four arguments
+        yield from enumerate(self.generate(prompt_ids, params, n_samples, return_routed_experts, **kw))
 
     def generate_stream_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                              return_routed_experts: bool = False) -> StreamingGeneration:
+                              return_routed_experts: bool = False, images=None) -> StreamingGeneration:
         """``generate_async`` whose groups are handed back as they finish (``StreamingGeneration.groups()``): the
         same samples. An in-process engine generates here, now (calls made after it must find it done), and hands
         the groups over in the order they finished; RemoteEngine streams them from its actor while it generates."""
         import time
 
         t0 = time.time()
-        items = list(self.generate_groups(prompt_ids, params, n_samples, return_routed_experts))
+        kw = {} if images is None else {"images": images}
+        items = list(self.generate_groups(prompt_ids, params, n_samples, return_routed_experts, **kw))
         return StreamingGeneration(len(prompt_ids), iter(items + [(None, (t0, time.time()))]))
 
     def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                       return_routed_experts: bool = False) -> PendingGeneration:
+                       return_routed_experts: bool = False, images=None) -> PendingGeneration:
         """Submit ``generate`` and return at once where the engine runs elsewhere (RemoteEngine, EnginePool: a
         Ray actor); calls made after it (a weight update) run after it. An in-process engine generates here,
         now (nothing to overlap with)."""
         import time
 
         t0 = time.time()
-        out = self.generate(prompt_ids, params, n_samples, return_routed_experts)
+        if images is None:  # engines written before image prompts take four arguments
+            out = self.generate(prompt_ids, params, n_samples, return_routed_experts)
+        else:
+            out = self.generate(prompt_ids, params, n_samples, return_routed_experts, images=images)
         return PendingGeneration(lambda: (out, t0, time.time()))
 
     @abc.abstractmethod
@@ -228,8 +300,10 @@ class RolloutEngine(abc.ABC):
         params: SamplingParams,
         n_samples: int = 1,
         return_routed_experts: bool = False,
+        images: Optional[Sequence[Any]] = None,
     ) -> list[list[Sample]]:
-        """Sample n_samples responses per prompt; returns one list of n_samples per prompt."""
+        """Sample n_samples responses per prompt; returns one list of n_samples per prompt. ``images``: see the
+        module docstring (None: text prompts only)."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:

@@ -26,3 +26,32 @@ class EngineSettings:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb) << 20
+
+
+def check_checkpoint_dir(engine: str, model_dir, *, tiny=None, key: str = "rollout.engine",
+                         tokenizer_files=None) -> dict:
+    """The checks every server engine (sglang, vllm) makes of the HF directory it starts from, raising
+    ConfigError naming ``key``: not the built-in tiny model, a directory, config.json, *.safetensors weights and,
+    when ``tokenizer_files`` is given, one of them. Returns config.json as a dict."""
+    import json
+    import os
+
+    if tiny is not None:
+        raise ConfigError(f"{key}: {engine} cannot serve the built-in tiny model {tiny!r} (no HF checkpoint "
+                          f"directory); use {key}: cpu for it")
+    if not model_dir:
+        raise ConfigError(f"{key}: {engine} starts from an HF checkpoint directory (config.json, *.safetensors"
+                          f"{', tokenizer' if tokenizer_files else ''}); none is configured (model.engine_hf_dir / "
+                          f"model.hf_config)")
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"{key}: {engine} model directory {model_dir} does not exist")
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}: {model_dir} has no config.json; {engine} serves HF checkpoint directories")
+    if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
+        raise ConfigError(f"{key}: {model_dir} has no *.safetensors weights for {engine} to start from")
+    if tokenizer_files and not any(os.path.isfile(os.path.join(model_dir, f)) for f in tokenizer_files):
+        raise ConfigError(f"{key}: {model_dir} has no tokenizer files ({', '.join(tokenizer_files)}): {engine} and "
+                          f"the reward decoding need the model's tokenizer")
+    with open(path) as f:
+        return json.load(f)

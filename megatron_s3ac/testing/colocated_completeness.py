@@ -31,8 +31,8 @@ def colocated_sync_once(hf_dir: str, bucket_bytes: int = 1 << 20) -> dict:
     from megatron_s3ac.models.actor_critic import build_actor, build_transformer_config
     from megatron_s3ac.models.parallel import ParallelLayout, initialize_model_parallel
     from megatron_s3ac.models.registry import model_info
-    from megatron_s3ac.rollout.colocated import ColocatedIPCSync
-    from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
+    from megatron_s3ac.rollout.engines.sglang.colocated import ColocatedIPCSync
+    from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
     from megatron_s3ac.testing.sglang_startup import StartupEngine
 
     info = model_info(hf_dir)

@@ -40,7 +40,7 @@ def free_gpus() -> float:
 
 @contextlib.contextmanager
 def stand_ins_request_gpus(pool_cls, start_timeout_s: float = 60.0):
-    """Within: ``pool_cls(factory, ...)`` (``rollout.engine_pool.EnginePool``; passed in: testing/ sits below
+    """Within: ``pool_cls(factory, ...)`` (``rollout.engines.pool.EnginePool``; passed in: testing/ sits below
     rollout/ in the import floors) with ``gpus_per_engine=0`` and a stand-in factory requests
     ``factory.settings.gpus_per_engine`` GPUs per engine; every pool's start waits at most ``start_timeout_s``."""
     orig = pool_cls.__init__

@@ -7,6 +7,9 @@ from the environment (the tests run the trainer under torchrun) and do nothing w
   S3AC_TESTING_FAIL_IN_STAGE=STAGE      os._exit(9) inside pipeline stage STAGE, after part of its output
                                         is written and before its DONE.json (trainer.pipeline); for rl: after
                                         RL step 1 is logged and saved
+  S3AC_TESTING_DECODE_DELAY=SECONDS     the CPU engine sleeps this long after each decode step (generation
+                                        slower than training, so a weight sync finds requests in flight: the
+                                        partial-rollout tests)
 """
 from __future__ import annotations
 
@@ -16,6 +19,12 @@ import time
 FAIL_AT_STEP = "S3AC_TESTING_FAIL_AT_STEP"
 SAVE_PAUSE = "S3AC_TESTING_SAVE_PAUSE"
 FAIL_IN_STAGE = "S3AC_TESTING_FAIL_IN_STAGE"
+DECODE_DELAY = "S3AC_TESTING_DECODE_DELAY"
+
+
+def decode_delay() -> float:
+    """Seconds the CPU engine waits after each decode step (0 unless S3AC_TESTING_DECODE_DELAY is set)."""
+    return float(os.environ.get(DECODE_DELAY) or 0.0)
 
 
 def after_step(step: int) -> None:

@@ -49,7 +49,7 @@ def stage_broadcast_address() -> str:
     import torch.distributed as dist
 
     from megatron_s3ac.models.parallel import ParallelLayout, initialize_model_parallel
-    from megatron_s3ac.rollout import broadcast
+    from megatron_s3ac.rollout.engines.sglang import broadcast
 
     initialize_model_parallel(ParallelLayout())
     debian_hosts()

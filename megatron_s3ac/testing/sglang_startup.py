@@ -40,7 +40,7 @@ class StartupEngine:
     """sglang.Engine(**server_args) as far as start-up goes (see the module docstring)."""
 
     def __init__(self, model_path: str, context_length: Optional[int] = None, **server_args):
-        from megatron_s3ac.rollout.sglang_engine import _context_length
+        from megatron_s3ac.rollout.engines.sglang.engine import _context_length
 
         self.server_args = dict(model_path=model_path, context_length=context_length, **server_args)
         self.env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}

@@ -117,23 +117,27 @@ def fuse_experts(hf_dir: str) -> None:
 def save_tiny_qwen3_5(out_dir: str, variant: str = "vl", experts: str = "fused", seed: int = 0,
                       **text_overrides) -> str:
     """Write a tiny random Qwen3.5-MoE checkpoint; returns ``out_dir``."""
+    _save(tiny_qwen3_5_model(variant, seed=seed, **text_overrides), out_dir, experts)
+    return out_dir
+
+
+def _save(model, out_dir: str, experts: str) -> None:
+    """save_pretrained + the expert layout: ``fused`` (published) or ``per_expert`` (marked in config.json)."""
     from megatron_s3ac.models.qwen3_5 import EXPERT_LAYOUT_KEY
 
-    model = tiny_qwen3_5_model(variant, seed=seed, **text_overrides)
+    if experts not in ("fused", "per_expert"):
+        raise ValueError(f"experts must be 'fused' or 'per_expert', got {experts!r}")
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     if experts == "fused":
         fuse_experts(out_dir)
-    elif experts == "per_expert":
-        path = os.path.join(out_dir, "config.json")
-        with open(path) as f:
-            cfg = json.load(f)
-        cfg[EXPERT_LAYOUT_KEY] = "per_expert"
-        with open(path, "w") as f:
-            json.dump(cfg, f, indent=2)
-    else:
-        raise ValueError(f"experts must be 'fused' or 'per_expert', got {experts!r}")
-    return out_dir
+        return
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg[EXPERT_LAYOUT_KEY] = "per_expert"
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
 
 
 # The complete VL checkpoint (``save_tiny_qwen3_5_vl_full``): image / video / vision start / end token ids
@@ -154,8 +158,6 @@ def save_tiny_qwen3_5_vl_full(out_dir: str, seed: int = 0, experts: str = "fused
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from megatron_s3ac.models.qwen3_5 import EXPERT_LAYOUT_KEY
-
     cfg = Qwen3_5MoeConfig(text_config={**TEXT, "mtp_num_hidden_layers": 1}, vision_config=dict(VISION),
                            tie_word_embeddings=TEXT["tie_word_embeddings"], **VL_TOKENS)
     torch.manual_seed(seed)
@@ -169,19 +171,7 @@ def save_tiny_qwen3_5_vl_full(out_dir: str, seed: int = 0, experts: str = "fused
         g = torch.Generator().manual_seed(seed + 7)
         for name, p in model.model.visual.named_parameters():  # biases / norms are constants at init
             p.copy_(0.2 * torch.randn(p.shape, generator=g) + (1.0 if name.endswith("norm1.weight") else 0.0))
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    if experts == "fused":
-        fuse_experts(out_dir)
-    elif experts == "per_expert":
-        path = os.path.join(out_dir, "config.json")
-        with open(path) as f:
-            c = json.load(f)
-        c[EXPERT_LAYOUT_KEY] = "per_expert"
-        with open(path, "w") as f:
-            json.dump(c, f, indent=2)
-    else:
-        raise ValueError(f"experts must be 'fused' or 'per_expert', got {experts!r}")
+    _save(model, out_dir, experts)
     lm = {}
     for fn in sorted(os.listdir(out_dir)):
         if fn.endswith(".safetensors"):

@@ -25,6 +25,10 @@ Engine failure: rank 0 waits for the engine at two points of a step and broadcas
 rebuilt, re-synced (every rank) and its unreturned batches resubmitted, at most ``rollout.max_engine_restarts``
 times a step (``rollout/engine_restarts``). The queue is saved with the checkpoint (``state_dict``).
 
+Partial rollout (``rollout.partial_rollout: true``; trainer/async_partial.py): at the sync the engine is paused
+instead of waited for, and the unfinished responses resume on the new weights, each token tagged with its version;
+a sample's staleness is then its oldest token's.
+
 Every rank runs ``step`` (prompt selection, the DAPO filter and the training phases are collective); rank 0 owns
 the engine, submits and waits. ``Trainer.step`` delegates here when ``train.max_staleness > 0``; the training
 phases are ``Trainer.train_on``, the one sequence both steps call.
@@ -57,20 +61,23 @@ class Submitted:
 
 def staleness_metrics(samples: list[dict], step: int) -> dict:
     """``async/staleness_*`` over the trained samples (each with "version" and "rlen"): the mean over response
-    tokens, the mean over samples and the max, in weight versions (step - version)."""
+    tokens, the mean over samples and the max, in weight versions (step - version). With partial rollout a sample
+    also has "version_mean" (its tokens' mean version): the token mean uses it, the sample mean and max its oldest
+    token's "version"."""
     if not samples:
         return {}
     st = torch.tensor([step - int(d["version"]) for d in samples], dtype=torch.float64)
+    tok = torch.tensor([step - float(d.get("version_mean", d["version"])) for d in samples], dtype=torch.float64)
     n = torch.tensor([int(d["rlen"]) for d in samples], dtype=torch.float64)
-    return {"async/staleness_mean": float((st * n).sum() / n.sum().clamp(min=1.0)),
+    return {"async/staleness_mean": float((tok * n).sum() / n.sum().clamp(min=1.0)),
             "async/staleness_sample_mean": float(st.mean()), "async/staleness_max": float(st.max()),
             "async/trained_tokens": float(n.sum())}
 
 
 def engine_death_types() -> tuple:
     """The errors that say a separate engine's process died or stopped answering (RemoteEngine, EnginePool)."""
-    from megatron_s3ac.rollout.engine_pool import EngineDied, EngineTimeout
-    from megatron_s3ac.rollout.remote import RemoteEngineDied, RemoteEngineTimeout
+    from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngineDied, RemoteEngineTimeout
+    from megatron_s3ac.rollout.engines.pool import EngineDied, EngineTimeout
 
     return (RemoteEngineDied, RemoteEngineTimeout, EngineDied, EngineTimeout)
 
@@ -133,6 +140,9 @@ class AsyncRollout:
         self.reward_events: list = []  # rank 0, streaming rewards: (kind, step, group, time) of the current step
         self.reward_log: collections.deque = collections.deque(maxlen=100_000)  # the same over the run (tests)
         self._step_restarts = 0  # in the current step (bounded by rollout.max_engine_restarts)
+        from megatron_s3ac.trainer.async_partial import make_partial
+
+        self.partial = make_partial(self)  # rollout.partial_rollout: None unless on
 
     # ---- submission ---------------------------------------------------------------------------
     def _params(self, step: int, round_idx: int = 0):
@@ -205,7 +215,7 @@ class AsyncRollout:
 
     def sync_weights(self) -> None:
         """Every rank: ``Trainer.sync_weights`` that survives the engine dying during it (its process killed while
-        it loads a bucket): the sync runs to its end on every rank (``rollout.weight_sync``: a failed engine takes
+        it loads a bucket): the sync runs to its end on every rank (``rollout.sync.weight_sync``: a failed engine takes
         no more buckets, the export's collectives go on), rank 0's verdict is shared, and a dead engine is rebuilt
         and synced again (``recover``), its unreturned batches resubmitted."""
         tr = self.tr
@@ -319,10 +329,14 @@ class AsyncRollout:
         if tr.cfg.algo.dynamic_sampling_refill:
             tr._place(m, off=["actor"])  # as the synchronous step (a no-op unless train.offload_idle)
             samples, drawn, batch, fm = tr.rollout_refilled(first=(e.pids, e.stats, groups, e.version, e.rewards))
+            if self.partial is not None:  # the first round's samples come first
+                self.partial.tag_collected(e, samples, groups)
             return samples, drawn, batch, fm, (getattr(tr, "_kept", []) if batch is not None else [])
         samples = tr.rollout(e.pids, groups=groups, rewards=e.rewards)
         for d in samples:
             d["version"] = e.version
+        if self.partial is not None:
+            self.partial.tag_collected(e, samples, groups)
         if not samples:
             return samples, None, None, e.stats, []
         drawn = RolloutMeta.of(samples)
@@ -367,16 +381,25 @@ class AsyncRollout:
             raise RuntimeError(f"asynchronous rollout: a sample {st['async/staleness_max']:g} weight versions old "
                                f"would train at step {s}, above train.max_staleness={self.n}")
         m.update(st)
+        if self.partial is not None:
+            from megatron_s3ac.trainer.async_partial import versions_metrics
+
+            m.update(versions_metrics(kept))
         # the synchronous step's training phases, the same code (Trainer.train_on): the current actor recomputes the
         # old log-probs (the proximal policy), the current critic the values; IS / IcePoP / MIS on old / behaviour
         tr.train_on(batch, m)
         self._trained = True  # from here a re-sync sends the updated weights (version s + 1)
         # the engine loads the new weights after the submitted batches (its calls run in order): wait here, not
-        # inside the sync's collectives
-        self._await(list(self.queue))
+        # inside the sync's collectives; partial rollout pauses the engine first (the batches return at once)
+        if self.partial is not None:
+            self.partial.interrupt()
+        else:
+            self._await(list(self.queue))
         t3 = time.time()
         self.sync_weights()  # an engine killed during the sync is restarted and re-synced
         m["time/sync"] = time.time() - t3
+        if self.partial is not None:
+            self.partial.resume(s + 1)  # rank 0: the unfinished responses continue on the new weights
         tr.step_idx += 1
         tr.weights_version = tr.step_idx
         return self._finish(m, t0, kept)
@@ -385,6 +408,8 @@ class AsyncRollout:
         t = time.time()
         m["time/step"] = t - t0
         m["rollout/engine_restarts"] = self.restarts
+        if self.partial is not None:
+            m.update(self.partial.metrics())
         if self.tr.rank == 0:
             busy = busy_seconds(self.spans, t0, t)
             m.update({"time/trainer_wait": self.wait_s, "time/engine_busy_frac": busy / max(t - t0, 1e-9),
@@ -406,6 +431,8 @@ def _plain_sample(smp) -> dict:
     return {"prompt_ids": [int(t) for t in smp.prompt_ids], "response_ids": [int(t) for t in smp.response_ids],
             "logprobs": torch.from_numpy(np.asarray(smp.logprobs, dtype=np.float32).copy()),
             "finish_reason": str(smp.finish_reason), "response_text": smp.response_text,
+            "token_versions": None if smp.token_versions is None else torch.from_numpy(
+                np.asarray(smp.token_versions, dtype=np.int64).copy()),
             "routed_experts": None if smp.routed_experts is None else torch.from_numpy(np.ascontiguousarray(
                 smp.routed_experts))}
 
@@ -416,7 +443,8 @@ def _sample(d: dict):
     return Sample(prompt_ids=list(d["prompt_ids"]), response_ids=list(d["response_ids"]),
                   logprobs=d["logprobs"].numpy(), finish_reason=d["finish_reason"],
                   routed_experts=None if d["routed_experts"] is None else d["routed_experts"].numpy(),
-                  response_text=d["response_text"])
+                  response_text=d["response_text"],
+                  token_versions=None if d.get("token_versions") is None else d["token_versions"].numpy())
 
 
 def _plain_stats(stats: dict) -> dict:

@@ -49,6 +49,9 @@ class RolloutBatch:
     prompt_len: Tensor  # [N]
     resp_len: Tensor  # [N]
     routes: Optional[list] = None  # R3: per-sample rollout routes [P + R - 1, layers, top_k] (ragged)
+    # image prompts: per-sample models.multimodal.ImageInputs (None for a text row); None: no image in the batch.
+    # Selected with the rows like routes; models.pipeline turns them into vision embeddings + mRoPE positions
+    images: Optional[list] = None
     # filled by the step: old log-probs, advantages, IS corrections, critic targets; value pretraining
     # fills returns only
     old_logp: Optional[Tensor] = None
@@ -129,7 +132,8 @@ class RolloutMeta:
 
 
 def collate(samples: list[dict], pad_to: int = 8, width: int | None = None) -> RolloutBatch:
-    """samples: dicts with prompt_ids, response_ids, logprobs, reward, pid (+ routes) -> batch (host).
+    """samples: dicts with prompt_ids, response_ids, logprobs, reward, pid (+ routes, + images: ImageInputs or
+    its ``state()`` dict) -> batch (host).
     width: T of the per-token fields (default: the longest response here; a shard of a batch passes
     the whole batch's so its rows look exactly like the whole batch's)."""
     n = len(samples)
@@ -152,9 +156,16 @@ def collate(samples: list[dict], pad_to: int = 8, width: int | None = None) -> R
         # (ragged) and aligned to each micro-batch's layout (r3.glue); None for a row only the critic
         # uses (sharded data flow)
         routes = [s.get("routes") for s in samples]
+    images = None
+    if any(s.get("images") is not None for s in samples):
+        from megatron_s3ac.models.multimodal import ImageInputs
+
+        images = [im if im is None or isinstance(im, ImageInputs) else ImageInputs.from_state(im)
+                  for im in (s.get("images") for s in samples)]
     return RolloutBatch(tokens=tokens, idx=idx, mask=mask, rollout_logp=beh,
                         scores=torch.tensor([float(s["reward"]) for s in samples]),
-                        pid=torch.tensor([int(s["pid"]) for s in samples]), prompt_len=P, resp_len=R, routes=routes)
+                        pid=torch.tensor([int(s["pid"]) for s in samples]), prompt_len=P, resp_len=R, routes=routes,
+                        images=images)
 
 
 def shard_rows(rows: Tensor, dp_rank: int, dp: int) -> tuple[Tensor, Tensor]:

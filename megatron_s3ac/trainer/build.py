@@ -108,7 +108,7 @@ class Model:
 def build_actor(cfg: Config, info, layout, r3_overrides: dict, before_build=None) -> Model:
     """The policy from ``model.actor_init`` (or its init); ``before_build(config)`` may refuse the
     TransformerConfig (R3's checks) before any weight is made."""
-    from megatron_s3ac.convert.carried import load_model
+    from megatron_s3ac.convert.carried import attach_vision_from_carried, load_model
     from megatron_s3ac.models.actor_critic import build_actor as _build, build_transformer_config
     from megatron_s3ac.models.optim import wrap_ddp
 
@@ -119,15 +119,21 @@ def build_actor(cfg: Config, info, layout, r3_overrides: dict, before_build=None
     actor = _to_device(_build(info, config))
     if cfg.model.actor_init:  # with its carried tensors (vision tower, MTP head), if it has any
         load_model(actor, cfg.model.actor_init)
+        # a VL checkpoint: the vision tower from the carried model.visual.* tensors (before DDP: a trainable
+        # tower's parameters get grad buffers; a frozen one is no parameter of the model)
+        attach_vision_from_carried(actor, info, trainable=cfg.train.vision.trainable,
+                                   dtype=next(actor.parameters()).dtype)
     ddp = wrap_ddp(actor, config)
     opt = _build_optimizer("actor", ddp, lr=a.actor_lr, clip_grad=a.actor_clip_grad, weight_decay=a.weight_decay,
                            **_optim_kw(cfg.optim.actor))
     return Model(actor, ddp, opt, config)
 
 
-def build_critic(cfg: Config, info, layout, init_from_actor) -> Model:
+def build_critic(cfg: Config, info, layout, init_from_actor, vision=None) -> Model:
     """The value model (inside the critic's parallel scope): from ``model.critic_init``, else its
-    backbone from the actor (``init_from_actor(critic_module)``) and a fresh value head."""
+    backbone from the actor (``init_from_actor(critic_module)``) and a fresh value head. ``vision``: the
+    actor's vision tower (VL checkpoints): the critic's input embeddings use it, frozen (a copy when the
+    actor's trains)."""
     from megatron.core import dist_checkpointing
 
     from megatron_s3ac.models.actor_critic import ValueHeadConfig, build_critic as _build, build_transformer_config
@@ -136,6 +142,15 @@ def build_critic(cfg: Config, info, layout, init_from_actor) -> Model:
     a = cfg.algo
     config = build_transformer_config(info, layout, **_config_kw(cfg))
     critic = _to_device(_build(info, config, ValueHeadConfig(kind=cfg.model.critic_head)))
+    if vision is not None:
+        from megatron_s3ac.models.vision import attach_vision
+
+        tower, image_token_id = vision
+        if any(p.requires_grad for p in tower.parameters()):
+            import copy
+
+            tower = copy.deepcopy(tower)
+        attach_vision(critic.module, tower, False, image_token_id)
     if cfg.model.critic_init:
         critic.load_state_dict(dist_checkpointing.load(critic.sharded_state_dict(), cfg.model.critic_init))
     else:  # backbone from the actor; the value head keeps its 1/(H+1) init (or model.value_head_init_std)
@@ -198,9 +213,18 @@ def build_models(cfg: Config, info, par: ParallelSetup, uses_critic: bool, scope
     critic = None
     if uses_critic:
         with scope("critic"):
-            critic = build_critic(cfg, info, par.critic_layout, init_from_actor=lambda c: init_critic(actor.module, c))
+            critic = build_critic(cfg, info, par.critic_layout, init_from_actor=lambda c: init_critic(actor.module, c),
+                                  vision=_vision_of(actor.module))
     made["r3"].attach(actor.ddp)
     return Models(actor, critic, made["r3"])
+
+
+def _vision_of(module):
+    """(tower, image_token_id) of a model with a vision tower (VL checkpoint), else None."""
+    from megatron_s3ac.models.vision import vision_meta, vision_of
+
+    tower = vision_of(module, spare=True)
+    return None if tower is None else (tower, vision_meta(module)[0])
 
 
 def _check_backbone(missing, unexpected, ignore_extra_state: bool) -> None:
@@ -217,7 +241,7 @@ def copy_backbone(actor, critic, *, same_layout: bool, tmp_dir: str, scope) -> N
     (layout-free) in ``tmp_dir`` and is read back at the critic's layout (``scope(name)``: the
     model's parallel state)."""
     if same_layout:
-        sd = {k: v for k, v in actor.state_dict().items() if not k.startswith("output_layer")}
+        sd = {k: v for k, v in actor.state_dict().items() if not k.startswith(("output_layer", "vision_tower."))}
         missing, unexpected = critic.module.load_state_dict(sd, strict=False)
         _check_backbone(missing, unexpected, ignore_extra_state=False)
         return
@@ -271,9 +295,12 @@ def build_data(cfg: Config, use_daps: bool) -> PromptData:
     else:
         from transformers import AutoTokenizer
 
-        vocab = AutoTokenizer.from_pretrained(cfg.model.engine_hf_dir or cfg.model.hf_config)
+        model_dir = cfg.model.engine_hf_dir or cfg.model.hf_config
+        vocab = AutoTokenizer.from_pretrained(model_dir)
+        # a vision-language checkpoint: rows with an ``images`` column go through its image processor
+        vision = D.VisionProcessor.from_pretrained(model_dir) if os.path.isdir(model_dir) else None
         prompts, stats = D.load_math_prompts(cfg.data.path, vocab, cfg.data.max_prompt_tokens,
-                                             cfg.data.apply_chat_template)
+                                             cfg.data.apply_chat_template, vision=vision)
         eval_prompts = []
     daps = None
     if use_daps:
@@ -303,8 +330,9 @@ def build_engine(cfg: Config, info):
     if in_process:
         dev["device"] = "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"
     if kind == "vllm":  # its own server process: the client lives in rank 0 whatever the placement
-        return make_engine_factory("vllm", model_dir=engine_model_dir(cfg), settings=r.vllm, seed=cfg.train.seed)(), \
-            False
+        factory = make_engine_factory("vllm", model_dir=engine_model_dir(cfg), settings=r.vllm, seed=cfg.train.seed,
+                                      placement=placement)
+        return build_rollout_engine(factory, placement), False
     if kind == "sglang":
         # sglang records routes only for R3 (a dense model has none to record: the engine refuses the flag)
         _, routes = r3_setting(cfg, info)
@@ -328,7 +356,7 @@ def build_engine(cfg: Config, info):
     import ray
 
     owns_ray = not ray.is_initialized()
-    return build_rollout_engine(factory, placement), owns_ray
+    return build_rollout_engine(factory, placement, pausable=bool(r.partial_rollout)), owns_ray
 
 
 def reset_optimizer(opt, lr: float) -> None:

@@ -1,13 +1,18 @@
-"""Prompt sets: the synthetic "a+b=" task (character vocabulary) and math sets from jsonl/parquet.
+"""Prompt sets: the synthetic "a+b=" task (character vocabulary) and math sets from jsonl/parquet, with images.
 
-A prompt set is a list of ``Prompt(ids, text, reference)``. ``PromptStream`` yields prompt indices
+A prompt set is a list of ``Prompt(ids, text, reference, images)``; ``images`` is the prompt's
+``models.multimodal.ImageInputs`` (None for a text prompt), its placeholders already expanded in ``ids``.
+Rows with images follow the HF datasets / verl convention (see ``VisionProcessor``). ``PromptStream`` yields prompt indices
 in a seeded order (one permutation per epoch); its state is two ints, so a checkpoint restores it.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -45,11 +50,21 @@ def tiny_arithmetic_hf_config():
     return cfg
 
 
+def tiny_task_hf_config(vocab: CharVocab, max_prompt_tokens: int, max_response_tokens: int):
+    """The demo model for a character-vocabulary task (trainer.tasks_multistep, trainer.tasks_chain): its
+    vocabulary, and positions for the longest prompt + response (at least the demo's 64)."""
+    cfg = tiny_arithmetic_hf_config()
+    cfg.vocab_size = vocab.size
+    cfg.max_position_embeddings = max(64, max_prompt_tokens + max_response_tokens)
+    return cfg
+
+
 @dataclass
 class Prompt:
     ids: list[int]
     text: str
     reference: str
+    images: Optional[object] = None  # models.multimodal.ImageInputs of an image prompt (ids hold its placeholders)
 
 
 def arithmetic_prompts(n: int, max_operand: int, seed: int, vocab: CharVocab | None = None,
@@ -103,7 +118,7 @@ def _extract(row) -> tuple[object, str] | None:
     if isinstance(prompt, str):
         ok = bool(prompt.strip())
     elif isinstance(prompt, (list, tuple)):
-        ok = len(prompt) > 0 and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt)
+        ok = len(prompt) > 0 and all(isinstance(m, dict) and _is_content(m.get("content")) for m in prompt)
     else:
         ok = False
     if not ok or ref is None or str(ref).strip() == "":
@@ -111,31 +126,179 @@ def _extract(row) -> tuple[object, str] | None:
     return prompt, str(ref)
 
 
-def load_math_prompts(path: str, tokenizer, max_prompt_tokens: int, apply_chat_template: bool = True
-                      ) -> tuple[list[Prompt], dict]:
-    """Prompts from a local jsonl/parquet file; malformed or too-long rows are skipped and counted."""
+def _is_content(c) -> bool:
+    """A chat message's content: a string or a list of {"type": "text", "text": ...} / {"type": "image"} entries."""
+    return isinstance(c, str) or (isinstance(c, list) and all(
+        isinstance(e, dict) and (e.get("type") == "image" or isinstance(e.get("text"), str)) for e in c))
+
+
+def load_math_prompts(path: str, tokenizer, max_prompt_tokens: int, apply_chat_template: bool = True,
+                      vision: Optional["VisionProcessor"] = None) -> tuple[list[Prompt], dict]:
+    """Prompts from a local jsonl/parquet file; malformed or too-long rows are skipped and counted.
+
+    A row with an ``images`` column (a list of images) needs ``vision`` (the model's ``VisionProcessor``): each
+    image stands where its placeholder is (``<image>`` in the text, or a ``{"type": "image"}`` chat content entry),
+    expanded to vision_start, n x image_token, vision_end. A missing or unreadable image file, a placeholder count
+    that does not match the images, or images for a text-only model (``vision`` None) raise ``ValueError`` naming
+    the row: bad data is an error, not a skipped row."""
     if not os.path.exists(path):
         raise FileNotFoundError(path)
     rows = _read_rows(path)
-    prompts, stats = [], {"rows": len(rows), "malformed": 0, "too_long": 0}
-    for row in rows:
+    base_dir = os.path.dirname(os.path.abspath(path))
+    prompts, stats = [], {"rows": len(rows), "malformed": 0, "too_long": 0, "with_images": 0}
+    for i, row in enumerate(rows):
         got = _extract(row)
         if got is None:
             stats["malformed"] += 1
             continue
         prompt, ref = got
+        images = row.get("images") if isinstance(row, dict) else None
+        if images is not None and not isinstance(images, (list, tuple)):
+            images = [images]
+        images = list(images) if images else []
+        where = f"{path} row {i}"
+        if images and vision is None:
+            raise ValueError(f"{where} has {len(images)} image(s) but the model is text-only (no vision_config / "
+                             f"image processor in its checkpoint): use a vision-language model or drop the images")
         msgs = prompt if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}]
-        if apply_chat_template and getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
+        chat = apply_chat_template and getattr(tokenizer, "chat_template", None)
+        if chat:
+            text = tokenizer.apply_chat_template(_image_entries(list(msgs)) if images else list(msgs), tokenize=False,
+                                                 add_generation_prompt=True)
         else:
-            text = "\n".join(m["content"] for m in msgs)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            text = "\n".join(_content_text(m["content"]) for m in msgs)
+        image_inputs = None
+        if images:
+            pil = [load_image(im, base_dir, f"{where} image {j}") for j, im in enumerate(images)]
+            ids, image_inputs = vision.expand(text, pil, tokenizer, where)
+            stats["with_images"] += 1
+        else:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_tokens:
             stats["too_long"] += 1
             continue
-        prompts.append(Prompt(list(ids), text, ref))
+        prompts.append(Prompt(list(ids), text, ref, image_inputs))
     stats["kept"] = len(prompts)
     return prompts, stats
+
+
+# ---- image rows ------------------------------------------------------------------------------
+# Where an image stands in a prompt's text: the legacy ``<image>`` marker (verl's RLHFDataset._build_messages
+# splits content on it) or what a Qwen-VL chat template renders for a {"type": "image"} entry; both spellings as
+# sglang's Qwen-VL processor matches them (multimodal/processors/qwen_vl.py:396-402 in sglang 0.5.23).
+IMAGE_MARK = "<image>"
+_PLACEHOLDER = re.compile(r"<\|vision_start\|>(?:<\|image_pad\|>)*<\|vision_end\|>|<image>")
+
+
+def _content_text(content) -> str:
+    """A message's content as text: a string, or chat content entries (text kept, each image as ``<image>``)."""
+    if isinstance(content, str):
+        return content
+    return "".join(e.get("text", "") if e.get("type") == "text" else IMAGE_MARK for e in content)
+
+
+def _image_entries(msgs: list) -> list:
+    """Messages with each ``<image>`` in string content turned into a {"type": "image"} chat entry (what verl's
+    RLHFDataset._build_messages does), so a VL chat template renders its own image markers."""
+    out = []
+    for m in msgs:
+        c = m["content"]
+        if isinstance(c, str) and IMAGE_MARK in c:
+            parts = []
+            for j, seg in enumerate(c.split(IMAGE_MARK)):
+                if j:
+                    parts.append({"type": "image"})
+                if seg:
+                    parts.append({"type": "text", "text": seg})
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
+
+
+def load_image(item, base_dir: str, where: str):
+    """One entry of a row's ``images`` list as an RGB PIL image. Accepted, as HF ``datasets.Image`` stores images
+    and verl's ``vision_utils.process_image`` reads them: a path (relative to the data file's directory), raw bytes,
+    or a dict ``{"bytes": ..., "path": ...}`` (bytes win; a path alone is read from disk). ValueError naming
+    ``where`` for a missing file or bytes PIL cannot decode."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(item, dict):
+        data, path = item.get("bytes"), item.get("path")
+    elif isinstance(item, (bytes, bytearray)):
+        data, path = bytes(item), None
+    elif isinstance(item, str):
+        data, path = None, item
+    else:
+        raise ValueError(f"{where}: an image must be a path, bytes or {{'bytes', 'path'}}, got {type(item).__name__}")
+    if data is None:
+        if not path:
+            raise ValueError(f"{where}: image entry has neither bytes nor a path")
+        full = path if os.path.isabs(path) else os.path.join(base_dir, path)
+        if not os.path.isfile(full):
+            raise ValueError(f"{where}: image file {full} not found")
+        with open(full, "rb") as f:
+            data = f.read()
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()
+    except (UnidentifiedImageError, OSError) as err:
+        raise ValueError(f"{where}: unreadable image ({path or f'{len(data)} bytes'}): {err}") from err
+    return img.convert("RGB")
+
+
+class VisionProcessor:
+    """The image side of a vision-language checkpoint's processor: transformers' Qwen2-VL image processor (PIL
+    backend, the one Qwen3.5 uses; torchvision does not load with the CPU torch wheel here) from the checkpoint's
+    ``preprocessor_config.json`` + the config's image token ids. ``expand`` turns a prompt text with image
+    placeholders into ids with each image expanded to vision_start, n x image_token_id, vision_end
+    (n = t * h * w / merge_size**2), as the model's processor does, plus the ``ImageInputs``."""
+
+    def __init__(self, image_processor, image_token_id: int, vision_start_token_id: int, vision_end_token_id: int,
+                 merge_size: int):
+        self.image_processor = image_processor
+        self.image_token_id, self.merge_size = int(image_token_id), int(merge_size)
+        self.vision_start_token_id, self.vision_end_token_id = int(vision_start_token_id), int(vision_end_token_id)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> Optional["VisionProcessor"]:
+        """The checkpoint's processor, or None for a text-only checkpoint (no ``vision_config`` in config.json)."""
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        if not cfg.get("vision_config"):
+            return None
+        pre = os.path.join(model_dir, "preprocessor_config.json")
+        if not os.path.isfile(pre):
+            raise ValueError(f"{model_dir} is a vision-language checkpoint without preprocessor_config.json: its "
+                             f"images cannot be processed as the model was trained to see them")
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        with open(pre) as f:
+            pcfg = json.load(f)
+        keep = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "size", "image_mean",
+                "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb")
+        proc = Qwen2VLImageProcessorPil(**{k: v for k, v in pcfg.items() if k in keep})
+        merge = int(cfg["vision_config"].get("spatial_merge_size", pcfg.get("merge_size", 2)))
+        return cls(proc, cfg["image_token_id"], cfg["vision_start_token_id"], cfg["vision_end_token_id"], merge)
+
+    def expand(self, text: str, images: list, tokenizer, where: str = "prompt"):
+        """(ids, ImageInputs): ``text`` split at its image placeholders, each text part tokenized
+        (add_special_tokens=False) and each image replaced by its expanded tokens."""
+        from megatron_s3ac.models.multimodal import ImageInputs
+
+        parts = _PLACEHOLDER.split(text)
+        if len(parts) - 1 != len(images):
+            raise ValueError(f"{where}: {len(parts) - 1} image placeholder(s) ({IMAGE_MARK} or chat image entries) "
+                             f"for {len(images)} image(s)")
+        out = self.image_processor(images=images, return_tensors="pt")
+        grid = out["image_grid_thw"].long()
+        ids: list[int] = []
+        for j, seg in enumerate(parts):
+            if seg:
+                ids.extend(tokenizer(seg, add_special_tokens=False)["input_ids"])
+            if j < len(images):
+                n = int(grid[j].prod()) // self.merge_size ** 2
+                ids += [self.vision_start_token_id] + [self.image_token_id] * n + [self.vision_end_token_id]
+        return ids, ImageInputs(out["pixel_values"].float(), grid)
 
 
 class PromptStream:

@@ -18,7 +18,7 @@ def fp8_quantizer(cfg):
 
 
 def sync_strategy_for(cfg, engine=None):
-    """The weight-sync strategy ``rollout.engine`` registered for ``rollout.placement`` (``rollout.sync_strategy``),
+    """The weight-sync strategy ``rollout.engine`` registered for ``rollout.placement`` (``rollout.sync.strategy``),
     around ``engine`` (rank 0) or None (every other rank: the same strategy, derived from the config alone). The
     kind's own config section ``rollout.<kind>`` (e.g. ``rollout.sglang``; None if it has none) is its settings."""
     from megatron_s3ac.rollout.factory import make_sync_strategy
@@ -56,11 +56,11 @@ class EngineSide:
 
     def sync_weights(self):
         """The one weight path, actor -> engine. Collective: every rank joins the export. The engine kind's
-        registered strategy for ``rollout.placement`` does it (``rollout.sync_strategy``), waking a sleeping engine
+        registered strategy for ``rollout.placement`` does it (``rollout.sync.strategy``), waking a sleeping engine
         in its own order first: cpu / hf -> rank 0's engine receives every pipeline stage's tensors
-        (``rollout.weight_sync``); sglang separate -> each stage's leader broadcasts its stage
-        (``rollout.broadcast.StageBroadcastSync``); sglang colocated -> every rank hands the engine TP rank on its
-        GPU a handle to each bucket (``rollout.colocated.ColocatedIPCSync``), woken weights -> sync ->
+        (``rollout.sync.weight_sync``); sglang separate -> each stage's leader broadcasts its stage
+        (``rollout.engines.sglang.broadcast.StageBroadcastSync``); sglang colocated -> every rank hands the engine TP rank on its
+        GPU a handle to each bucket (``rollout.engines.sglang.colocated.ColocatedIPCSync``), woken weights -> sync ->
         kv_cache + cuda_graph. Returns this rank's stats."""
         chunks = list(self.actor) if isinstance(self.actor, (list, tuple)) else [self.actor]
         _hook(self, "_before_engine_wake")  # colocated offload: only the actor's params stay for the sync

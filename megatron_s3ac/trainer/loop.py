@@ -171,7 +171,8 @@ class Trainer(EngineSide, RolloutPhases):
     def critic_v0(self, pids: torch.Tensor) -> torch.Tensor:
         """V(s_0) [n] for prompt indices (state = the prompt; output at its last token)."""
         samples = [{"prompt_ids": self.prompts[int(i)].ids, "response_ids": [0], "logprobs": [0.0],
-                    "reward": 0.0, "pid": int(i)} for i in pids]
+                    "reward": 0.0, "pid": int(i), "images": getattr(self.prompts[int(i)], "images", None)}
+                   for i in pids]  # an image prompt's V(s0) sees its image
         return self._forward_only("critic", collate(samples, self.pad_to).to(self.device), "values")["values"][:, 0]
 
     def _update(self, which: str, batch: RolloutBatch, minibatches: int, epochs: int, loss_fn, seed: int) -> dict:

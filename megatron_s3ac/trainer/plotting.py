@@ -28,6 +28,10 @@ PANELS = [  # (title, metric keys, file); an entry of None = the per-benchmark k
     ("async: engine busy fraction / trainer wait (s)", ["time/engine_busy_frac", "time/trainer_wait"],
      "async_engine.png"),
     ("async: end-to-end trained tokens / s", ["time/tokens_per_s"], "async_throughput.png"),
+    # partial rollout (rollout.partial_rollout; trainer.async_partial): per sync, and versions per trained response
+    ("partial rollout: responses resumed / regenerated at the sync; versions per response",
+     ["async/partial_resumes", "async/partial_regenerated", "async/versions_per_response_max"],
+     "async_partial.png"),
 ]
 
 

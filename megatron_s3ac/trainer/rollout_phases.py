@@ -50,7 +50,7 @@ class RolloutPhases:
     def rollout(self, pids: torch.Tensor, round_idx: int = 0, groups=None, rewards=None) -> list[dict]:
         """Rank 0 generates and scores. Returns one dict per kept sample on every rank: its metadata
         ("pid", "reward", "finish", "plen", "rlen"); on rank 0 also the sample itself ("prompt_ids",
-        "response_ids", "logprobs", "routes"), which only ``distribute`` sends on.
+        "response_ids", "logprobs", "routes", "images"), which only ``distribute`` sends on.
         round_idx: the refill round within the step (0 = the step's first rollout), for its own seed.
         groups: rank 0's samples already generated for ``pids`` (the asynchronous loop's prefetched batch), else
         None: generate now. rewards: with groups, each group's rewards already scored as it came back (streaming
@@ -65,9 +65,12 @@ class RolloutPhases:
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                     seed=self.cfg.train.seed * 1_000_003 + self.step_idx + 7919 * round_idx)
             if groups is None:
+                images = [getattr(self.prompts[int(i)], "images", None) for i in pids]
+                # image prompts: each prompt's ImageInputs (the engine's generate(images=...)); text: as before
+                kw = {"images": images} if any(im is not None for im in images) else {}
                 try:
                     groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
-                                                  return_routed_experts=self.r3_on)
+                                                  return_routed_experts=self.r3_on, **kw)
                 except Exception as err:
                     if recovery is None or not recovery.is_engine_death(err):
                         raise
@@ -93,7 +96,10 @@ class RolloutPhases:
                                       [self.prompts[pid].reference for pid, _ in flat]) if flat else []
             full = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
                      "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
-                     "finish": s.finish_reason, "routes": s.routed_experts}
+                     "finish": s.finish_reason, "routes": s.routed_experts,
+                     # the prompt's ImageInputs (image prompts): what the trainer recomputes the engine's inputs from
+                     "images": (getattr(s, "images", None) if getattr(s, "images", None) is not None
+                                else getattr(self.prompts[pid], "images", None))}
                     for (pid, s), rew in zip(flat, rewards)]
             meta = {"pid": [d["pid"] for d in full], "reward": [d["reward"] for d in full],
                     "finish": [d["finish"] for d in full], "plen": [len(d["prompt_ids"]) for d in full],

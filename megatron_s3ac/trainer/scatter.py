@@ -31,11 +31,12 @@ def _cut(routes, layers: tuple, have: tuple):
     return np.ascontiguousarray(np.asarray(routes)[:, idx, :])
 
 
-_HEAVY = ("prompt_ids", "response_ids", "logprobs", "routes")  # the rest is metadata every rank holds
+_HEAVY = ("prompt_ids", "response_ids", "logprobs", "routes", "images")  # the rest is metadata every rank holds
 
 
 def _rows(samples: list[dict], share: RankShare, layers: tuple, have: tuple | None) -> list[tuple]:
-    """The payload of ``share.rows``, in order: (prompt_ids, response_ids, logprobs, routes) each,
+    """The payload of ``share.rows``, in order: (prompt_ids, response_ids, logprobs, routes, images: the
+    ImageInputs' tensors, travelling with their row, or None) each,
     routes only for ``share.route_rows`` and only ``layers`` (``have``: the layers the routes hold
     now, None = all of the model's)."""
     with_routes = set(share.route_rows)
@@ -45,7 +46,8 @@ def _rows(samples: list[dict], share: RankShare, layers: tuple, have: tuple | No
         r = s.get("routes") if g in with_routes else None
         if r is not None:
             r = _cut(r, layers, have if have is not None else tuple(range(np.asarray(r).shape[1])))
-        out.append((s["prompt_ids"], s["response_ids"], s["logprobs"], r))
+        im = s.get("images")
+        out.append((s["prompt_ids"], s["response_ids"], s["logprobs"], r, im.state() if hasattr(im, "state") else im))
     return out
 
 
@@ -76,9 +78,9 @@ def distribute(samples: list[dict], group: int, roles: list[RankRole], routes: b
     if src == rank:
         union, rows = own
         for m in sources[rank][1:]:
-            part = [(p, r, lp, _cut(rt, shares[m].layers, union)) for p, r, lp, rt in rows]
+            part = [(p, r, lp, _cut(rt, shares[m].layers, union), im) for p, r, lp, rt, im in rows]
             dist.send_object_list([part], dst=m)
-        heavy = [(p, r, lp, _cut(rt, mine.layers, union)) for p, r, lp, rt in rows]
+        heavy = [(p, r, lp, _cut(rt, mine.layers, union), im) for p, r, lp, rt, im in rows]
     else:
         buf = [None]
         dist.recv_object_list(buf, src=src)

@@ -1,4 +1,4 @@
-"""Digit-chain tasks: CPU-sized prompts whose 12-32-token answers are chains (rollout/reward_chain.py).
+"""Digit-chain tasks: CPU-sized prompts whose 12-32-token answers are chains (rollout/rewards/chain.py).
 
     cumsum   "3517="    -> "3896"       running sum mod 10 (o_t from o_{t-1} and d_t)
     add      "47+85="   -> "2131"       column addition, least-significant digit first, sum digit + carry
@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from megatron_s3ac.rollout.reward_chain import ANSWERS, chain_answer
+from megatron_s3ac.rollout.rewards.chain import ANSWERS, chain_answer
 from megatron_s3ac.trainer.data import BOS, CharVocab, Prompt
 
 CHAIN_CHARS = "0123456789+=,"
@@ -80,12 +80,9 @@ def chain_vocab() -> CharVocab:
 
 def tiny_chain_hf_config(spec: ChainSpec = ChainSpec()):
     """The demo model (tiny Qwen3-MoE) with the chain vocabulary and room for prompt + answer."""
-    from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+    from megatron_s3ac.trainer.data import tiny_task_hf_config
 
-    cfg = tiny_arithmetic_hf_config()
-    cfg.vocab_size = chain_vocab().size
-    cfg.max_position_embeddings = max(64, spec.max_prompt_tokens() + spec.max_response_tokens())
-    return cfg
+    return tiny_task_hf_config(chain_vocab(), spec.max_prompt_tokens(), spec.max_response_tokens())
 
 
 def chain_prompts(n: int, spec: ChainSpec, seed: int, vocab: CharVocab | None = None,

@@ -3,7 +3,7 @@
     prompt  "12+7+30="   ->   response "19,49" <eos>      (every running value, comma separated)
 
 Each step's value is computed from the value written before it, so an early mistake dooms the
-answer (reward "multistep", rollout/reward_multistep.py: +1 iff the whole chain is right) while the
+answer (reward "multistep", rollout/rewards/multistep.py: +1 iff the whole chain is right) while the
 steps before it can be right: the response-level signal must be assigned to the step that failed,
 which a token-level critic can do and a response-level baseline cannot. Answers are ~5-30 tokens
 (vs 2-4 for "a+b="), with the same character-vocabulary machinery (trainer.data.CharVocab).
@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from megatron_s3ac.rollout.reward_multistep import multistep_reference, parse_prompt, running_values
+from megatron_s3ac.rollout.rewards.multistep import multistep_reference, parse_prompt, running_values
 from megatron_s3ac.trainer.data import BOS, CharVocab, Prompt
 
 # "0123456789+=" first: the arithmetic task's ids are unchanged (3..14); "," and "-" are 15, 16
@@ -61,12 +61,9 @@ def multistep_vocab() -> CharVocab:
 
 def tiny_multistep_hf_config(spec: MultistepSpec = MultistepSpec()):
     """The demo model (tiny Qwen3-MoE) with the multistep vocabulary and room for prompt + answer."""
-    from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+    from megatron_s3ac.trainer.data import tiny_task_hf_config
 
-    cfg = tiny_arithmetic_hf_config()
-    cfg.vocab_size = multistep_vocab().size
-    cfg.max_position_embeddings = max(64, spec.max_prompt_tokens() + spec.max_response_tokens())
-    return cfg
+    return tiny_task_hf_config(multistep_vocab(), spec.max_prompt_tokens(), spec.max_response_tokens())
 
 
 def _operand(g: torch.Generator, max_operand: int) -> int:

@@ -48,6 +48,11 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
     critic = build_critic(tr.info, tr.critic_config, ValueHeadConfig(kind=tr.cfg.model.critic_head))
     critic = critic.to(trainer_device())
     critic.load_state_dict(tr.critic.state_dict())
+    from megatron_s3ac.models.vision import attach_vision, vision_meta, vision_of
+
+    tower = vision_of(tr.critic, spare=True)
+    if tower is not None:  # image rows: the trainer critic's (frozen) vision tower
+        attach_vision(critic.module, tower, False, vision_meta(tr.critic)[0])
     frozen = freeze_attention_and_router(critic) if vc.freeze_attention_and_router else []
     ddp = wrap_ddp(critic, tr.critic_config)
     opt = build_optimizer([ddp], lr=vc.lr, clip_grad=vc.clip_grad)

@@ -1,6 +1,8 @@
 """The CPU demo's supervised warm-up (the pipeline's ``warmup`` stage, trainer.pipeline): a from-scratch
 tiny model is trained by cross-entropy on reference answers until its greedy held-out pass rate enters
-the 10-60% band RL needs; its evaluation points are saved as HF dirs (the coverage policies)."""
+the 10-60% band RL needs; its evaluation points are saved as HF dirs (the coverage policies). With
+``demo.coverage_overshoot_evals = n`` it trains on for n more evaluation intervals past the target, saving
+each as a stronger coverage policy, then restores the target's weights (the RL start policy)."""
 from __future__ import annotations
 
 import time
@@ -17,7 +19,15 @@ def supervised_warmup(tr, log, snapshot=None) -> dict:
     pass rate reaches ``demo.target_pass_rate`` (or ``demo.warmup_max_steps``). At every evaluation
     point (``demo.warmup_eval_every``) rank 0 calls ``snapshot(step)`` with the engine holding that
     step's weights (the pipeline saves it as a coverage policy). Returns {"steps", "greedy_pass_rate"}
-    (the last evaluation), the same on every rank."""
+    (the stopping evaluation), the same on every rank.
+
+    ``demo.coverage_overshoot_evals`` = n > 0 (only once the target is reached): n more evaluation
+    intervals of the same training, each snapshotted (``"overshoot": [{"step", "greedy_pass_rate"}]``
+    in the result), then the actor is set back to the stopping step's weights. Why: on a task whose
+    warm-up is a phase change (the digit chains), the last snapshots before the target pass ~0-5% of
+    sampled answers, so coverage data from them is almost only failures and value pretraining learns
+    a constant; the paper's coverage pools policies of different strengths, stronger ones included
+    (§3.3, §4.3: the policy of step 1,600 beside the initial one)."""
     from megatron_s3ac.models.logprobs import vocab_parallel_log_probs
 
     d = tr.cfg.demo
@@ -33,7 +43,10 @@ def supervised_warmup(tr, log, snapshot=None) -> dict:
         lp = per_token(vocab_parallel_log_probs(out, next_token_targets(mb), tr.info.vocab_size), mb)
         return -(lp * mb.mask).sum(), cp_count(mb.mask.sum().long()), {"nll": -(lp * mb.mask).sum().detach()}
 
-    for step in range(1, d.warmup_max_steps + 1):
+    saved, overshoot, stop = None, [], None  # the stopping step's weights while overshooting
+    for step in range(1, d.warmup_max_steps + 1 + d.coverage_overshoot_evals * d.warmup_eval_every):
+        if stop is None and step > d.warmup_max_steps:
+            break
         pids = torch.randint(0, len(tr.prompts), (d.warmup_batch,), generator=g)
         samples = [{"prompt_ids": tr.prompts[i].ids, "response_ids": tr.vocab.encode(tr.prompts[i].reference) + [EOS],
                     "logprobs": [0.0] * (len(tr.prompts[i].reference) + 1), "reward": 1.0, "pid": i}
@@ -52,13 +65,27 @@ def supervised_warmup(tr, log, snapshot=None) -> dict:
                     snapshot(step)
             acc = tr.rank0.share("warm-up evaluation", acc)  # the other ranks wait on gloo (trainer.rank0)
             log({"step": step, "warmup/greedy_pass_rate": acc, "warmup/time": time.time() - t0,
-                 "warmup/nll_rank0": sum(nll)})
-            if acc >= d.target_pass_rate:
-                break
+                 "warmup/nll_rank0": sum(nll), **({"warmup/overshoot": True} if stop is not None else {})})
+            if stop is not None:
+                overshoot.append({"step": step, "greedy_pass_rate": acc})
+                if len(overshoot) >= d.coverage_overshoot_evals:
+                    break
+            elif acc >= d.target_pass_rate:
+                stop = (step, acc)
+                if d.coverage_overshoot_evals <= 0:
+                    break
+                saved = {k: v.detach().clone() for k, v in tr.actor.state_dict().items() if torch.is_tensor(v)}
+    if stop is None:  # the step cap before the target: no overshoot (the loop may have gone one step past it)
+        stop = (min(step, d.warmup_max_steps), acc)
+    if saved is not None:  # back to the RL start policy (and the optimizer's main params with it)
+        tr.actor.load_state_dict(saved, strict=False)
+        tr.actor_opt.reload_model_params()
+        tr.sync_weights()
     # RL starts from fresh Adam moments at the RL learning rate: the warm-up's momentum points along
     # the supervised gradient and its second moments were sized for lr warmup_lr
     tr.reset_optimizer(tr.actor_opt, tr.cfg.algo.actor_lr)
-    return {"steps": step, "greedy_pass_rate": acc, "wall_s": time.time() - t0}
+    out = {"steps": stop[0], "greedy_pass_rate": stop[1], "wall_s": time.time() - t0}
+    return {**out, "overshoot": overshoot} if d.coverage_overshoot_evals > 0 else out
 
 
 def save_engine_hf(tr, path: str) -> None:

@@ -25,6 +25,6 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(model_dir, tokenizer):
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
     return CPUEngine.from_pretrained(model_dir, tokenizer=tokenizer)

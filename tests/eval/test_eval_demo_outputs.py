@@ -158,7 +158,7 @@ def test_empty_stand_in_tokenizer_is_refused_in_python(demo_like):
 
     from megatron_s3ac.eval.runner import evaluate
     from megatron_s3ac.rollout.base import SamplingParams
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
     hf, rows, _ = demo_like
     stand_in = AutoTokenizer.from_pretrained(hf)

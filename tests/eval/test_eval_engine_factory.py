@@ -5,7 +5,7 @@ import torch
 from megatron_s3ac.eval import cli
 from megatron_s3ac.eval.benchmarks import EvalInputError
 from megatron_s3ac.rollout.base import SamplingParams
-from megatron_s3ac.rollout.cpu_engine import CPUEngine
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
 
 @pytest.mark.parametrize("kind", ["cpu", "hf"])

@@ -132,7 +132,7 @@ def test_prompt_ids_for_raw_template_match_tokenizer(tokenizer):
 def test_cpu_demo_setup_matches_the_trainers_count():
     """The demo's own pieces (CharVocab, BOS-prefixed prompt ids, arithmetic reward, an engine
     without a tokenizer): evaluate() agrees with a count done the way the trainer's evaluate does."""
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
     from megatron_s3ac.trainer.data import CharVocab, arithmetic_prompts, tiny_arithmetic_hf_config
 
     vocab = CharVocab()

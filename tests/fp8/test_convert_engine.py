@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from megatron_s3ac.convert.fp8 import SCALE_SUFFIX, dequantize_blockwise, quantize_stream, scale_shape
 from megatron_s3ac.rollout.base import SamplingParams
-from megatron_s3ac.rollout.cpu_engine import CPUEngine
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
 from tests.fp8.test_quant import block_bound
 
@@ -179,7 +179,7 @@ def test_engine_serves_fp8_weights(dirs):
     """update_weights with (name, fp8) + (name_scale_inv, fp32), halves split over calls, gives the
     same engine as loading the FP8 checkpoint; its log-probs and R3 routes are the FP8 model's, and the
     gap to the bf16 ("trainer") log-probs is nonzero and within the softmax bound 2 max|d logit|."""
-    from megatron_s3ac.rollout.cpu_engine import find_moe_routers
+    from megatron_s3ac.rollout.engines.cpu.engine import find_moe_routers
 
     eb = CPUEngine.from_pretrained(dirs["bf16"])
     e8 = CPUEngine.from_pretrained(dirs["bf16"])

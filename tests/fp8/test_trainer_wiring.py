@@ -29,8 +29,8 @@ def test_config():
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_sync_weights_quantizes_for_fp8(monkeypatch, dtype):
     """fp8: the trainer hands the weight sync the plain engine and a quantizer (applied by the stage
-    leaders before the transfer, rollout.weight_sync); bf16: no quantizer."""
-    import megatron_s3ac.rollout.weight_sync as ws
+    leaders before the transfer, rollout.sync.weight_sync); bf16: no quantizer."""
+    import megatron_s3ac.rollout.sync.weight_sync as ws
 
     got = {}
 

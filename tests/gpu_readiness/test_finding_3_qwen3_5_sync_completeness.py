@@ -10,7 +10,7 @@ SGLangEngine started from it; the sync completes, and a tensor of the language m
 import pytest
 import torch
 
-from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine, WeightUpdateError
+from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine, WeightUpdateError
 from megatron_s3ac.testing.colocated_completeness import add_served_tensors, colocated_sync_once
 from megatron_s3ac.testing.dist import run_distributed
 from megatron_s3ac.testing.sglang_startup import StartupEngine

@@ -1,6 +1,6 @@
 """Finding 4 (issue 24): while rank 0 alone starts its engines, generates a rollout or runs the periodic evaluation,
 the other ranks waited inside collectives of the default process group (the first sync's ``all_gather`` in
-``rollout/weight_sync.py``, the rollout's ``broadcast_object_list`` in ``trainer/rollout_phases.py``, the
+``rollout/sync/weight_sync.py``, the rollout's ``broadcast_object_list`` in ``trainer/rollout_phases.py``, the
 "best evaluation" ``broadcast`` in ``trainer/run.py``), so NCCL's watchdog (10 min by default; no timeout was set)
 aborted them during a long engine start or a 16K-token rollout. The fix: a configurable ``train.dist_timeout_s``
 given to ``init_process_group`` and megatron's groups, and the other ranks wait for rank 0's phases on a gloo

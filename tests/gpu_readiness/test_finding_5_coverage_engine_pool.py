@@ -48,7 +48,7 @@ def _coverage_rank(overrides, gpus):
 
     import megatron_s3ac.rollout.factory as F
     from megatron_s3ac.rollout.base import SamplingParams
-    from megatron_s3ac.rollout.engine_pool import EnginePool
+    from megatron_s3ac.rollout.engines.pool import EnginePool
     from megatron_s3ac.testing.fake_gpus import free_gpus, stand_ins_request_gpus, start_ray
     from megatron_s3ac.trainer.config import load_config
     from megatron_s3ac.trainer.pipeline import Pipeline

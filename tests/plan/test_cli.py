@@ -115,3 +115,33 @@ def test_context_parallel_layout_for_long_responses(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["fits"] and d["layout"]["cp"] > 1
     assert d["dp"] == 128 // (d["layout"]["tp"] * d["layout"]["cp"] * d["layout"]["pp"])
+
+
+@pytest.mark.slow
+def test_docs_cp_table_matches_planner(capsys):
+    """docs/planner.md's context-parallel table (397B, 2K + 16K..128K on 128 H200) is what s3ac-plan answers:
+    each row's best layout and peak (CP searched), and the CP-free verdict (layout and peak, or "none fits")."""
+    import re
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "planner.md")).read()
+
+    def name(lay):
+        return f"TP{lay['tp']}" + (f" CP{lay['cp']}" if lay["cp"] > 1 else "") + \
+            f" PP{lay['pp']} EP{lay['ep']} ETP{lay['etp']}"
+
+    for label, r in (("16K", 16384), ("32K", 32768), ("64K", 65536), ("128K", 131072)):
+        row = next(line for line in doc.splitlines() if line.startswith(f"| {label} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        base = [Q397, "--gpus", "128", "--prompt-len", "2048", "--response-len", str(r), "--recompute", "full",
+                "--optimizer-offload", "1", "--offload-idle", "--json"]
+        assert cli.run(base) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["fits"] and cells[1].startswith(name(d["layout"]) + " (DP"), (label, cells[1], d["layout"])
+        assert cells[2].startswith(f"{d['peak_gib']:.1f} "), (label, cells[2], d["peak_gib"])
+        assert cli.run(base + ["--cp", "1"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        if d["fits"]:
+            assert cells[6].startswith(name(d["layout"])), (label, cells[6], d["layout"])
+            assert cells[7].startswith(f"{d['peak_gib']:.1f} "), (label, cells[7], d["peak_gib"])
+        else:
+            assert "none fits" in cells[6] and re.search(rf"\b{d['peak_gib']:.1f} GiB", cells[6]), (label, cells[6])

@@ -11,7 +11,7 @@ KINDS = ("multimodal", "text", "config", "config_multimodal")
 def build_engine(kind, hf_dir, hf_config):
     from transformers import AutoConfig
 
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
     if kind == "multimodal":
         return CPUEngine.from_pretrained(hf_dir, tokenizer=None, multimodal=True)
@@ -28,7 +28,7 @@ def vl_sync(hf_dir, mcore_dir, tp, ep, engine_rank, kinds, tokens, bucket_bytes)
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
     from megatron_s3ac.models.registry import load_hf_config
-    from megatron_s3ac.rollout.weight_sync import sync_weights
+    from megatron_s3ac.rollout.sync.weight_sync import sync_weights
 
     hf_config = load_hf_config(hf_dir)
     info, model = load_actor(hf_config, mcore_dir, make_layout(tp=tp, ep=ep))

@@ -18,7 +18,7 @@ LAYOUTS = {"tp1": (1, ParallelLayout()), "tp2_sp": (2, ParallelLayout(tp=2)), "e
 def engine_samples(q35_hf):
     """4 samples of 3 prompt + 8 response tokens from the CPU engine, with routes [T-1, 8, 2]."""
     from megatron_s3ac.rollout.base import SamplingParams
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
     engine = CPUEngine.from_pretrained(q35_hf["vl"], tokenizer=None)
     assert engine.moe_layers == list(range(8))

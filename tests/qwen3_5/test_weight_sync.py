@@ -66,7 +66,7 @@ def test_sync_ep2_into_vl_engine_on_rank1(q35_hf, q35_mcore):
 def test_engine_accepts_both_text_prefixes():
     """The engine resolves a text tensor under either HF prefix onto whichever class it holds; names
     outside the text model are not rewritten."""
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
     from megatron_s3ac.testing.tiny_qwen3_5 import tiny_qwen3_5_config
 
     cfg = tiny_qwen3_5_config("vl")

@@ -18,7 +18,7 @@ def colocated_rank(hf_dir, ckpt_dir, tp, pp, ep, tp_size, base_gpu_ids, bucket_b
     import torch.distributed as dist
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.colocated import ColocatedIPCSync
+    from megatron_s3ac.rollout.engines.sglang.colocated import ColocatedIPCSync
     from stage_broadcast_ranks import _export
     from weight_sync_ranks import perturb_
 
@@ -60,8 +60,8 @@ def refused_rank(hf_dir, ckpt_dir, pp, base_gpu_ids, missing=None, extra=None):
     import torch.distributed as dist
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.colocated import ColocatedIPCSync
-    from megatron_s3ac.rollout.sglang_engine import served_weight_shapes
+    from megatron_s3ac.rollout.engines.sglang.colocated import ColocatedIPCSync
+    from megatron_s3ac.rollout.engines.sglang.engine import served_weight_shapes
     from stage_broadcast_ranks import adds, refused_outcome
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(1, pp, 1))
@@ -90,7 +90,7 @@ class ReadBackEngine:
         self.calls = []
 
     def device_keys(self):
-        from megatron_s3ac.rollout.ipc import engine_device_keys
+        from megatron_s3ac.rollout.engines.sglang.ipc import engine_device_keys
 
         keys = engine_device_keys(self.config.tp_size)
         return [keys[r] for r in sorted(keys)]
@@ -128,7 +128,7 @@ def fp8_rank(hf_dir, ckpt_dir, pp, ep, bucket_bytes):
 
     from megatron_s3ac.convert.fp8 import quantize_stream
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.colocated import ColocatedIPCSync
+    from megatron_s3ac.rollout.engines.sglang.colocated import ColocatedIPCSync
     from stage_broadcast_ranks import _export
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(1, pp, ep))

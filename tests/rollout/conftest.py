@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_s3ac.rollout.cpu_engine import CPUEngine
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 from rollout_fixtures import char_tokenizer, tiny_moe_config
 
 

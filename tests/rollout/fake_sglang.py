@@ -32,6 +32,18 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
 5. Aborted requests (``abort_requests``: request positions of the next generate call, ``abort_after`` tokens
    generated first): meta_info = id, finish_reason {"type": "abort", "message": "Abort in waiting queue"},
    the log-probs of the tokens so far, and NO ``routed_experts`` (managers/tokenizer_manager.py:3596-3635).
+10. Pause / continue (server endpoints only: entrypoints/http_server.py:1831-1854; sglang.Engine has none;
+   managers/io_struct.py:1928-1946 "only supported in SGLang Server", modes abort | retract | in_place, default
+   abort). ``pause_generation(mode="abort")`` sets is_pause (managers/tokenizer_manager.py:2269) and aborts every
+   request (``abort_request(abort_all=True)``, 2273-2280): a running one gets ``to_finish = FINISH_ABORT()``
+   (managers/scheduler.py:5797-5813), still runs one decode step and returns through the normal output path: its
+   output_ids and log-probs so far, routed_experts when asked (tokenizer_manager.py:2602-2609), finish_reason
+   {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None} (managers/schedule_batch.py:
+   332-345); a request still in the waiting queue is popped and aborted as in 5 (managers/scheduler.py:5685-5705).
+   A request sent while paused waits until ``continue_generation`` (tokenizer_manager.py:938-939, 2282-2286).
+   Replies: {"message": "Generation paused successfully.", "status": "ok"} and {"message": "Generation continued
+   successfully.", "status": "ok"}. The stand-in runs a batch's requests one after another, so one is running
+   (through CPUEngine's pause) and the later ones are waiting; retract / in_place are not modelled (refused).
 6. Seeds (sampling/sampling_batch_info.py:157-171): with ``enable_deterministic_inference`` a request without
    ``sampling_seed`` samples with 42; without it every seed is ignored (the engine's own RNG, from random_seed).
    A seed that is not a plain int in [-2**63, 2**63 - 1] (e.g. numpy's int64) fails the whole batch with ValueError
@@ -83,6 +95,16 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
    trainer that is rank 0 itself for an in-process engine (colocated, ``rollout.sglang.num_engines: 1``), or the
    engine's Ray actor in a pool (the pool reports ``EngineDied``).
 
+11. Image prompts (``image_data``, one entry per request: None or a list of images; managers/io_struct.py:194-200,
+   645-678): the stand-in takes the pre-processed form only, ``[{"format": "processor_output", "pixel_values",
+   "image_grid_thw"}]`` (base_processor.py:1060-1085), exactly one such dict per request (else ValueError, 1225-1236),
+   the token ids kept as given (1293-1304); raw images (paths, bytes, PIL) would need sglang's processor run on the
+   decoded ids (1307-1309), which the stand-in does not model: it refuses them. A VL checkpoint
+   (``vision_config`` in its config) is served as the full model unless ``enable_multimodal=False``
+   (configs/model_config.py:690-717); image data for a model served without it is refused. Generation runs the
+   CPU engine's VL path; ``routed_experts`` has a row per prompt position, image placeholders included
+   (managers/scheduler_components/batch_result_processor.py:149-162).
+
 Hooks for tests (not part of sglang's API, prefixed ``debug_``): read the served tensors back under their
 checkpoint names; ``debug_payload_log`` (one dict per flattened bucket: bucket, names, and per TP rank
 ``producers`` (the pid in its payload's segment name, None if none) and ``matches_rank0`` (its tensors equal rank
@@ -128,16 +150,19 @@ def _checkpoint_names(model) -> dict[str, tuple[int, ...]]:
 
 class FakeSGLangEngine:
     # Test-only hooks, excluded from the signature contract check.
-    TEST_HOOKS = ("debug_checkpoint_tensor", "debug_checkpoint_state_dict", "debug_payload_log")
+    TEST_HOOKS = ("debug_checkpoint_tensor", "debug_checkpoint_state_dict", "debug_payload_log",
+                  # server endpoints, not sglang.Engine methods (item 10): excluded from the Engine signature check
+                  "pause_generation", "continue_generation")
 
     def __init__(self, model_path: str, tp_size: int = 1, context_length: Optional[int] = None,
                  enable_return_routed_experts: bool = False, enable_memory_saver: bool = False,
                  enable_weights_cpu_backup: bool = False, enable_deterministic_inference: bool = False,
-                 random_seed: Optional[int] = None, skip_tokenizer_init: bool = False, **other_server_args):
+                 random_seed: Optional[int] = None, skip_tokenizer_init: bool = False,
+                 enable_multimodal: Optional[bool] = None, **other_server_args):
         from transformers import AutoConfig
         from safetensors.torch import load_file
 
-        from megatron_s3ac.rollout.cpu_engine import CPUEngine
+        from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
         self.server_args = dict(model_path=model_path, tp_size=tp_size, **other_server_args)
         self.tp_size = tp_size
@@ -156,12 +181,18 @@ class FakeSGLangEngine:
         self.debug_payload_log: list[dict] = []
         self._flat_buckets = 0
         self._rng = np.random.default_rng(random_seed)
+        import threading
+
+        self.paused = False  # item 10: /pause_generation .. /continue_generation
+        self._pause_cond = threading.Condition()
         config = AutoConfig.from_pretrained(model_path)
         if getattr(config, "model_type", None) == "qwen3_moe":  # qwen3_moe.py:878: every layer sparse
             config.mlp_only_layers, config.decoder_sparse_step = [], 1
-        self.cpu = CPUEngine.from_config(config, seed=int(random_seed or 0))
+        # model_config.py:690-717: multimodal unless disabled (the architectures listed there are not ours)
+        self.multimodal = getattr(config, "vision_config", None) is not None and enable_multimodal is not False
+        self.cpu = CPUEngine.from_config(config, seed=int(random_seed or 0), multimodal=self.multimodal)
         self.served = _checkpoint_names(self.cpu.model)
-        self.context_len = int(context_length or config.max_position_embeddings)
+        self.context_len = int(context_length or config.get_text_config().max_position_embeddings)
         files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
         for f in files:  # initial load goes through the same (silently skipping) loader
             self._load(list(load_file(os.path.join(model_path, f)).items()))
@@ -200,12 +231,13 @@ class FakeSGLangEngine:
 
     # -- Engine API (signatures as entrypoints/engine.py) ---------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 return_routed_experts=False, **kwargs):
+                 return_routed_experts=False, image_data=None, **kwargs):
         self._alive("generate")
         if self.offload_tags & {"weights", "kv_cache"}:
             self._die(f"generate with released memory {sorted(self.offload_tags)} (illegal memory access)")
         single = input_ids and isinstance(input_ids[0], int)
         batch = [input_ids] if single else list(input_ids)
+        images = self._images(image_data, len(batch), single)
         sps = sampling_params if isinstance(sampling_params, list) else [dict(sampling_params or {})] * len(batch)
         for ids, sp in zip(batch, sps):  # tokenizer_manager.py:1338-1378; all before any runs (batch path, item 7)
             seed = sp.get("sampling_seed")  # sampling/sampling_params.py:302-312: a plain int64, else the batch fails
@@ -223,6 +255,8 @@ class FakeSGLangEngine:
                                  f"{self.context_len} tokens. You requested a total of {m + n} tokens: {n} tokens "
                                  f"from the input messages and {m} tokens for the completion. Please reduce the "
                                  f"number of tokens in the input messages or the completion to fit within the limit.")
+        with self._pause_cond:  # item 10: a request sent while paused waits (tokenizer_manager.py:938-939)
+            self._pause_cond.wait_for(lambda: not self.paused)
         aborts, self.abort_requests = set(self.abort_requests), set()
         outputs = []
         for i, (ids, sp) in enumerate(zip(batch, sps)):
@@ -235,8 +269,23 @@ class FakeSGLangEngine:
                                     top_k=sp.get("top_k", -1), max_new_tokens=sp.get("max_new_tokens", 128),
                                     stop_token_ids=sp.get("stop_token_ids") or (), seed=seed,
                                     ignore_eos=sp.get("ignore_eos", False))
-            s = self.cpu.generate([ids], params, 1, bool(return_routed_experts and self.return_routes))[0][0]
+            s = self.cpu.generate([ids], params, 1, bool(return_routed_experts and self.return_routes),
+                                  images=None if images[i] is None else [images[i]])[0][0]
             rid = f"req-{len(self.calls)}-{i}"
+            if s.finish_reason == "abort" and s.response_ids:  # item 10: running when the pause came
+                meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Aborted", "status_code": None,
+                                                     "err_type": None},
+                        "prompt_tokens": len(ids), "completion_tokens": len(s.response_ids)}
+                if return_logprob:
+                    meta["output_token_logprobs"] = [(float(lp), int(t), None)
+                                                     for lp, t in zip(s.logprobs, s.response_ids)]
+                if return_routed_experts and self.return_routes:
+                    import base64
+                    meta["routed_experts"] = base64.b64encode(s.routed_experts.astype("<i4").tobytes()).decode()
+                outputs.append({"text": None, "output_ids": list(s.response_ids), "meta_info": meta})
+                continue
+            if s.finish_reason == "abort":  # item 10: still waiting when the pause came (aborted as item 5)
+                aborts.add(i)
             if i in aborts:
                 n = min(self.abort_after, len(s.response_ids))
                 meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
@@ -255,6 +304,56 @@ class FakeSGLangEngine:
                 meta["routed_experts"] = base64.b64encode(s.routed_experts.astype("<i4").tobytes()).decode()
             outputs.append({"text": None, "output_ids": list(s.response_ids), "meta_info": meta})
         return outputs[0] if single else outputs
+
+    def _images(self, image_data, n: int, single: bool) -> list:
+        """Per request: ImageInputs or None (item 11)."""
+        from megatron_s3ac.models.multimodal import ImageInputs
+
+        if image_data is None:
+            return [None] * n
+        per_req = [image_data] if single else list(image_data)
+        if len(per_req) != n:  # io_struct.py:659-662
+            raise ValueError("The length of image_data should be equal to the batch size.")
+        out = []
+        for items in per_req:
+            if items is None or items == [None]:
+                out.append(None)
+                continue
+            items = items if isinstance(items, list) else [items]
+            fmt = [isinstance(it, dict) and it.get("format") == "processor_output" for it in items]
+            if any(fmt) and len(items) != 1:  # base_processor.py:1225-1236
+                raise ValueError(f"For Modality.IMAGE, when providing a 'processor_output' or 'precomputed_embedding', "
+                                 f"you must pass exactly one item; received {len(items)} items")
+            if not all(fmt):
+                raise NotImplementedError("the stand-in takes processor_output image items only (raw images need "
+                                          "sglang's processor on the decoded prompt, base_processor.py:1307-1309)")
+            if not self.multimodal:
+                raise ValueError("image data for a model served without multimodal (enable_multimodal=False or a "
+                                 "text-only checkpoint)")
+            out.append(ImageInputs(items[0]["pixel_values"], items[0]["image_grid_thw"]))
+        return out
+
+    # -- server endpoints (item 10) -------------------------------------------------------------
+    def pause_generation(self, mode: str = "abort"):
+        """POST /pause_generation {"mode": ...} (entrypoints/http_server.py:1831-1841)."""
+        self._alive("pause_generation")
+        if mode not in ("abort", "retract", "in_place"):  # io_struct.py:1946 Literal
+            raise ValueError(f"mode must be one of abort, retract, in_place, got {mode!r}")
+        if mode != "abort":
+            raise NotImplementedError(f"the stand-in models pause mode 'abort' only, not {mode!r}")
+        with self._pause_cond:
+            self.paused = True  # tokenizer_manager.py:2269
+            self.cpu.pause_generation()  # abort_request(abort_all=True): the running request returns what it has
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self):
+        """POST /continue_generation (entrypoints/http_server.py:1844-1854; tokenizer_manager.py:2282-2286)."""
+        self._alive("continue_generation")
+        with self._pause_cond:
+            self.paused = False
+            self.cpu.continue_generation()
+            self._pause_cond.notify_all()
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     def begin_weight_update(self, selector: str = "all"):
         self._alive("begin_weight_update")
@@ -317,7 +416,7 @@ class FakeSGLangEngine:
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
                                   backend="nccl"):
         self._alive("init_weights_update_group")
-        from megatron_s3ac.rollout.broadcast import init_custom_process_group
+        from megatron_s3ac.rollout.engines.sglang.broadcast import init_custom_process_group
 
         if self.tp_size != 1:
             raise NotImplementedError("the stand-in joins broadcast groups with tp_size=1 only")

@@ -16,8 +16,8 @@ def _serve(conn, index, n, hf_dir, served_shapes, factory, path, tp_size=1, base
 
     torch.set_num_threads(1)
     from fake_sglang import FakeSGLangEngine
-    from megatron_s3ac.rollout.engine_pool import EngineSlot
-    from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
+    from megatron_s3ac.rollout.engines.pool import EngineSlot
+    from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
 
     if factory is not None:  # e.g. rollout.factory.make_engine_factory(..., engine_cls=FakeSGLangEngine)
         engine = factory(EngineSlot(index, n))

@@ -28,7 +28,7 @@ def stage_broadcast_rank(hf_dir, ckpt_dir, tp, pp, ep, n_engines, bucket_bytes):
     import torch.distributed as dist
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.broadcast import StageBroadcastSync
+    from megatron_s3ac.rollout.engines.sglang.broadcast import StageBroadcastSync
     from weight_sync_ranks import perturb_
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(tp, pp, ep))
@@ -66,8 +66,8 @@ def refused_rank(hf_dir, ckpt_dir, pp, missing, extra=None):
     import torch.distributed as dist
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.broadcast import StageBroadcastSync
-    from megatron_s3ac.rollout.sglang_engine import served_weight_shapes
+    from megatron_s3ac.rollout.engines.sglang.broadcast import StageBroadcastSync
+    from megatron_s3ac.rollout.engines.sglang.engine import served_weight_shapes
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(1, pp, 1))
     pool = None

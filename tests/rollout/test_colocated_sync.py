@@ -1,4 +1,4 @@
-"""Colocated weight sync to SGLang engines through per-device handles (rollout.colocated.ColocatedIPCSync) over gloo
+"""Colocated weight sync to SGLang engines through per-device handles (rollout.engines.sglang.colocated.ColocatedIPCSync) over gloo
 on CPU ranks, against the sglang 0.5.23 stand-in (update_weights_from_tensor with one serialized flattened-bucket
 payload per TP rank, deserialized through the SafeUnpickler model, inside weight-update sessions).
 

@@ -6,7 +6,7 @@ from transformers import Qwen2Config
 from transformers.core_model_loading import revert_weight_conversion
 
 from megatron_s3ac.rollout.base import SamplingParams, routed_experts_dtype
-from megatron_s3ac.rollout.cpu_engine import CPUEngine
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
 from rollout_fixtures import tiny_moe_config
 

@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 import fake_sglang
 import rollout_fixtures
 from megatron_s3ac.rollout.base import SamplingParams, iter_buckets
-from megatron_s3ac.rollout.broadcast import WeightBroadcaster
-from megatron_s3ac.rollout.engine_pool import EngineDied, EnginePool, EngineTimeout, split_evenly
+from megatron_s3ac.rollout.engines.sglang.broadcast import WeightBroadcaster
+from megatron_s3ac.rollout.engines.pool import EngineDied, EnginePool, EngineTimeout, split_evenly
 from megatron_s3ac.rollout.factory import SGLangSettings, make_engine_factory
-from megatron_s3ac.rollout.sglang_engine import PromptTooLongError, SessionSync, WeightUpdateError
+from megatron_s3ac.rollout.engines.sglang.engine import PromptTooLongError, SessionSync, WeightUpdateError
 
 from fake_sglang import FakeSGLangEngine, save_tiny_qwen3_moe
 

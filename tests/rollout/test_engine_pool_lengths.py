@@ -3,8 +3,8 @@ sees its own chunk and would number prompts within it). Pure function; the pool 
 tests/rollout/test_engine_pool.py::test_too_long_prompt_is_named_by_its_index_in_the_batch."""
 import pytest
 
-from megatron_s3ac.rollout.engine_pool import check_prompt_lengths, split_evenly
-from megatron_s3ac.rollout.sglang_engine import PromptTooLongError
+from megatron_s3ac.rollout.engines.pool import check_prompt_lengths, split_evenly
+from megatron_s3ac.rollout.engines.sglang.engine import PromptTooLongError
 
 PROMPTS = [[1] * 4, [1] * 5, [1] * 6, [1] * 7, [1] * 9]  # lengths 4..9
 

@@ -1,4 +1,4 @@
-"""The colocated hand-over (rollout/ipc.py payloads -> SGLangEngine.load_serialized_bucket) against the 0.5.23
+"""The colocated hand-over (rollout/engines/sglang/ipc.py payloads -> SGLangEngine.load_serialized_bucket) against the 0.5.23
 stand-in, which deserializes each TP rank's payload like sglang does (caller-side normalization, SafeUnpickler,
 payloads[tp_rank], reconstruct). References: the tensors the producer process built, sent back by value."""
 import base64
@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_s3ac.rollout import ipc
-from megatron_s3ac.rollout.engine_pool import EnginePoolError, tp_device_keys
-from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine, WeightUpdateError, flatten_bucket
+from megatron_s3ac.rollout.engines.sglang import ipc
+from megatron_s3ac.rollout.engines.pool import EnginePoolError, tp_device_keys
+from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine, WeightUpdateError, flatten_bucket
 
 from fake_sglang import FakeSGLangEngine, SchedulerDied, save_tiny_qwen3_moe
 
@@ -288,7 +288,7 @@ def test_engine_pool_device_keys_of_an_engine_spanning_two_nodes():
     import ray
     from ray.cluster_utils import Cluster
 
-    from megatron_s3ac.rollout.engine_pool import EnginePool
+    from megatron_s3ac.rollout.engines.pool import EnginePool
 
     if ray.is_initialized():
         pytest.skip("needs its own Ray cluster")
@@ -321,7 +321,7 @@ def test_engine_pool_hand_over_through_submit(ckpt, other):
 
     import fake_sglang
     import rollout_fixtures
-    from megatron_s3ac.rollout.engine_pool import EnginePool
+    from megatron_s3ac.rollout.engines.pool import EnginePool
     from megatron_s3ac.rollout.factory import SGLangSettings, make_engine_factory
 
     started = not ray.is_initialized()

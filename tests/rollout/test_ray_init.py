@@ -76,8 +76,8 @@ DRIVER = textwrap.dedent("""
     import numpy as np
     import ray
     from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams
-    from megatron_s3ac.rollout.engine_pool import EnginePool
-    from megatron_s3ac.rollout.remote import RemoteEngine
+    from megatron_s3ac.rollout.engines.pool import EnginePool
+    from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngine
 
     class Echo(RolloutEngine):  # no model: this checks where the actor runs, not generation
         def __init__(self, slot=None):

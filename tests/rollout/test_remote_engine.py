@@ -19,8 +19,8 @@ import torch
 from transformers.core_model_loading import revert_weight_conversion
 
 from megatron_s3ac.rollout.base import RolloutEngine, SamplingParams, iter_buckets
-from megatron_s3ac.rollout.cpu_engine import CPUEngine
-from megatron_s3ac.rollout.remote import (
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
+from megatron_s3ac.rollout.engines.cpu.remote import (
     RemoteEngine, RemoteEngineClosed, RemoteEngineDied, RemoteEngineTimeout, pack_bucket, unpack_bucket,
 )
 from rollout_fixtures import tiny_moe_config
@@ -338,7 +338,7 @@ def sync_rank_remote(hf_dir, ckpt_dir, tokens):
     import torch.distributed as dist
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.weight_sync import sync_weights
+    from megatron_s3ac.rollout.sync.weight_sync import sync_weights
     from weight_sync_ranks import perturb_, trainer_log_probs
 
     def engine_lp(engine):

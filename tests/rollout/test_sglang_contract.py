@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_s3ac.rollout import sglang_engine as wrapper
+from megatron_s3ac.rollout.engines.sglang import engine as wrapper
 
 from fake_sglang import FakeSGLangEngine
 
@@ -219,7 +219,21 @@ BEHAVIOUR_FACTS = [
     ("model_executor/model_runner_components/weight_updater.py", "rank = rank_offset + self.tp_rank"),
     ("utils/common.py", "_world.pg_group_ranks[pg] = {i: i for i in range(world_size)}"),
     ("constants.py", 'GPU_MEMORY_TYPE_WEIGHTS = "weights"'),
+    # pause / continue (fake_sglang.py item 10; rollout/partial.py)
+    ("entrypoints/http_server.py", '"Generation paused successfully."'),
+    ("entrypoints/http_server.py", '"Generation continued successfully."'),
+    ("managers/io_struct.py", 'mode: Literal["abort", "retract", "in_place"] = "abort"'),
+    ("managers/tokenizer_manager.py", "self.abort_request(abort_all=True)"),
+    ("managers/tokenizer_manager.py", "await self.is_pause_cond.wait_for(lambda: not self.is_pause)"),
+    ("managers/scheduler.py", "req.to_finish = FINISH_ABORT()"),
+    ("managers/schedule_batch.py", 'self.message = message or "Aborted"'),
 ]
+
+
+def test_pause_is_a_server_endpoint_only(wheel):
+    """sglang.Engine has no pause_generation (why SGLangEngine refuses rollout.partial_rollout)."""
+    assert "pause_generation" not in engine_methods(wheel)
+    assert '@app.post("/pause_generation")' in wheel.text(PKG + "entrypoints/http_server.py")
 
 
 @pytest.mark.parametrize("module,text", BEHAVIOUR_FACTS, ids=[f"{m}:{t[:30]}" for m, t in BEHAVIOUR_FACTS])

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_s3ac.rollout.base import SamplingParams
-from megatron_s3ac.rollout.sglang_engine import (
+from megatron_s3ac.rollout.engines.sglang.engine import (
     FlushCacheError, PromptTooLongError, SGLangConfig, SGLangEngine, UnservableModelError, WeightUpdateError,
     decode_routed_experts, to_sglang_sampling_params,
 )
@@ -130,7 +130,7 @@ def test_bucket_by_bucket_sync_is_one_session(ckpt, other_weights):
     """weight_sync.sync_weights feeds update_weights(bucket) per bucket then flush_cache(): SessionSync turns that
     into one session (sglang would otherwise open/close one per bucket, or load nothing without one)."""
     from megatron_s3ac.rollout.base import iter_buckets
-    from megatron_s3ac.rollout.sglang_engine import SessionSync
+    from megatron_s3ac.rollout.engines.sglang.engine import SessionSync
 
     engine, fake = make(ckpt)
     fake.calls.clear()
@@ -256,7 +256,7 @@ def test_served_names_from_config_alone(ckpt, tmp_path):
     """Without safetensors (only config.json) the served names/shapes come from the config."""
     import shutil
 
-    from megatron_s3ac.rollout.sglang_engine import served_weight_shapes
+    from megatron_s3ac.rollout.engines.sglang.engine import served_weight_shapes
 
     shutil.copy(f"{ckpt}/config.json", tmp_path / "config.json")
     assert served_weight_shapes(str(tmp_path)) == served_weight_shapes(ckpt)
@@ -387,7 +387,7 @@ def test_sglang_engine_on_gpu(tmp_path, tokenizer):
 def test_context_length_defaults_like_sglang():
     """utils/hf_transformers/common.py:677-694: the first length key (times the RoPE factor unless the config keeps
     the original length), else 2048; no config at all: unknown (None), sglang's own refusal is then named later."""
-    from megatron_s3ac.rollout.sglang_engine import _context_length
+    from megatron_s3ac.rollout.engines.sglang.engine import _context_length
 
     assert _context_length({"max_position_embeddings": 4096}) == 4096
     assert _context_length({"seq_length": 1000, "max_position_embeddings": 4096}) == 1000
@@ -400,3 +400,45 @@ def test_context_length_defaults_like_sglang():
     assert _context_length({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default"}}) == 4096
     assert _context_length({"hidden_size": 64}) == 2048
     assert _context_length({}) is None
+
+
+def test_stand_in_pause_and_continue_as_sglang(ckpt):
+    """fake_sglang.py item 10 (sglang 0.5.23 entrypoints/http_server.py:1831-1854, managers/tokenizer_manager.py:
+    938-939, 2267-2286, managers/scheduler.py:5685-5705, 5797-5813, managers/schedule_batch.py:332-345): a pause
+    while a batch runs returns the running request's tokens and log-probs so far with finish_reason "Aborted" (+
+    routes), the waiting ones empty with "Abort in waiting queue"; a generate sent while paused waits for
+    continue_generation; the replies are the server's."""
+    import threading
+    import time
+
+    fake = FakeSGLangEngine(model_path=ckpt, enable_return_routed_experts=True, enable_deterministic_inference=True)
+    fake.cpu._decode_delay = 0.2
+    sp = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("out", fake.generate(
+        input_ids=PROMPTS, sampling_params=[sp, sp], return_logprob=True, return_routed_experts=True)))
+    t.start()
+    time.sleep(0.7)
+    assert fake.pause_generation() == {"message": "Generation paused successfully.", "status": "ok"}
+    t.join(timeout=30)
+    running, waiting = got["out"]
+    assert running["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                     "err_type": None}
+    r = len(running["output_ids"])
+    assert 0 < r < 10 and len(running["meta_info"]["output_token_logprobs"]) == r
+    lp, _ = teacher(ckpt, PROMPTS[0], running["output_ids"])
+    np.testing.assert_allclose([x[0] for x in running["meta_info"]["output_token_logprobs"]], lp, atol=1e-5)
+    assert "routed_experts" in running["meta_info"]
+    assert waiting["output_ids"] == [] and "routed_experts" not in waiting["meta_info"]
+    assert waiting["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    late = {}
+    t2 = threading.Thread(target=lambda: late.setdefault("out", fake.generate(
+        input_ids=PROMPTS[1], sampling_params={**sp, "max_new_tokens": 3}, return_logprob=True)))
+    t2.start()
+    time.sleep(0.5)
+    assert "out" not in late  # held while paused
+    assert fake.continue_generation() == {"message": "Generation continued successfully.", "status": "ok"}
+    t2.join(timeout=30)
+    assert late["out"]["meta_info"]["finish_reason"]["type"] == "length" and len(late["out"]["output_ids"]) == 3
+    with pytest.raises(NotImplementedError, match="'retract'"):
+        fake.pause_generation(mode="retract")

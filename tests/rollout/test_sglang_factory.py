@@ -8,7 +8,7 @@ from megatron_s3ac.rollout.factory import (
     ConfigError, SGLangSettings, make_engine_factory, validate_rollout_engine,
     validate_sglang_settings,
 )
-from megatron_s3ac.rollout.sglang_engine import SGLangEngine
+from megatron_s3ac.rollout.engines.sglang.engine import SGLangEngine
 
 from fake_sglang import FakeSGLangEngine, save_tiny_qwen3_moe
 from rollout_fixtures import char_tokenizer

@@ -86,7 +86,7 @@ def test_prepare_fp8_writes_servable_block_fp8(tmp_path):
     assert smoke.stream_matches(stream, out)
     # the update sends flattened buckets (sglang_engine._flat_bucket): every tensor must start aligned
     from megatron_s3ac.rollout.base import iter_buckets
-    from megatron_s3ac.rollout.sglang_engine import _flat_bucket
+    from megatron_s3ac.rollout.engines.sglang.engine import _flat_bucket
 
     for bucket in iter_buckets(iter(stream), 1 << 20):
         flat = _flat_bucket(bucket)

@@ -1,7 +1,7 @@
 """The trainer with rollout.engine=sglang against the sglang 0.5.23 stand-in (a real transformers model behind it):
 3 steps on 2 gloo ranks (EP=2), one colocated engine with tp_size=2 whose TP ranks sit on the two ranks' devices;
 after every sync the engine's tensors equal the trainer's export exactly and each TP rank's payloads were produced
-by the trainer rank on its device (rollout.colocated), the step's train/rollout KL is ~0 (the engine samples from
+by the trainer rank on its device (rollout.engines.sglang.colocated), the step's train/rollout KL is ~0 (the engine samples from
 the synced weights), and aborted samples are counted (their groups dropped) without crashing the step. Plus
 `s3ac-train check` on sglang configs."""
 import os

@@ -1,4 +1,4 @@
-"""Separate-GPU weight sync from the ranks that own the bytes (rollout.broadcast.StageBroadcastSync) over gloo on
+"""Separate-GPU weight sync from the ranks that own the bytes (rollout.engines.sglang.broadcast.StageBroadcastSync) over gloo on
 CPU ranks, against the sglang 0.5.23 stand-in's receiving side (init_weights_update_group +
 update_weights_from_distributed with flattened buckets, in weight-update sessions): after each sync every engine's
 tensors equal the trainer's export exactly; each pipeline stage's leader broadcasts its own stage (PP=2: both

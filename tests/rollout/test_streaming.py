@@ -15,8 +15,8 @@ import pytest
 import ray
 
 from megatron_s3ac.rollout.base import RolloutEngine, SamplingParams, StreamingGeneration
-from megatron_s3ac.rollout.cpu_engine import CPUEngine
-from megatron_s3ac.rollout.remote import RemoteEngine
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
+from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngine
 from megatron_s3ac.rollout.rewards import RewardPool
 from megatron_s3ac.trainer.async_loop import reward_overlap
 from rollout_fixtures import tiny_moe_config

@@ -1,4 +1,4 @@
-"""The weight-sync registry (rollout.sync_strategy): each (engine kind, placement) brings its own strategy, the
+"""The weight-sync registry (rollout.sync.strategy): each (engine kind, placement) brings its own strategy, the
 trainer's engine side calls it without knowing the engine's name, and a new engine plugs in by registering."""
 import ast
 import pathlib
@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_s3ac.rollout import sync_strategy as ss
-from megatron_s3ac.rollout.broadcast import SGLangBroadcastSync
-from megatron_s3ac.rollout.colocated import SGLangColocatedSync
+from megatron_s3ac.rollout.sync import strategy as ss
+from megatron_s3ac.rollout.engines.sglang.broadcast import SGLangBroadcastSync
+from megatron_s3ac.rollout.engines.sglang.colocated import SGLangColocatedSync
 from megatron_s3ac.rollout.factory import ConfigError, SGLangSettings, make_engine_factory, make_sync_strategy
-from megatron_s3ac.rollout.weight_sync import ColocatedRankZeroSync, RankZeroSync
+from megatron_s3ac.rollout.sync.weight_sync import ColocatedRankZeroSync, RankZeroSync
 from megatron_s3ac.trainer.config import EngineKind, Placement, load_config
 from megatron_s3ac.trainer.engine_side import EngineSide, sync_strategy_for
 
@@ -50,9 +50,9 @@ def test_unregistered_pair_names_both_keys(registry):
         make_sync_strategy("trtllm", "separate")
     with pytest.raises(TypeError, match="neither a WeightSyncStrategy subclass"):
         registry.register_weight_sync("vllm", "separate", object)
-    registry.register_weight_sync("vllm", "separate", "megatron_s3ac.rollout.weight_sync:RankZeroSync")  # lazy
+    registry.register_weight_sync("vllm", "separate", "megatron_s3ac.rollout.sync.weight_sync:RankZeroSync")  # lazy
     assert type(make_sync_strategy("vllm", "separate")) is RankZeroSync
-    registry.register_weight_sync("vllm", "colocated", "megatron_s3ac.rollout.weight_sync:SyncStats")
+    registry.register_weight_sync("vllm", "colocated", "megatron_s3ac.rollout.sync.weight_sync:SyncStats")
     with pytest.raises(TypeError, match="is not a WeightSyncStrategy"):
         make_sync_strategy("vllm", "colocated")
 
@@ -118,7 +118,7 @@ def test_a_new_engine_plugs_in_by_registering(registry, rank0):
 def test_sglang_colocated_wake_order(monkeypatch):
     """Moved unchanged from trainer/engine_side.py: sleep -> wake(["weights"]) -> ColocatedIPCSync.sync ->
     wake(["kv_cache", "cuda_graph"]); a sync with the engine awake wakes nothing."""
-    import megatron_s3ac.rollout.colocated as colocated
+    import megatron_s3ac.rollout.engines.sglang.colocated as colocated
 
     log = []
 

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError
 from megatron_s3ac.rollout.factory import make_engine_factory, validate_rollout_engine
-from megatron_s3ac.rollout.vllm_settings import DEFAULT_VENV, VLLMSettings, engine_python, validate_vllm_settings
+from megatron_s3ac.rollout.engines.vllm.settings import DEFAULT_VENV, VLLMSettings, engine_python, validate_vllm_settings
 from megatron_s3ac.trainer.config import ConfigError, load_config
 from vllm_fixtures import save_tiny_qwen3, tiny_qwen3_config
 
@@ -68,7 +68,7 @@ def test_factory_defaults_to_the_built_environment(qwen3_dir, monkeypatch):
         os.path.abspath(__file__)))), ".venv-vllm")  # the repository root's, where `make vllm-env` builds it
     with pytest.raises(EngineConfigError, match="vllm needs an HF checkpoint directory"):
         make_engine_factory("vllm")
-    from megatron_s3ac.rollout.vllm_engine import VLLMEngine, VLLMEngineError
+    from megatron_s3ac.rollout.engines.vllm.engine import VLLMEngine, VLLMEngineError
 
     with pytest.raises(VLLMEngineError, match="run `make vllm-env`"):
         VLLMEngine(qwen3_dir, VLLMSettings(python="/nonexistent/python"))
@@ -76,8 +76,8 @@ def test_factory_defaults_to_the_built_environment(qwen3_dir, monkeypatch):
 
 @pytest.mark.parametrize("placement, cls_name", [("colocated", "VLLMSessionSync"), ("separate", "VLLMStageSync")])
 def test_vllm_registers_its_weight_sync(placement, cls_name, qwen3_dir):
-    """rollout.sync_strategy finds vLLM's strategies by (engine, placement); built on every rank from the config."""
-    from megatron_s3ac.rollout import vllm_sync
+    """rollout.sync.strategy finds vLLM's strategies by (engine, placement); built on every rank from the config."""
+    from megatron_s3ac.rollout.engines.vllm import sync as vllm_sync
     from megatron_s3ac.rollout.factory import make_sync_strategy
     from megatron_s3ac.trainer.engine_side import sync_strategy_for
 

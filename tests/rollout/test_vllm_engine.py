@@ -89,7 +89,7 @@ def test_update_with_perturbed_tensors_is_followed(engine, model_dir, base_state
 
 @pytest.mark.parametrize("bad", ["unknown", "shape"])
 def test_refused_update_names_the_tensor_and_loads_nothing(engine, base_state, bad):
-    from megatron_s3ac.rollout.vllm_engine import WeightUpdateError
+    from megatron_s3ac.rollout.engines.vllm.engine import WeightUpdateError
 
     before = engine.score(FIXED)
     samples = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=5))
@@ -109,7 +109,7 @@ def test_refused_update_names_the_tensor_and_loads_nothing(engine, base_state, b
 def test_server_side_check_refuses_before_receiving(engine, base_state):
     """The worker checks each chunk against the served checkpoint too (a second line behind the client's check):
     called directly, it refuses naming the tensor and the session stays loadable."""
-    from megatron_s3ac.rollout.vllm_engine import VLLMEngineError
+    from megatron_s3ac.rollout.engines.vllm.engine import VLLMEngineError
 
     with pytest.raises(VLLMEngineError, match=r"check_weights failed: .*no_such"):
         engine._call("check_weights", names=["model.no_such.weight"], shapes=[[2]])

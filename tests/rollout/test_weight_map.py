@@ -5,7 +5,7 @@ own loader puts it (state dict round trip)."""
 import pytest
 import torch
 
-from megatron_s3ac.rollout.cpu_engine import CPUEngine, _WeightMap
+from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine, _WeightMap
 from megatron_s3ac.testing.tiny_models import tiny_hf_model
 
 

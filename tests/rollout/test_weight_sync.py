@@ -90,7 +90,7 @@ def test_fp8_quantized_before_the_transfer(ckpts):
     eng = results[1]
     pre, post = eng["before"], eng["after"]
     assert set(pre) == set(post) and all(torch.equal(pre[n], post[n]) for n in pre)
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
     orig = CPUEngine.from_pretrained(hf, tokenizer=None).model.state_dict()
     assert any(not torch.equal(pre[n], orig[n]) for n in pre)  # the sync changed the engine

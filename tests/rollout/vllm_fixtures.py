@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from megatron_s3ac.rollout.vllm_settings import engine_python
+from megatron_s3ac.rollout.engines.vllm.settings import engine_python
 
 
 @functools.lru_cache(maxsize=1)

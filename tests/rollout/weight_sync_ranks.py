@@ -40,8 +40,8 @@ def sync_rank(hf_dir, ckpt_dir, tp, pp, ep, engine_rank, bucket_bytes, tokens, h
     import torch.distributed as dist
 
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
-    from megatron_s3ac.rollout.weight_sync import sync_weights
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
+    from megatron_s3ac.rollout.sync.weight_sync import sync_weights
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(tp, pp, ep))
     perturb_(model)
@@ -66,8 +66,8 @@ def sync_fp8_rank(hf_dir, ckpt_dir, tp, pp, ep, engine_rank, bucket_bytes):
 
     from megatron_s3ac.convert.fp8 import Fp8WeightUpdates, quantize_stream
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
-    from megatron_s3ac.rollout.weight_sync import sync_weights
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
+    from megatron_s3ac.rollout.sync.weight_sync import sync_weights
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(tp, pp, ep))
     perturb_(model)
@@ -118,8 +118,8 @@ def sync_stress_rank(hf_dir, ckpt_dir, tp, pp, ep, rounds, shm):
 
     from megatron_s3ac.convert.export import export_hf_weights
     from megatron_s3ac.convert.verify import load_actor, make_layout
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
-    from megatron_s3ac.rollout.weight_sync import sync_weights
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
+    from megatron_s3ac.rollout.sync.weight_sync import sync_weights
 
     info, model = load_actor(hf_dir, ckpt_dir, make_layout(tp, pp, ep))
     rank0 = dist.get_rank() == 0

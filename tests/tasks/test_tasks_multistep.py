@@ -4,7 +4,7 @@ import collections
 
 import pytest
 
-from megatron_s3ac.rollout.reward_multistep import (multistep_reference, multistep_reward, parse_prompt,
+from megatron_s3ac.rollout.rewards.multistep import (multistep_reference, multistep_reward, parse_prompt,
                                                     step_accuracy)
 from megatron_s3ac.rollout.rewards import get_reward
 from megatron_s3ac.trainer.data import BOS, CharVocab

@@ -77,3 +77,31 @@ def test_s3ac_records_v0_of_the_critic_before_its_update(tmp_path):
 def test_negative_credit_every_is_refused():
     with pytest.raises(ConfigError, match="train.credit_every=-1 must be >= 0"):
         load_config(None, BASE + ["train.credit_every=-1"])
+
+
+def _one_step(out_dir, algo):
+    from megatron_s3ac.trainer.loop import Trainer
+
+    cfg = load_config(None, BASE + [f"algo.name={algo}", f"train.out_dir={out_dir}"])
+    tr = Trainer(cfg)
+    tr.step()
+    tr.close()
+
+
+def test_sharded_gather_at_dp2_records_the_same_rows_as_one_rank(tmp_path):
+    """DP = 2 (two gloo ranks, each owning half of the step's rows): credit.jsonl (written by rank 0 after
+    gathering every rank's rows, trainer/credit_record.py) holds the same rows as the same run at one rank,
+    where nothing is gathered. Step 0 only: its rollout comes from the same initial weights and seed at both
+    world sizes (later steps follow updates whose DP reductions differ in rounding). S3AC: both the actor's
+    rows (advantages, rewards) and the critic's (V(s0)) are gathered."""
+    one, two = str(tmp_path / "w1"), str(tmp_path / "w2")
+    run_distributed(_one_step, 1, one, "s3ac")
+    run_distributed(_one_step, 2, two, "s3ac")
+    (a,), (b,) = _rows(one), _rows(two)
+    assert a["step"] == b["step"] == 0
+    assert a["pid"] == b["pid"] and a["reward"] == b["reward"] and len(a["pid"]) >= 8  # >= 2 groups: both ranks own rows
+    assert [len(x) for x in a["adv"]] == [len(x) for x in b["adv"]]
+    for x, y in zip(a["adv"], b["adv"]):
+        assert x == pytest.approx(y, abs=2e-4)
+    assert a["v0"] == pytest.approx(b["v0"], abs=2e-4) and len(b["v0"]) == len(b["pid"])
+    assert len(set(b["v0"])) > 1  # the critic's values of distinct prompts, not one rank's rows repeated

@@ -8,6 +8,7 @@ import torch
 
 from megatron_s3ac.algorithms.registry import AdvInputs, get_adv_est
 from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.trainer.batch import collate
 from megatron_s3ac.trainer.metrics import reduce_sums, s3ac_gae_metric_sums, s3ac_gae_metrics
 from megatron_s3ac.trainer.sharding import RankRole, RowShard, class_sources, owned_rows, plan_shares
 
@@ -103,11 +104,21 @@ def _distribute_rank(n, group):
     rng = np.random.default_rng(0)  # the same samples on rank 0 as in the test's reference
     samples = [{"prompt_ids": [1, 2, 3], "response_ids": [4] * (1 + i % 3), "logprobs": [-0.5] * (1 + i % 3),
                 "reward": float(i), "pid": i // group, "finish": "stop", "plen": 3, "rlen": 1 + i % 3,
-                "routes": rng.integers(0, 8, size=(3 + i % 3, 4, 2)).astype(np.uint8)} for i in range(n)]
+                "routes": rng.integers(0, 8, size=(3 + i % 3, 4, 2)).astype(np.uint8),
+                "images": _image(i) if i % 3 == 0 else None} for i in range(n)]
     keep = ("pid", "reward", "finish", "plen", "rlen")  # what every rank holds (RolloutPhases.rollout)
     mine = samples if rank == 0 else [{k: s[k] for k in keep} for s in samples]
     local, shares = distribute(mine, group, roles, routes=True)
-    return [(s["gid"], s["reward"], s["routes"], s["response_ids"]) for s in local], shares[rank].layers, samples
+    batch = collate(local)  # the images travel with their rows into the rank's batch
+    return ([(s["gid"], s["reward"], s["routes"], s["response_ids"], im) for s, im in zip(local, batch.images)],
+            shares[rank].layers, samples)
+
+
+def _image(i):
+    """An image prompt's ImageInputs (one 1 x 2 x 2 grid of 12-dim patches, values from ``i``)."""
+    from megatron_s3ac.models.multimodal import ImageInputs
+
+    return ImageInputs(torch.arange(48, dtype=torch.float32).view(4, 12) + i, torch.tensor([[1, 2, 2]]))
 
 
 def test_distribute_sends_each_rank_its_rows_and_layers():
@@ -118,9 +129,13 @@ def test_distribute_sends_each_rank_its_rows_and_layers():
         want = owned_rows(n, group, rank % 2, 2)
         assert [g for g, *_ in local] == want
         assert layers == ((0, 1) if rank < 2 else (2, 3))
-        for g, reward, routes, resp in local:
+        for g, reward, routes, resp, im in local:
             assert reward == samples[g]["reward"] and resp == samples[g]["response_ids"]
             np.testing.assert_array_equal(routes, samples[g]["routes"][:, list(layers), :])
+            src = samples[g]["images"]
+            assert (im is None) == (src is None)
+            if src is not None:
+                assert torch.equal(im.pixel_values, src.pixel_values) and torch.equal(im.image_grid_thw, src.image_grid_thw)
 
 
 def test_metadata_mask_and_shard_width_match_the_whole_batch():

@@ -364,7 +364,7 @@ def test_standalone_eval_reproduces_demo_pass_rates_world2(tmp_path):
     gives exactly the before/after pass rates the demo reports (and the trainer's periodic eval logs)."""
     from megatron_s3ac.eval.runner import BenchmarkSpec, evaluate
     from megatron_s3ac.rollout.base import SamplingParams
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
     from megatron_s3ac.trainer.data import CharVocab
 
     res = run_distributed(_mini_demo, 2, str(tmp_path))[0]

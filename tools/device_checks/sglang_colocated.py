@@ -1,4 +1,4 @@
-"""Device check (issue 14): the colocated weight sync (rollout.colocated.ColocatedIPCSync) into a real SGLang engine on
+"""Device check (issue 14): the colocated weight sync (rollout.engines.sglang.colocated.ColocatedIPCSync) into a real SGLang engine on
 the trainer's GPUs, each engine TP rank reading CUDA IPC handles from the trainer rank on its GPU. <= 5 min.
 
     torchrun --nproc-per-node N tools/device_checks/sglang_colocated.py DIR [--pp 1] [--ep 1]
@@ -80,8 +80,8 @@ def main(argv=None) -> int:
     from megatron_s3ac.convert.hf_to_mcore import hf_to_mcore
     from megatron_s3ac.convert.verify import load_actor, make_layout
     from megatron_s3ac.rollout.base import SamplingParams
-    from megatron_s3ac.rollout.colocated import ColocatedIPCSync
-    from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
+    from megatron_s3ac.rollout.engines.sglang.colocated import ColocatedIPCSync
+    from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
 
     hf_dir, mc_dir = os.path.join(a.dir, "hf"), os.path.join(a.dir, "mcore")
     if rank == 0 and not os.path.isdir(mc_dir):

@@ -175,7 +175,7 @@ def run(model_dir: str) -> int:
 
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.factory import SGLangSettings, build_rollout_engine, make_engine_factory
-    from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
+    from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
 
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -247,7 +247,7 @@ def run_fp8(model_dir: str) -> int:
 
     from megatron_s3ac.convert.fp8 import quantize_stream
     from megatron_s3ac.rollout.base import SamplingParams
-    from megatron_s3ac.rollout.sglang_engine import SGLangConfig, SGLangEngine
+    from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
 
     t0 = time.time()
     fp8_dir, w1_bf16, w1_fp8 = model_dir + "_fp8", model_dir + "_w1", model_dir + "_w1_fp8"

@@ -142,7 +142,7 @@ def rl_step(models, engine, info, args, step, device, offload_idle):
     from megatron_s3ac.models.pipeline import forward_backward
     from megatron_s3ac.r3.replay import routing_replay
     from megatron_s3ac.rollout.base import SamplingParams
-    from megatron_s3ac.rollout.weight_sync import sync_weights
+    from megatron_s3ac.rollout.sync.weight_sync import sync_weights
 
     actor, addp, aopt = models["actor"]
     critic, cddp, copt = models["critic"]
@@ -228,7 +228,7 @@ def rl_step(models, engine, info, args, step, device, offload_idle):
 
 def run(args, dtype, recompute, offload, offload_idle):
     from megatron_s3ac.models.registry import model_info
-    from megatron_s3ac.rollout.cpu_engine import CPUEngine
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = hf_config(args.tiny)

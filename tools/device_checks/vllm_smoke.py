@@ -13,12 +13,14 @@ layers, 8 experts top-2, head_dim 64, character tokenizer). ``--cpu``: a dense Q
 
 1. generate: greedy, 8 prompts x 16 tokens, log-probs (+ routed experts on GPU) vs transformers teacher-forced on
    the same weights: argmax agreement, max |d log-prob|, router top-k agreement (sglang_smoke's criteria).
-2. update: other weights (seed 1) through ``VLLMEngine.update_weights`` (one session, checked first), then the
-   same comparison against the new weights' teacher; tokens must change.
+2. update: other weights (seed 1) through ``VLLMEngine.update_weights`` (one session, checked first) over the
+   separate placement's backend (GPU: ``s3ac_nccl``, a torch ProcessGroupNCCL with CUDA buckets; CPU:
+   ``s3ac_gloo``), then the same comparison against the new weights' teacher; tokens must change.
 3. memory (GPU): free memory before the engine / awake / after sleep() (level 1) / after wake(["weights"]) +
    update / after wake(["kv_cache"]); sleep must free >= 50 % of what the engine held.
-
-Not covered (not implemented yet, docs/rollout.md): the NCCL / IPC weight-transfer backends.
+4. ipc: a second engine at the colocated placement (``s3ac_ipc``: CUDA IPC handles of this process's buckets on the
+   same GPU; CPU: shared memory), updated to the seed-1 weights; the same comparison; then an update naming an
+   unknown tensor must raise naming it and leave the generation unchanged.
 Exit status 0 when every check passes.
 """
 from __future__ import annotations
@@ -84,7 +86,7 @@ def run(model_dir: str, cpu: bool) -> int:
 
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.factory import make_engine_factory
-    from megatron_s3ac.rollout.vllm_settings import VLLMSettings
+    from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings
     from megatron_s3ac.testing.tiny_models import char_tokenizer
 
     t0 = time.time()
@@ -96,7 +98,7 @@ def run(model_dir: str, cpu: bool) -> int:
     before = torch.cuda.mem_get_info()[0] if not cpu else None
     eng = make_engine_factory("vllm", model_dir=model_dir, settings=s, return_routed_experts=not cpu,
                               device="cpu" if cpu else "cuda")()
-    ok = True
+    ok = emit("transfer", eng.transfer == ("gloo" if cpu else "nccl"), backend=f"s3ac_{eng.transfer}")
     try:
         routes = not cpu
         out = [g[0] for g in eng.generate(prompts, params, return_routed_experts=routes)]
@@ -128,8 +130,40 @@ def run(model_dir: str, cpu: bool) -> int:
             ok &= emit("memory", freed >= 0.5 * held, held_gb=held / 2**30, freed_gb=freed / 2**30, **free)
     finally:
         eng.shutdown()
+    ok &= ipc_check(model_dir, other, s, prompts, params, cpu)
     emit("all", ok, all_pass=ok, seconds=round(time.time() - t0, 1))
     return 0 if ok else 1
+
+
+def ipc_check(model_dir: str, other: str, settings, prompts, params, cpu: bool) -> bool:
+    """Check 4: the colocated placement's s3ac_ipc backend (see the module docstring)."""
+    import torch
+
+    from megatron_s3ac.rollout.factory import make_engine_factory
+    from megatron_s3ac.rollout.engines.vllm.engine import WeightUpdateError
+
+    t0 = time.time()
+    eng = make_engine_factory("vllm", model_dir=model_dir, settings=settings, return_routed_experts=False,
+                              device="cpu" if cpu else "cuda", placement="colocated")()
+    try:
+        new = weights_of(other)
+        eng.update_weights(new.items())
+        out = [g[0] for g in eng.generate(prompts, params)]
+        fig = compare(out, _teacher_outputs(_teacher(other, cpu), out, cpu))
+        good = fig["argmax_agree"] >= 0.97 and fig["max_dlogprob"] < (0.1 if cpu else 0.5)
+        refused = False
+        try:
+            eng.update_weights([("model.norm.weight", torch.zeros_like(new["model.norm.weight"])),
+                                ("model.no_such.weight", torch.zeros(4))])
+        except WeightUpdateError as err:
+            refused = "model.no_such.weight" in str(err)
+        again = [g[0] for g in eng.generate(prompts, params)]
+        unchanged = all(a.response_ids == b.response_ids for a, b in zip(out, again))
+        return emit("ipc", good and refused and unchanged and eng.transfer == "ipc", backend=f"s3ac_{eng.transfer}",
+                    refused_naming_tensor=refused, unchanged_after_refusal=unchanged,
+                    seconds=round(time.time() - t0, 1), **fig)
+    finally:
+        eng.shutdown()
 
 
 def main(argv=None) -> int:

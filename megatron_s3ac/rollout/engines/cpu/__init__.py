@@ -1,0 +1,1 @@
+"""The CPU engine (transformers) and its Ray actor (RemoteEngine)."""

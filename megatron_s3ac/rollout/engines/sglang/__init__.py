@@ -1,0 +1,1 @@
+"""The SGLang engine and its weight syncs (stage broadcast, colocated IPC)."""

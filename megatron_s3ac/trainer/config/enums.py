@@ -1,0 +1,69 @@
+"""The config's choice enums and its error (``trainer.config`` re-exports them)."""
+from __future__ import annotations
+
+import enum
+import os
+
+
+class ConfigError(ValueError):
+    """An invalid experiment config; the message lists every broken rule by its dotted key."""
+
+
+# choices OmegaConf checks (a str Enum: members compare equal to their names)
+class Task(str, enum.Enum):
+    arithmetic = "arithmetic"
+    multistep = "multistep"  # multi-operand arithmetic written step by step (trainer.tasks_multistep)
+    chain = "chain"  # digit chains with 12-32-token answers: cumsum, add, reverse, sort, runsum (trainer.tasks_chain)
+    math = "math"
+
+
+class Placement(str, enum.Enum):
+    colocated = "colocated"
+    separate = "separate"
+
+
+class EngineKind(str, enum.Enum):
+    cpu = "cpu"  # transformers' model in this project's engine (rollout.engines.cpu.engine), on the CPU
+    hf = "hf"  # the same engine on rank 0's GPU in model.dtype when CUDA is present
+    sglang = "sglang"
+    vllm = "vllm"  # a real vLLM engine in its own environment (rollout.vllm; make vllm-env; docs/rollout.md)
+
+
+class WeightsDtype(str, enum.Enum):  # the rollout engine's weights (docs/fp8.md)
+    bf16 = "bf16"  # the trainer's weights as they are, unquantized
+    fp8 = "fp8"  # block-scaled e4m3 + weight_scale_inv, quantized at every weight sync (SGLang's layout)
+
+
+class CriticHead(str, enum.Enum):
+    linear = "linear"
+    bounded = "bounded"
+
+
+class TinyModel(str, enum.Enum):
+    arithmetic_moe = "arithmetic_moe"
+
+
+class DType(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Recompute(str, enum.Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+def _missing_paths(section: str, obj, keys) -> list[str]:
+    return [f"{section}.{k}={getattr(obj, k)!r} does not exist" for k in keys
+            if getattr(obj, k) is not None and not os.path.exists(getattr(obj, k))]
+
+
+class Stage(str, enum.Enum):  # trainer.pipeline's stages, in order
+    warmup = "warmup"
+    coverage = "coverage"
+    value_pretrain = "value_pretrain"
+    rl = "rl"
+
+
+R3_MODES = ("auto", "on", "off")

@@ -1,0 +1,89 @@
+"""The ``rollout`` section (its engines' own sections: ``rollout.sglang``, ``rollout.vllm``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+from megatron_s3ac.rollout.factory import SGLangSettings
+from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings
+from megatron_s3ac.trainer.config.enums import EngineKind, Placement, WeightsDtype
+
+
+@dataclass
+class RolloutCfg:
+    prompts_per_step: int = 32
+    k: int = 4  # responses per prompt (1 = single rollout)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 6
+    reward: str = "arithmetic"
+    reward_workers: int = 2  # verifier processes for isolated rewards (math-verify); rank 0
+    reward_timeout_s: float = 5.0  # per answer; a timed-out answer scores -1 and is counted
+    # colocated: the engine lives in rank 0's process and sleeps while the models train (weights
+    # released, refilled by the next weight sync); separate: the engine runs in its own process (a Ray
+    # actor) and stays awake; the trainer streams weights to it
+    placement: Placement = Placement.colocated
+    # cpu: CPUEngine (transformers, exact; the demo); hf: the same engine on rank 0's GPU in model.dtype when
+    # CUDA is present; sglang: sglang==0.5.23 engines (rollout.sglang; docs/rollout.md)
+    engine: EngineKind = EngineKind.cpu
+    sglang: SGLangSettings = field(default_factory=SGLangSettings)
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    # fp8: every weight sync sends convert.fp8.quantize_stream of the export (the engine dequantizes /
+    # SGLang serves fp8), so rollout and trainer log-probs really differ; fp8_keep: module patterns kept
+    # unquantized (null = convert.fp8.DEFAULT_KEEP: router, embeddings, lm_head, GDN gates, ...)
+    weights_dtype: WeightsDtype = WeightsDtype.bf16
+    fp8_keep: Optional[list] = None
+    # asynchronous loop (train.max_staleness > 0): an engine whose process died is rebuilt, re-synced and its
+    # unfinished batches resubmitted, at most this many times in one step (then the step raises)
+    max_engine_restarts: int = 3
+    # asynchronous loop: score each prompt's group as the engine hands it back (while later groups still
+    # generate) instead of the whole batch after its slowest group; the same rewards either way
+    stream_rewards: bool = True
+    # partial rollout (train.max_staleness > 0; rollout/partial.py, docs/rollout.md "Partial rollout"): at each
+    # weight sync the engine is paused instead of waited for; unfinished responses keep their tokens and resume on
+    # the new weights, each token tagged with its weights version. Off: today's bounded-staleness loop, unchanged.
+    partial_rollout: bool = False
+    # a response spanning this many weights versions is not resumed again: its partial tokens are dropped and it is
+    # regenerated from its prompt on the new weights (async/partial_regenerated); 1 = never resume
+    partial_max_versions: int = 2
+
+    def errors(self) -> list[str]:
+        out = []
+        if self.max_engine_restarts < 0:
+            out.append(f"rollout.max_engine_restarts={self.max_engine_restarts} must be >= 0")
+        if isinstance(self.partial_max_versions, bool) or self.partial_max_versions < 1:
+            out.append(f"rollout.partial_max_versions={self.partial_max_versions} must be an integer >= 1")
+        if self.engine == EngineKind.sglang:
+            from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_sglang_settings
+
+            try:
+                validate_sglang_settings(self.sglang)
+            except EngineConfigError as e:
+                out.append(str(e))
+        if self.engine == EngineKind.vllm:
+            from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError
+            from megatron_s3ac.rollout.engines.vllm.settings import validate_vllm_settings
+
+            try:
+                validate_vllm_settings(self.vllm)
+            except EngineConfigError as e:
+                out.append(str(e))
+        if self.fp8_keep is not None:
+            from megatron_s3ac.convert.fp8 import Fp8Error, check_keep
+
+            try:
+                check_keep(list(self.fp8_keep))
+            except Fp8Error as e:
+                out.append(f"rollout.fp8_keep: {e}")
+        if self.k < 1 or self.prompts_per_step < 1:
+            out.append("rollout.k and rollout.prompts_per_step must be >= 1")
+        if self.reward_workers < 1 or not self.reward_timeout_s > 0:
+            out.append("rollout.reward_workers must be >= 1 and rollout.reward_timeout_s > 0")
+        if self.max_new_tokens < 1 or self.temperature <= 0:
+            out.append("rollout.max_new_tokens must be >= 1 and rollout.temperature > 0 (training needs sampling)")
+        from megatron_s3ac.rollout.rewards import get_reward
+
+        try:
+            get_reward(self.reward)
+        except KeyError as e:
+            out.append(f"rollout.reward: {e.args[0]}")
+        return out

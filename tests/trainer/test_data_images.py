@@ -1,0 +1,93 @@
+"""Data rows with images (jsonl paths, parquet bytes, HF datasets.Image dicts, chat image entries) -> prompt ids
+with expanded placeholders + ImageInputs, against a hand-built reference: the drawn image through transformers'
+Qwen2-VL image processor directly and the ids written out by hand; the refusals."""
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_s3ac.testing.tiny_qwen3_5 import IMAGE_PROCESSOR, VL_TOKENS, save_tiny_qwen3_5
+from megatron_s3ac.trainer.data import CharVocab, VisionProcessor, load_math_prompts
+from megatron_s3ac.trainer.tasks_vision import digit_image, digit_pairs, save_vision_miniature, write_vision_set
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    paths = save_vision_miniature(str(tmp_path_factory.mktemp("mini")), num_prompts=6, eval_prompts=3, seed=0)
+    return paths, AutoTokenizer.from_pretrained(paths["model"]), VisionProcessor.from_pretrained(paths["model"])
+
+
+def _expected(a, b, jitter):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR)(images=[digit_image(a, b, jitter)], return_tensors="pt")
+    t = VL_TOKENS
+    ids = [t["vision_start_token_id"]] + [t["image_token_id"]] * 32 + [t["vision_end_token_id"]] + CharVocab().encode("=")
+    return ids, out["pixel_values"], out["image_grid_thw"]
+
+
+def test_jsonl_rows_with_image_paths(mini):
+    paths, tok, vision = mini
+    prompts, stats = load_math_prompts(paths["train"], tok, 64, vision=vision)
+    assert stats["kept"] == stats["with_images"] == 6 and stats["malformed"] == 0
+    rows = [json.loads(line) for line in open(paths["train"])]
+    pairs = digit_pairs(6, 0, exclude=set(digit_pairs(3, 1)))
+    for p, row, (a, b, jit) in zip(prompts, rows, pairs):
+        ids, pv, grid = _expected(a, b, jit)
+        assert p.ids == ids and p.reference == str(a + b) == row["answer"]
+        assert torch.equal(p.images.image_grid_thw, grid) and grid.tolist() == [[1, 4, 8]]
+        torch.testing.assert_close(p.images.pixel_values, pv, rtol=0, atol=0)
+        assert not os.path.isabs(row["images"][0])  # relative to the data file
+
+
+def test_parquet_bytes_and_hf_image_dicts_and_chat_entries(mini, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths, tok, vision = mini
+    pairs = [(3, 4, (0, 0)), (9, 1, (2, 3))]
+    ref, _ = load_math_prompts(write_vision_set(str(tmp_path / "a.jsonl"), pairs), tok, 64, vision=vision)
+    emb, _ = load_math_prompts(write_vision_set(str(tmp_path / "b.parquet"), pairs), tok, 64, vision=vision)
+    # HF datasets.Image layout with a path only, and chat messages with {"type": "image"} entries
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "="}]}],
+             "answer": str(a + b), "images": [{"bytes": None, "path": f"a_images/{i:05d}_{a}{b}.png"}]}
+            for i, (a, b, _) in enumerate(pairs)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    tok.chat_template = ("{% for m in messages %}{% for e in m['content'] %}{% if e['type'] == 'image' %}"
+                         "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ e['text'] }}{% endif %}"
+                         "{% endfor %}{% endfor %}")
+    try:
+        chat, _ = load_math_prompts(str(tmp_path / "c.parquet"), tok, 64, vision=vision)
+    finally:
+        tok.chat_template = None
+    for other in (emb, chat):
+        for p, q in zip(ref, other):
+            assert p.ids == q.ids and torch.equal(p.images.pixel_values, q.images.pixel_values)
+
+
+def test_refusals(mini, tmp_path):
+    paths, tok, vision = mini
+    def rows(path, *rs):
+        with open(path, "w") as f:
+            for r in rs:
+                f.write(json.dumps(r) + "\n")
+        return str(path)
+    missing = rows(tmp_path / "m.jsonl", {"prompt": "<image>=", "answer": "1", "images": ["nope.png"]})
+    with pytest.raises(ValueError, match="row 0 image 0: image file .*nope.png not found"):
+        load_math_prompts(missing, tok, 64, vision=vision)
+    (tmp_path / "bad.png").write_bytes(b"not a png at all")
+    bad = rows(tmp_path / "u.jsonl", {"prompt": "<image>=", "answer": "1", "images": ["bad.png"]})
+    with pytest.raises(ValueError, match="unreadable image"):
+        load_math_prompts(bad, tok, 64, vision=vision)
+    with pytest.raises(ValueError, match="text-only"):
+        load_math_prompts(paths["train"], tok, 64, vision=None)
+    two = rows(tmp_path / "t.jsonl", {"prompt": "<image><image>=", "answer": "1",
+                                      "images": [os.path.relpath(paths["train"].replace(".jsonl", "_images"), tmp_path)
+                                                 + "/" + sorted(os.listdir(paths["train"].replace(".jsonl", "_images")))[0]]})
+    with pytest.raises(ValueError, match="2 image placeholder"):
+        load_math_prompts(two, tok, 64, vision=vision)
+    text_ckpt = save_tiny_qwen3_5(str(tmp_path / "text"), variant="text")
+    assert VisionProcessor.from_pretrained(text_ckpt) is None
