@@ -172,6 +172,58 @@ class PendingGeneration:
         return self._out
 
 
+class StreamingGeneration(PendingGeneration):
+    """A submitted ``generate`` whose groups come back as each finishes (``RolloutEngine.generate_stream_async``).
+
+    ``items``: an iterator of (prompt index, group) in completion order, optionally ending with (None, (start, end))
+    (the engine's wall-clock span of the generation). ``groups()`` yields the (index, group) pairs as they arrive,
+    waiting for each (the engine's errors raised there, with their own type); ``result()`` waits for the rest and
+    returns every group in prompt order, as ``generate`` does. ``arrivals``: (index, time.time()) of each group's
+    arrival here."""
+
+    def __init__(self, n_prompts: int, items: Iterator, ready=None):
+        super().__init__(self._drain, ready)
+        self.n_prompts, self._items = int(n_prompts), items
+        self._got: dict[int, list] = {}
+        self.arrivals: list[tuple[int, float]] = []
+        self._finished = False
+
+    def groups(self) -> Iterator[tuple[int, list]]:
+        """(prompt index, group) in completion order: first those already received, then each as it arrives."""
+        import time
+
+        for i in [i for i, _ in self.arrivals]:
+            yield i, self._got[i]
+        while not self._finished:
+            try:
+                item = next(self._items)
+            except StopIteration:
+                self._finished = True
+                break
+            if item[0] is None:
+                self.timing = (float(item[1][0]), float(item[1][1]))
+                continue
+            i, group = item
+            self._got[int(i)] = group
+            self.arrivals.append((int(i), time.time()))
+            yield int(i), group
+
+    def _drain(self):
+        for _ in self.groups():
+            pass
+        missing = [i for i in range(self.n_prompts) if i not in self._got]
+        if missing:
+            raise RuntimeError(f"the engine's stream ended without the groups of prompts {missing[:8]}")
+        return [self._got[i] for i in range(self.n_prompts)]
+
+    def result(self) -> list:
+        if self._out is None:
+            timing = self.timing
+            self._out = self._wait()
+            self.timing = self.timing or timing
+        return self._out
+
+
 class PartialRolloutUnsupported(RuntimeError):
     """The engine cannot pause its in-flight requests and continue them (``rollout.partial_rollout``)."""
 
@@ -207,6 +259,25 @@ class RolloutEngine(abc.ABC):
         t0 = time.time()
         out = self.generate_continuations(requests, params, return_routed_experts)
         return PendingGeneration(lambda: (out, t0, time.time()))
+
+    def generate_groups(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                        return_routed_experts: bool = False, images=None) -> Iterator[tuple[int, list[Sample]]]:
+        """(prompt index, group) as each prompt's group finishes; an engine that cannot tell yields ``generate``'s
+        groups in prompt order once all are done (CPUEngine yields them at the decode step they finish)."""
+        kw = {} if images is None else {"images": images}  # engines written before image prompts: four arguments
+        yield from enumerate(self.generate(prompt_ids, params, n_samples, return_routed_experts, **kw))
+
+    def generate_stream_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                              return_routed_experts: bool = False, images=None) -> StreamingGeneration:
+        """``generate_async`` whose groups are handed back as they finish (``StreamingGeneration.groups()``): the
+        same samples. An in-process engine generates here, now (calls made after it must find it done), and hands
+        the groups over in the order they finished; RemoteEngine streams them from its actor while it generates."""
+        import time
+
+        t0 = time.time()
+        kw = {} if images is None else {"images": images}
+        items = list(self.generate_groups(prompt_ids, params, n_samples, return_routed_experts, **kw))
+        return StreamingGeneration(len(prompt_ids), iter(items + [(None, (t0, time.time()))]))
 
     def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
                        return_routed_experts: bool = False, images=None) -> PendingGeneration:

@@ -82,6 +82,41 @@ class SlowEngine:
         self.events.append(("generate", time.monotonic() - t0))
         return out
 
+    def generate_async(self, *args, **kwargs):
+        """The engine's own submission; its ``result()`` first sleeps ``generate_s`` (once: a long generation the
+        asynchronous loop waits for)."""
+        from megatron_s3ac.rollout.base import PendingGeneration
+
+        pending, slept = self._engine.generate_async(*args, **kwargs), []
+
+        def wait():
+            if not slept:
+                t0 = time.monotonic()
+                time.sleep(self._generate_s)
+                out = pending.result()
+                slept.append(True)
+                self.events.append(("generate_async", time.monotonic() - t0))
+                return (out, *pending.timing) if pending.timing is not None else out
+            return (pending.result(), *pending.timing) if pending.timing is not None else pending.result()
+
+        return PendingGeneration(wait, ready=pending.done)
+
+    def generate_stream_async(self, *args, **kwargs):
+        """The engine's own streaming submission; its first group is handed over ``generate_s`` late."""
+        from megatron_s3ac.rollout.base import StreamingGeneration
+
+        stream = self._engine.generate_stream_async(*args, **kwargs)
+
+        def items():
+            t0 = time.monotonic()
+            time.sleep(self._generate_s)
+            yield from stream.groups()
+            self.events.append(("generate_async", time.monotonic() - t0))
+            if stream.timing is not None:
+                yield None, stream.timing
+
+        return StreamingGeneration(stream.n_prompts, items(), ready=stream.done)
+
     def __getattr__(self, name):
         return getattr(self._engine, name)
 

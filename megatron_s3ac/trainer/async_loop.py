@@ -31,7 +31,7 @@ a sample's staleness is then its oldest token's.
 
 Every rank runs ``step`` (prompt selection, the DAPO filter and the training phases are collective); rank 0 owns
 the engine, submits and waits. ``Trainer.step`` delegates here when ``train.max_staleness > 0``; the training
-phases are the synchronous step's, in its order.
+phases are ``Trainer.train_on``, the one sequence both steps call.
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from megatron_s3ac.trainer.batch import RolloutMeta
 
@@ -57,6 +56,7 @@ class Submitted:
     version: int
     pending: object = None
     collected: bool = False  # rank 0: its samples are back (and its engine span recorded)
+    rewards: list | None = None  # rank 0, streaming rewards: each group's rewards (None: an aborted group)
 
 
 def staleness_metrics(samples: list[dict], step: int) -> dict:
@@ -72,6 +72,49 @@ def staleness_metrics(samples: list[dict], step: int) -> dict:
     return {"async/staleness_mean": float((tok * n).sum() / n.sum().clamp(min=1.0)),
             "async/staleness_sample_mean": float(st.mean()), "async/staleness_max": float(st.max()),
             "async/trained_tokens": float(n.sum())}
+
+
+def engine_death_types() -> tuple:
+    """The errors that say a separate engine's process died or stopped answering (RemoteEngine, EnginePool)."""
+    from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngineDied, RemoteEngineTimeout
+    from megatron_s3ac.rollout.engines.pool import EngineDied, EngineTimeout
+
+    return (RemoteEngineDied, RemoteEngineTimeout, EngineDied, EngineTimeout)
+
+
+class _Floats(list):
+    """A list of rewards with ``tolist()`` (as the pool stream's float32 arrays)."""
+
+    def tolist(self):
+        return list(self)
+
+
+def reward_overlap(events: list) -> dict:
+    """Streaming rewards' waiting saved, from the ("generated" | "scored", step, group, time) events of one step's
+    awaited batches: ``time/reward_overlap_s``, the seconds during which some group was being scored while its
+    batch was still generating (scoring the batch path would have done after the slowest group), and
+    ``time/reward_tail_s``, the seconds the trainer still waited on scores after each batch's last group arrived."""
+    by_step: dict = {}
+    for kind, step, i, t in events:
+        by_step.setdefault(step, {"generated": {}, "scored": {}})[kind][i] = t
+    overlap = tail = 0.0
+    for d in by_step.values():
+        if not d["generated"]:
+            continue
+        end = max(d["generated"].values())
+        spans = sorted((d["generated"][i], min(d["scored"][i], end)) for i in d["scored"] if i in d["generated"])
+        lo = None
+        for a, b in spans:  # the union of [arrival, min(scored, generation end)]
+            if lo is None or a > hi:
+                if lo is not None:
+                    overlap += hi - lo
+                lo, hi = a, b
+            else:
+                hi = max(hi, b)
+        if lo is not None:
+            overlap += max(0.0, hi - lo)
+        tail += max(0.0, max(d["scored"].values(), default=end) - end)
+    return {"time/reward_overlap_s": overlap, "time/reward_tail_s": tail}
 
 
 def busy_seconds(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -93,6 +136,9 @@ class AsyncRollout:
         self.wait_s = 0.0  # rank 0: seconds spent waiting on the engine in the current step
         self.log: list[tuple[int, int, tuple[float, float] | None]] = []  # rank 0: (step, version, engine span)
         self.restarts = 0  # engine restarts in this run (rollout/engine_restarts)
+        self.stream = bool(getattr(tr.cfg.rollout, "stream_rewards", False)) if hasattr(tr, "cfg") else False
+        self.reward_events: list = []  # rank 0, streaming rewards: (kind, step, group, time) of the current step
+        self.reward_log: collections.deque = collections.deque(maxlen=100_000)  # the same over the run (tests)
         self._step_restarts = 0  # in the current step (bounded by rollout.max_engine_restarts)
         from megatron_s3ac.trainer.async_partial import make_partial
 
@@ -121,10 +167,12 @@ class AsyncRollout:
     def _send(self, e: Submitted) -> None:
         """Rank 0: hand ``e``'s prompts to the engine (its sampling seed is the step's, whenever it is sent)."""
         tr = self.tr
-        e.collected = False
-        e.pending = tr.engine.generate_async([tr.prompts[int(i)].ids for i in e.pids], self._params(e.step),
-                                             n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on,
-                                             **tr.image_kwargs(e.pids))  # image prompts: as rollout_phases
+        e.collected, e.rewards = False, None
+        # streaming rewards: the engine hands each group back as it finishes (RolloutEngine.generate_stream_async)
+        submit = tr.engine.generate_stream_async if self.stream else tr.engine.generate_async
+        e.pending = submit([tr.prompts[int(i)].ids for i in e.pids], self._params(e.step),
+                           n_samples=tr.cfg.rollout.k, return_routed_experts=tr.r3_on,
+                           **tr.image_kwargs(e.pids))  # image prompts: as rollout_phases
 
     # ---- engine failure: restart, re-sync, resubmit ----------------------------------------------
     def _await(self, entries: list) -> None:
@@ -133,9 +181,6 @@ class AsyncRollout:
         the engine is rebuilt and re-synced with the actor's current weights, and every batch it had not returned
         is sent again (then tagged with the re-synced version) - at most ``rollout.max_engine_restarts`` times in
         one step, then a RuntimeError naming the last failure."""
-        from megatron_s3ac.rollout.engines.pool import EngineDied, EngineTimeout
-        from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngineDied, RemoteEngineTimeout
-
         tr = self.tr
         while True:
             verdict = [None]
@@ -143,19 +188,61 @@ class AsyncRollout:
                 try:
                     for e in entries:
                         self._result(e)
-                except (RemoteEngineDied, RemoteEngineTimeout, EngineDied, EngineTimeout) as err:
-                    verdict = [(f"{type(err).__name__}: {err}", [q.step for q in self.queue if not q.collected]
-                                + [q.step for q in entries if not q.collected and q not in self.queue])]
-            if tr.world > 1:
-                dist.broadcast_object_list(verdict, src=0)
-            if verdict[0] is None:
+                except engine_death_types() as err:
+                    verdict = [(f"{type(err).__name__}: {err}", self.lost_steps(entries))]
+            # the other ranks wait for rank 0's wait on the engine on the gloo group with the run's deadline
+            # (trainer.rank0: never inside a default-group collective that NCCL's watchdog would abort)
+            verdict = self._share(verdict[0])
+            if verdict is None:
                 return
-            why, lost = verdict[0]
-            self._step_restarts += 1
-            if self._step_restarts > tr.cfg.rollout.max_engine_restarts:
-                raise RuntimeError(f"the rollout engine died {self._step_restarts} times in step {tr.step_idx} "
-                                   f"(rollout.max_engine_restarts={tr.cfg.rollout.max_engine_restarts}); last: {why}")
-            self._restart(why, {s for s in lost}, entries)
+            self.recover(*verdict, entries=entries)
+
+    def lost_steps(self, entries=()) -> list:
+        """Rank 0: the steps of the batches the engine had not handed back (to resubmit after a restart)."""
+        return ([q.step for q in self.queue if not q.collected]
+                + [q.step for q in entries if not q.collected and q not in self.queue])
+
+    def recover(self, why: str, lost, entries=()) -> None:
+        """Every rank (collective), once all know the engine died (``why``; ``lost``: the steps of the batches it had
+        not returned): count the restart (at most ``rollout.max_engine_restarts`` in one step, then a RuntimeError
+        naming the last failure), rebuild the engine, re-sync it with the actor's current weights and resubmit the
+        lost batches."""
+        tr = self.tr
+        self._step_restarts += 1
+        if self._step_restarts > tr.cfg.rollout.max_engine_restarts:
+            raise RuntimeError(f"the rollout engine died {self._step_restarts} times in step {tr.step_idx} "
+                               f"(rollout.max_engine_restarts={tr.cfg.rollout.max_engine_restarts}); last: {why}")
+        self._restart(why, set(lost), list(entries))
+
+    def sync_weights(self) -> None:
+        """Every rank: ``Trainer.sync_weights`` that survives the engine dying during it (its process killed while
+        it loads a bucket): the sync runs to its end on every rank (``rollout.sync.weight_sync``: a failed engine takes
+        no more buckets, the export's collectives go on), rank 0's verdict is shared, and a dead engine is rebuilt
+        and synced again (``recover``), its unreturned batches resubmitted."""
+        tr = self.tr
+        while True:
+            verdict = None
+            try:
+                tr.sync_weights()
+            except engine_death_types() as err:
+                if tr.rank != 0:
+                    raise
+                verdict = (f"{type(err).__name__} during the weight sync: {err}", self.lost_steps())
+            verdict = self._share(verdict)
+            if verdict is None:
+                return
+            self.recover(*verdict)
+            return  # recover re-synced the rebuilt engine
+
+    def is_engine_death(self, err: BaseException) -> bool:
+        """``err`` says the engine's process is gone or unresponsive (a restart may cure it)."""
+        return isinstance(err, engine_death_types())
+
+    def _share(self, verdict):
+        """Rank 0's engine verdict (None: the engine answered; else (why, lost steps)) on every rank, through
+        ``Trainer.rank0`` (``Rank0Phases``: a gloo group whose deadline is ``train.dist_timeout_s``)."""
+        tr = self.tr
+        return tr.rank0.share("asynchronous rollout's engine wait", verdict) if tr.world > 1 else verdict
 
     def _restart(self, why: str, lost: set, entries: list) -> None:
         from megatron_s3ac.trainer import build as B
@@ -173,7 +260,8 @@ class AsyncRollout:
                 pass
             tr.engine, _ = B.build_engine(tr.cfg, tr.info, multimodal=getattr(tr, "multimodal", False))
             tr.sync_strategy.attach(tr.engine)
-        tr.sync_weights()  # every rank: the new engine gets the actor's weights of this moment
+        self.sync_weights()  # every rank: the new engine gets the actor's weights of this moment (a death here too
+        # is recovered, within the same bound)
         version = tr.step_idx + int(getattr(self, "_trained", False))  # after this step's update: its next version
         for e in list(self.queue) + [q for q in entries if q not in self.queue]:
             if e.step in lost:
@@ -186,6 +274,8 @@ class AsyncRollout:
         if e.pending is None:
             return None
         t = time.time()
+        if self.stream and e.rewards is None and hasattr(e.pending, "groups"):
+            e.rewards = self._score_stream(e)
         groups = e.pending.result()
         self.wait_s += time.time() - t
         if not e.collected:
@@ -195,6 +285,43 @@ class AsyncRollout:
             self.log.append((e.step, e.version, e.pending.timing))
         return groups
 
+    # ---- streaming rewards ----------------------------------------------------------------------
+    def _score_stream(self, e: Submitted) -> list:
+        """Rank 0: score ``e``'s groups as the engine hands them back (``StreamingGeneration.groups()``): an isolated
+        reward goes to the pool's workers at once (``RewardPool.stream``), a cheap one is scored inline; a group is
+        complete when its K answers are scored. Returns each group's rewards in prompt order (None for a group with
+        an aborted sample, which the rollout drops unscored). Records ("generated" | "scored", step, group index,
+        time.time()) in ``self.reward_events``; the scores are ``Trainer._score``'s, whatever the order."""
+        from megatron_s3ac.rollout.rewards import get_reward
+
+        tr, ev = self.tr, self.reward_events
+        name = tr.cfg.rollout.reward
+        stream = tr._reward_pool().stream(name) if get_reward(name).isolate else None
+        rewards: dict = {}
+
+        def scored(items):
+            for i, r in items:
+                rewards[i] = r.tolist()
+                ev.append(("scored", e.step, i, time.time()))
+
+        try:
+            for i, group in e.pending.groups():
+                ev.append(("generated", e.step, i, time.time()))
+                if any(smp.finish_reason == "abort" for smp in group):
+                    rewards[i] = None
+                    continue
+                ref = tr.prompts[int(e.pids[i])].reference
+                texts = [tr.decode(smp.response_ids) for smp in group]
+                if stream is None:
+                    scored([(i, _Floats(tr._score(texts, [ref] * len(texts))))])
+                else:
+                    stream.add(i, texts, [ref] * len(texts))
+                    scored(stream.poll(0.0))
+        finally:  # the engine died mid-stream too: no answer of this stream is left with the pool's workers
+            if stream is not None:
+                scored(stream.wait_all())
+        return [rewards[i] for i in range(len(e.pids))]
+
     # ---- collection ---------------------------------------------------------------------------
     def _collect(self, e: Submitted, groups, m: dict):
         """(every drawn sample, their metadata, this rank's shard of the kept batch, metrics, the kept samples):
@@ -202,11 +329,11 @@ class AsyncRollout:
         tr = self.tr
         if tr.cfg.algo.dynamic_sampling_refill:
             tr._place(m, off=["actor"])  # as the synchronous step (a no-op unless train.offload_idle)
-            samples, drawn, batch, fm = tr.rollout_refilled(first=(e.pids, e.stats, groups, e.version))
+            samples, drawn, batch, fm = tr.rollout_refilled(first=(e.pids, e.stats, groups, e.version, e.rewards))
             if self.partial is not None:  # the first round's samples come first
                 self.partial.tag_collected(e, samples, groups)
             return samples, drawn, batch, fm, (getattr(tr, "_kept", []) if batch is not None else [])
-        samples = tr.rollout(e.pids, groups=groups)
+        samples = tr.rollout(e.pids, groups=groups, rewards=e.rewards)
         for d in samples:
             d["version"] = e.version
         if self.partial is not None:
@@ -227,6 +354,7 @@ class AsyncRollout:
         t0 = time.time()
         s = tr.step_idx
         self.wait_s, self._step_restarts, self._trained = 0.0, 0, False
+        self.reward_events = []
         m: dict = {"step": s}
         tr.weights_version = s  # the engine holds this step's weights (synced at the end of the last step / resume)
         tr._place(m, on=["critic"] if tr.daps is not None else [])  # DAPS scores prompts with V(s0)
@@ -258,20 +386,9 @@ class AsyncRollout:
             from megatron_s3ac.trainer.async_partial import versions_metrics
 
             m.update(versions_metrics(kept))
-        t1 = time.time()
-        tr._place(m, on=["actor", "critic"])
-        m.update(tr.old_logprobs(batch))  # the current actor: the proximal policy
-        m.update(tr.advantages(batch))  # the current critic; IS old/behaviour
-        m["time/old_logp_values"] = time.time() - t1
-        t2 = time.time()
-        tr._place(m, off=["critic"])
-        m.update(tr.update_actor(batch))
-        tr._place(m, on=["critic"], off=["actor"])
-        m.update(tr.update_critic(batch))
-        tr._place(m, on=["actor"])
-        m["time/train"] = time.time() - t2
-        tr.skipped_steps += int(m.get("actor/skipped_minibatches", 0) + m.get("critic/skipped_minibatches", 0) > 0)
-        m["skipped_steps_total"] = tr.skipped_steps
+        # the synchronous step's training phases, the same code (Trainer.train_on): the current actor recomputes the
+        # old log-probs (the proximal policy), the current critic the values; IS / IcePoP / MIS on old / behaviour
+        tr.train_on(batch, m)
         self._trained = True  # from here a re-sync sends the updated weights (version s + 1)
         # the engine loads the new weights after the submitted batches (its calls run in order): wait here, not
         # inside the sync's collectives; partial rollout pauses the engine first (the batches return at once)
@@ -280,7 +397,7 @@ class AsyncRollout:
         else:
             self._await(list(self.queue))
         t3 = time.time()
-        tr.sync_weights()
+        self.sync_weights()  # an engine killed during the sync is restarted and re-synced
         m["time/sync"] = time.time() - t3
         if self.partial is not None:
             self.partial.resume(s + 1)  # rank 0: the unfinished responses continue on the new weights
@@ -300,6 +417,9 @@ class AsyncRollout:
                       "time/engine_idle_frac": 1.0 - busy / max(t - t0, 1e-9),
                       "time/tokens_per_s": sum(int(d["rlen"]) for d in kept) / max(t - t0, 1e-9),
                       "time/samples_per_s": len(kept) / max(t - t0, 1e-9), "async/in_flight": len(self.queue)})
+            if self.stream:
+                m.update(reward_overlap(self.reward_events))
+                self.reward_log.extend(self.reward_events)
             self.spans = [sp for sp in self.spans if sp[1] > t]  # later steps only see what is still running
         return m
 
@@ -370,5 +490,6 @@ def make_async_rollout(tr):
     return AsyncRollout(tr, n) if n > 0 else None
 
 
-__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "load_state_dict", "make_async_rollout", "staleness_metrics",
+__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "engine_death_types", "load_state_dict", "make_async_rollout",
+           "reward_overlap", "staleness_metrics",
            "state_dict"]

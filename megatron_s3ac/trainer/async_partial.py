@@ -85,6 +85,8 @@ class PartialRollout:
                 pend = tr.engine.continue_async([(pre, b) for _, _, pre, b in reqs], p,
                                                 return_routed_experts=tr.r3_on)
             e.pending = PartialPending(groups, reqs, pend, version)
+            if reqs:  # streaming rewards scored the pieces: the merged responses are scored at collection instead
+                e.rewards = None
             e.collected = not reqs  # its continuation's engine span is this run's engine time
 
     # ---- at collection ----------------------------------------------------------------------------

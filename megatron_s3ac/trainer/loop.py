@@ -281,27 +281,11 @@ class Trainer(EngineSide, RolloutPhases):
         return critic_loss(mb, values, value_clip=self.cfg.algo.value_clip)
 
     # ---- one step ----------------------------------------------------------------------------
-    def step(self) -> dict:
-        if getattr(self, "async_rollout", None) is not None:
-            return self.async_rollout.step()  # trainer.async_loop: the same phases, the next batches in flight
-        t0 = time.time()
-        m: dict = {"step": self.step_idx}
-        self._place(m, on=["critic"] if self.daps is not None else [])  # DAPS scores prompts with V(s0)
-        if self.cfg.algo.dynamic_sampling_refill:
-            self._place(m, off=["actor"])  # the engine generates; the critic scores every refill round (DAPS)
-            samples, drawn, batch, fm = self.rollout_refilled()
-        else:
-            samples, drawn, batch, fm = self.rollout_once(m)
-        m.update(fm)
-        if drawn is None:  # every group had an aborted sample: nothing to train on this step
-            m.update({"rollout/aborted": self._aborted[0], "rollout/aborted_groups": self._aborted[1]})
-        else:
-            m.update(self.rollout_metrics(samples, drawn))  # over every drawn trajectory
-        m["time/rollout"] = time.time() - t0
-        if batch is None:
-            self._place(m, on=["actor", "critic"])
-            self.step_idx += 1
-            return m
+    def train_on(self, batch: RolloutBatch, m: dict) -> None:
+        """The training phases of a step on its kept batch, in their one order (``Trainer.step`` and the
+        asynchronous step, trainer.async_loop, both call this): critic values, old log-probs (the current actor:
+        the proximal policy off-policy), advantages + IS corrections, credit record, actor update, critic update.
+        Metrics go to ``m`` (time/old_logp_values, time/train, skipped_steps_total)."""
         self._engine_sleep()  # from here until the weight sync only the models run
         t1 = time.time()
         # one model resident at a time under train.offload_idle: the critic's values, then the actor's forward
@@ -324,6 +308,29 @@ class Trainer(EngineSide, RolloutPhases):
         m["time/train"] = time.time() - t2
         self.skipped_steps += int(m.get("actor/skipped_minibatches", 0) + m.get("critic/skipped_minibatches", 0) > 0)
         m["skipped_steps_total"] = self.skipped_steps
+
+    def step(self) -> dict:
+        if getattr(self, "async_rollout", None) is not None:
+            return self.async_rollout.step()  # trainer.async_loop: the same phases, the next batches in flight
+        t0 = time.time()
+        m: dict = {"step": self.step_idx}
+        self._place(m, on=["critic"] if self.daps is not None else [])  # DAPS scores prompts with V(s0)
+        if self.cfg.algo.dynamic_sampling_refill:
+            self._place(m, off=["actor"])  # the engine generates; the critic scores every refill round (DAPS)
+            samples, drawn, batch, fm = self.rollout_refilled()
+        else:
+            samples, drawn, batch, fm = self.rollout_once(m)
+        m.update(fm)
+        if drawn is None:  # every group had an aborted sample: nothing to train on this step
+            m.update({"rollout/aborted": self._aborted[0], "rollout/aborted_groups": self._aborted[1]})
+        else:
+            m.update(self.rollout_metrics(samples, drawn))  # over every drawn trajectory
+        m["time/rollout"] = time.time() - t0
+        if batch is None:
+            self._place(m, on=["actor", "critic"])
+            self.step_idx += 1
+            return m
+        self.train_on(batch, m)
         t3 = time.time()
         self.sync_weights()
         for k, v in getattr(self, "_sync_placement", {}).items():  # the sync's own offload (colocated offload)

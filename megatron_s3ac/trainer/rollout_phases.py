@@ -16,6 +16,9 @@ from megatron_s3ac.algorithms.registry import clamp_values
 from megatron_s3ac.trainer.batch import RolloutBatch, RolloutMeta, collate
 
 
+_ENGINE_DIED = "engine died"  # rank 0's hand-over when the engine died in a round (the asynchronous loop)
+
+
 class RolloutPhases:
     @property
     def device(self) -> torch.device:
@@ -50,32 +53,50 @@ class RolloutPhases:
         images = [getattr(self.prompts[int(i)], "images", None) for i in pids]
         return {"images": images} if any(im is not None for im in images) else {}
 
-    def rollout(self, pids: torch.Tensor, round_idx: int = 0, groups=None) -> list[dict]:
+    def rollout(self, pids: torch.Tensor, round_idx: int = 0, groups=None, rewards=None) -> list[dict]:
         """Rank 0 generates and scores. Returns one dict per kept sample on every rank: its metadata
         ("pid", "reward", "finish", "plen", "rlen"); on rank 0 also the sample itself ("prompt_ids",
         "response_ids", "logprobs", "routes", "images"), which only ``distribute`` sends on.
         round_idx: the refill round within the step (0 = the step's first rollout), for its own seed.
         groups: rank 0's samples already generated for ``pids`` (the asynchronous loop's prefetched batch), else
-        None: generate now."""
+        None: generate now. rewards: with groups, each group's rewards already scored as it came back (streaming
+        rewards; None for a group with an aborted sample), else None: score here."""
         from megatron_s3ac.rollout.base import SamplingParams
 
         r = self.cfg.rollout
         payload = [None]
         full = None
+        recovery = getattr(self, "async_rollout", None)  # the asynchronous loop restarts a dead engine
         if self.rank == 0:
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                     seed=self.cfg.train.seed * 1_000_003 + self.step_idx + 7919 * round_idx)
             if groups is None:
-                groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
-                                              return_routed_experts=self.r3_on, **self.image_kwargs(pids))
+                try:
+                    groups = self.engine.generate([self.prompts[int(i)].ids for i in pids], params, n_samples=r.k,
+                                                  return_routed_experts=self.r3_on, **self.image_kwargs(pids))
+                except Exception as err:
+                    if recovery is None or not recovery.is_engine_death(err):
+                        raise
+                    payload = [(_ENGINE_DIED, f"{type(err).__name__} during a rollout round: {err}",
+                                recovery.lost_steps())]
+        if recovery is not None:  # the asynchronous loop: every rank learns whether rank 0's engine died here
+            died = self.rank0.share("rollout generation", payload[0])
+            if died is not None:  # all restart and re-sync it; the round is generated again with its own seed
+                recovery.recover(died[1], died[2])
+                return self.rollout(pids, round_idx, None, None)
+        if self.rank == 0:
             # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
             # need all K samples; counted in rollout/aborted*
             aborted = sum(s.finish_reason == "abort" for g in groups for s in g)
-            kept = [(pid, g) for pid, g in zip(pids.tolist(), groups) if all(s.finish_reason != "abort" for s in g)]
+            kept = [(gi, pid, g) for gi, (pid, g) in enumerate(zip(pids.tolist(), groups))
+                    if all(s.finish_reason != "abort" for s in g)]
             self._aborted = (aborted, len(groups) - len(kept))
-            flat = [(pid, s) for pid, group in kept for s in group]
-            rewards = self._score([self.decode(s.response_ids) for _, s in flat],
-                                  [self.prompts[pid].reference for pid, _ in flat]) if flat else []
+            flat = [(pid, s) for _, pid, group in kept for s in group]
+            if rewards is not None:  # scored group by group as they came back (trainer.async_loop)
+                rewards = [float(x) for gi, _, _ in kept for x in rewards[gi]]
+            else:
+                rewards = self._score([self.decode(s.response_ids) for _, s in flat],
+                                      [self.prompts[pid].reference for pid, _ in flat]) if flat else []
             full = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
                      "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
                      "finish": s.finish_reason, "routes": s.routed_experts,
@@ -170,7 +191,8 @@ class RolloutPhases:
         ``refill_max_factor`` x prompts_per_step groups (algorithms.filters.dynamic_sampling_refill).
         Returns (every drawn sample, their metadata, this rank's shard of the kept batch or None,
         metrics); DAPS sees every drawn group's outcomes. first: the first round already selected and generated
-        (pids, selection stats, rank 0's groups or None, their weights version; the asynchronous loop, which then
+        (pids, selection stats, rank 0's groups or None, their weights version[, rank 0's per-group rewards when
+        scored as they streamed back]; the asynchronous loop, which then
         finds each sample's "version": the first round's, or the engine's current one for a refill), else None."""
         import math
 
@@ -178,10 +200,13 @@ class RolloutPhases:
         drawn, stats, rounds, aborted = [], {}, [0], [0, 0]
 
         def draw(n):
-            pids, st, groups = first[:3] if first is not None and rounds[0] == 0 else (*self.select_prompts(n), None)
+            if first is not None and rounds[0] == 0:
+                pids, st, groups, rw = first[0], first[1], first[2], (first[4] if len(first) > 4 else None)
+            else:
+                (pids, st), groups, rw = self.select_prompts(n), None, None
             for key, v in st.items():
                 stats.setdefault(key, v)  # the first round's selection statistics
-            samples = self.rollout(pids, round_idx=rounds[0], groups=groups)
+            samples = self.rollout(pids, round_idx=rounds[0], groups=groups, rewards=rw)
             if first is not None:  # asynchronous loop: the weights version that generated each sample
                 for d in samples:
                     d["version"] = first[3] if rounds[0] == 0 else self.weights_version

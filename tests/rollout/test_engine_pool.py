@@ -90,6 +90,24 @@ def test_generate_splits_and_keeps_prompt_order(pool):
             assert np.array_equal(s.routed_experts, r.routed_experts)
 
 
+def test_stream_hands_back_each_engines_chunk_with_generates_samples(pool):
+    """Streaming rewards over a pool (the SGLang stand-in's engines): each engine's groups come back as that engine
+    finishes, indexed in the whole batch; the samples are generate's."""
+    p, _ = pool
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3)
+    want = p.generate(PROMPTS, params, n_samples=2, return_routed_experts=True)
+    st = p.generate_stream_async(PROMPTS, params, n_samples=2, return_routed_experts=True)
+    order = [i for i, _ in st.groups()]
+    assert sorted(order) == list(range(len(PROMPTS)))
+    halves = [list(range(lo, hi)) for lo, hi in split_evenly(len(PROMPTS), 2)]
+    assert order in (halves[0] + halves[1], halves[1] + halves[0])  # engine by engine, each chunk in order
+    for g, h in zip(st.result(), want):
+        for s, r in zip(g, h):
+            assert s.response_ids == r.response_ids and np.array_equal(s.logprobs, r.logprobs)
+            assert np.array_equal(s.routed_experts, r.routed_experts)
+    assert st.timing is not None
+
+
 def test_too_long_prompt_is_named_by_its_index_in_the_batch(pool):
     p, _ = pool
     assert [i["context_length"] for i in p.info] == [256, 256]  # the checkpoint's max_position_embeddings

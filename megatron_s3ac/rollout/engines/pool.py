@@ -38,8 +38,8 @@ import os
 import socket
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from megatron_s3ac.rollout.base import (PendingGeneration, RolloutEngine, Sample, SamplingParams, check_images,
-                                        iter_buckets)
+from megatron_s3ac.rollout.base import (PendingGeneration, RolloutEngine, Sample, SamplingParams, StreamingGeneration,
+                                        check_images, iter_buckets)
 from megatron_s3ac.rollout.engines.ray_init import engine_runtime_env, init_ray
 from megatron_s3ac.rollout.engines.cpu.remote import _death_cause, pack_bucket, unpack_bucket
 from megatron_s3ac.rollout.engines.sglang.engine import PromptTooLongError
@@ -361,7 +361,37 @@ class EnginePool(RolloutEngine):
         def ready() -> bool:
             return not refs or not ray.wait([r for _, r in refs], num_returns=len(refs), timeout=0)[1]
 
-        return PendingGeneration(wait, ready=ready)
+        pending = PendingGeneration(wait, ready=ready)
+        pending.chunks = list(zip(refs, spans))  # ((engine, ref), (lo, hi)): generate_stream_async's view
+        return pending
+
+    def generate_stream_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                              return_routed_experts: bool = False, images=None) -> StreamingGeneration:
+        """``generate_async`` handing back each engine's groups as soon as that engine has finished its chunk (the
+        pool's unit of completion: an engine answers one call with its whole chunk), in the order engines finish;
+        the same samples. A dead or late engine raises from ``groups()`` / ``result()`` as from ``generate``."""
+        import time
+
+        import ray
+
+        t0 = time.time()
+        pending = self.generate_async(prompt_ids, params, n_samples, return_routed_experts, images)
+
+        def items():
+            left = {ref: (e, span) for (e, ref), span in pending.chunks}
+            while left:
+                done, _ = ray.wait(list(left), num_returns=1, timeout=self.timeout_s)
+                if not done:  # names and kills the late engines (EngineTimeout)
+                    self.wait([(e, r) for r, (e, _) in left.items()], "generate", timeout=0)
+                for ref in done:
+                    e, (lo, hi) = left.pop(ref)
+                    (groups,) = self.wait([(e, ref)], "generate")
+                    if len(groups) != hi - lo:
+                        raise EnginePoolError(f"an engine returned {len(groups)} groups for {hi - lo} prompts")
+                    yield from ((lo + j, g) for j, g in enumerate(groups))
+            yield None, (t0, time.time())
+
+        return StreamingGeneration(len(prompt_ids), items(), ready=pending.done)
 
     def begin_weight_update(self) -> None:
         self._all("begin_weight_update")

@@ -314,44 +314,122 @@ class RewardPool:
                 out[i] = self._record(reward, status, time.monotonic() - t0)
             return out
 
-        pending = deque(range(len(responses)))
-        busy = 0
-        while pending or busy:
+        stream = RewardStream(self, name)
+        stream.add(0, responses, references)
+        (got,) = stream.wait_all()
+        return got[1]
+
+    def stream(self, name: str) -> "RewardStream":
+        """Scoring that takes answers as they arrive and hands back each key's rewards once all are scored
+        (streaming rewards: a group is scored while later groups still generate)."""
+        return RewardStream(self, name)
+
+
+class RewardStream:
+    """Incremental scoring on a ``RewardPool``: ``add(key, responses, references)`` queues a group of answers (an
+    isolated reward goes to the pool's workers as they free up; a cheap one is scored inline, now);
+    ``poll(timeout_s)`` dispatches, waits at most ``timeout_s`` for the workers and returns the (key, rewards [n]
+    float32) of every group completed since the last call, in the order they completed; ``wait_all()`` until none is
+    left. Same per-answer limits, replacement and counts as ``RewardPool.score`` (which is this with one key). One
+    stream (or ``score``) at a time per pool: the workers answer whoever dispatched to them."""
+
+    def __init__(self, pool: RewardPool, name: str):
+        self.pool, self.spec = pool, get_reward(name)
+        self._todo: deque = deque()  # (key, j) not dispatched yet
+        self._args: dict = {}  # (key, j) -> (response, reference)
+        self._out: dict = {}  # key -> rewards [n]
+        self._left: dict = {}  # key -> answers not scored yet
+        self._done: list = []  # completed keys not yet handed back
+        self.busy = 0
+
+    @property
+    def pending(self) -> int:
+        """Groups added and not yet handed back."""
+        return len(self._out)
+
+    def add(self, key, responses: Sequence[str], references: Sequence[str]) -> None:
+        if len(responses) != len(references):
+            raise ValueError(f"{len(responses)} responses for {len(references)} references")
+        if key in self._out:
+            raise ValueError(f"group {key!r} is already being scored")
+        self._out[key] = np.full(len(responses), -1.0, dtype=np.float32)
+        self._left[key] = len(responses)
+        if not self.spec.isolate:
+            for j, (resp, ref) in enumerate(zip(responses, references)):
+                t0 = time.monotonic()
+                try:
+                    reward, status = float(self.spec.fn(resp, ref)), "ok"
+                except Exception as exc:  # noqa: BLE001
+                    reward, status = -1.0, f"error:{type(exc).__name__}"
+                self._finish((key, j), self.pool._record(reward, status, time.monotonic() - t0))
+        else:
+            for j, (resp, ref) in enumerate(zip(responses, references)):
+                self._args[(key, j)] = (resp, ref)
+                self._todo.append((key, j))
+        if not self._left[key] and key not in self._done:  # an empty group, or scored inline
+            self._done.append(key)
+
+    def _finish(self, task, reward: float) -> None:
+        key, j = task
+        self._out[key][j] = reward
+        self._left[key] -= 1
+        self._args.pop(task, None)
+        if not self._left[key]:
+            self._done.append(key)
+
+    def _hand_back(self) -> list:
+        done, self._done = self._done, []
+        for k in done:
+            del self._left[k]
+        return [(k, self._out.pop(k)) for k in done]
+
+    def poll(self, timeout_s: float = 0.0) -> list:
+        """One round of dispatch and wait (at most ``timeout_s``, less when a per-answer deadline comes first)."""
+        pool = self.pool
+        if self._todo or self.busy:
             now = time.monotonic()
-            for w in self._workers:  # dispatch to idle, ready workers
-                if pending and w.ready and w.task is None:
-                    i = pending.popleft()
-                    w.conn.send((i, spec.fn, responses[i], references[i]))
-                    w.task, w.started, w.deadline = i, now, now + self.timeout_s
-                    busy += 1
-            next_deadline = min((w.deadline for w in self._workers if w.task is not None), default=now + 1.0)
-            readable = wait([w.conn for w in self._workers], timeout=max(0.0, next_deadline - time.monotonic()))
+            for w in pool._workers:  # dispatch to idle, ready workers
+                if self._todo and w.ready and w.task is None:
+                    task = self._todo.popleft()
+                    w.conn.send((task, self.spec.fn, *self._args[task]))
+                    w.task, w.started, w.deadline = task, now, now + pool.timeout_s
+                    self.busy += 1
+            next_deadline = min((w.deadline for w in pool._workers if w.task is not None), default=now + 1.0)
+            wait_s = max(0.0, min(next_deadline - time.monotonic(), timeout_s))
+            readable = wait([w.conn for w in pool._workers], timeout=wait_s)
             now = time.monotonic()
-            for k, w in enumerate(list(self._workers)):
+            for k, w in enumerate(list(pool._workers)):
                 if w.conn in readable:
                     try:
                         msg = w.conn.recv()
                     except (EOFError, OSError):  # the worker died
                         if not w.ready:
-                            self._startup_failures += 1
-                            if self._startup_failures > 3 * len(self._workers):
+                            pool._startup_failures += 1
+                            if pool._startup_failures > 3 * len(pool._workers):
                                 raise RuntimeError("reward workers keep dying at start-up")
                         if w.task is not None:
-                            out[w.task] = self._record(-1.0, "crash", now - w.started)
-                            busy -= 1
-                        self._replace(k)
+                            self._finish(w.task, pool._record(-1.0, "crash", now - w.started))
+                            self.busy -= 1
+                        pool._replace(k)
                         continue
                     if msg[0] == "ready":
                         w.ready = True
                     else:
                         task_id, reward, status = msg
-                        out[task_id] = self._record(reward, status, now - w.started)
+                        self._finish(tuple(task_id), pool._record(reward, status, now - w.started))
                         w.task, w.deadline = None, float("inf")
-                        busy -= 1
+                        self.busy -= 1
                 elif w.task is not None and now >= w.deadline:  # over the limit: kill and replace
-                    out[w.task] = self._record(-1.0, "timeout", now - w.started)
-                    busy -= 1
-                    self._replace(k)
+                    self._finish(w.task, pool._record(-1.0, "timeout", now - w.started))
+                    self.busy -= 1
+                    pool._replace(k)
+        return self._hand_back()
+
+    def wait_all(self) -> list:
+        """Every group still pending, (key, rewards) in completion order."""
+        out = self._hand_back()
+        while self._todo or self.busy:
+            out += self.poll(timeout_s=1.0)
         return out
 
 

@@ -329,8 +329,19 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
     if me == engine_rank and handing:
         views = model_chunks[0].__dict__.setdefault("_s3ac_shared_views", _SharedViews())
 
+    failed: list = []
+
     def feed(bucket):
-        engine.update_weights(bucket)
+        # an engine that fails (its process died mid-sync) takes no more buckets, but this rank still runs the rest
+        # of the export and the transfers, so the other ranks finish their side (no one left inside a collective);
+        # the error is raised once the protocol is through
+        if failed:
+            return
+        try:
+            engine.update_weights(bucket)
+        except Exception as err:  # noqa: BLE001 - re-raised below, with its own type
+            failed.append(err)
+            return
         stats.buckets += 1
         stats.tensors += len(bucket)
         stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -385,6 +396,8 @@ def sync_weights(model_chunks, info, engine=None, bucket_bytes: int = 256 << 20,
                 feed(got)
                 if src in handing:
                     _ack(src, dev)
+        if failed:
+            raise failed[0]
         engine.flush_cache()
     stats.seconds = time.perf_counter() - t0
     return stats

@@ -35,6 +35,9 @@ class RolloutCfg:
     # asynchronous loop (train.max_staleness > 0): an engine whose process died is rebuilt, re-synced and its
     # unfinished batches resubmitted, at most this many times in one step (then the step raises)
     max_engine_restarts: int = 3
+    # asynchronous loop: score each prompt's group as the engine hands it back (while later groups still
+    # generate) instead of the whole batch after its slowest group; the same rewards either way
+    stream_rewards: bool = True
     # partial rollout (train.max_staleness > 0; rollout/partial.py, docs/rollout.md "Partial rollout"): at each
     # weight sync the engine is paused instead of waited for; unfinished responses keep their tokens and resume on
     # the new weights, each token tagged with its weights version. Off: today's bounded-staleness loop, unchanged.

@@ -28,7 +28,7 @@ import difflib
 import re
 import threading
 import time
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -546,15 +546,30 @@ class CPUEngine(RolloutEngine):
     ) -> list[list[Sample]]:
         """Sample n_samples responses per prompt (rows prompt-major: prompt 0's n, then prompt 1's ...).
         ``images``: one ``ImageInputs`` or None per prompt (a vision-language model loaded ``multimodal``)."""
+        out: list = [None] * len(prompt_ids)
+        for i, group in self.generate_groups(prompt_ids, params, n_samples, return_routed_experts, images):
+            out[i] = group
+        return out
+
+    @torch.no_grad()
+    def generate_groups(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                        return_routed_experts: bool = False, images=None) -> Iterator[tuple[int, list[Sample]]]:
+        """``generate`` handing back each prompt's group as soon as its n_samples rows have finished: yields
+        (prompt index, group) in completion order (groups finishing at one decode step in index order). One batch,
+        one generator: the samples are ``generate``'s, bit for bit, whatever the consumer does between groups.
+        A pause (``pause_generation``) ends the batch: the groups not yet handed back come with their unfinished
+        rows aborted."""
         self._check_ready()
         images = check_images(prompt_ids, images)
         if images is not None or self._vision_model() is not None:  # a VL model: placeholders need their images
             self._check_image_prompts(prompt_ids, images)
         prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
+        if not prompts:
+            yield from ((i, []) for i in range(len(prompt_ids)))
+            return
         row_images = [im for im in images for _ in range(n_samples)] if images is not None else None
-        samples = self._generate_rows(prompts, params, [params.max_new_tokens] * len(prompts), return_routed_experts,
-                                      row_images)
-        return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
+        yield from self._iter_rows(prompts, params, [params.max_new_tokens] * len(prompts), return_routed_experts,
+                                   row_images, n_samples)
 
     # -- partial rollout (rollout/partial.py; docs/rollout.md "Partial rollout") --------------------
     supports_pause = True
@@ -581,11 +596,20 @@ class CPUEngine(RolloutEngine):
         return self._generate_rows([list(map(int, p)) for p, _ in requests], params, [int(b) for _, b in requests],
                                    return_routed_experts)
 
-    @torch.no_grad()
     def _generate_rows(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
                        return_routed_experts: bool, row_images=None) -> list[Sample]:
         """One sample per row of ``prompts``, row b sampling at most ``budgets[b]`` tokens; ``row_images``: one
         ImageInputs or None per row (image prompts), or None."""
+        out: list = [None] * len(prompts)
+        for row, (s,) in self._iter_rows(prompts, params, budgets, return_routed_experts, row_images, 1):
+            out[row] = s
+        return out
+
+    @torch.no_grad()
+    def _iter_rows(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
+                   return_routed_experts: bool, row_images, group: int) -> Iterator[tuple[int, list[Sample]]]:
+        """``_generate_rows`` as a generator over groups of ``group`` consecutive rows: yields (group index, its
+        samples) as soon as every row of the group has finished (completion order), the rest at the end."""
         from transformers import DynamicCache
 
         self._check_ready()
@@ -594,17 +618,19 @@ class CPUEngine(RolloutEngine):
         if return_routed_experts and self._capture is None:
             raise ValueError("return_routed_experts: this model has no MoE router")
         if not prompts:
-            return []
+            return
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
         if any(b < 1 for b in budgets):
             raise ValueError(f"every row needs a token budget >= 1, got {min(budgets)}")
         if self._paused.is_set():  # sglang: a waiting request is aborted before it runs (scheduler.py:5685-5705)
-            return [Sample(prompt_ids=p, response_ids=[], logprobs=np.zeros(0, np.float32), finish_reason="abort",
+            aborted = [Sample(prompt_ids=p, response_ids=[], logprobs=np.zeros(0, np.float32), finish_reason="abort",
                            routed_experts=(np.zeros((len(p) - 1, self.num_layers, self.top_k), self.routes_dtype)
                                            if return_routed_experts else None),
                            response_text="" if self.tokenizer is not None else None,
                            images=row_images[r] if row_images is not None else None) for r, p in enumerate(prompts)]
+            yield from ((g, aborted[g * group:(g + 1) * group]) for g in range(len(prompts) // group))
+            return
         max_new = max(budgets)
         B, P = len(prompts), max(len(p) for p in prompts)
         lens = torch.tensor([len(p) for p in prompts])
@@ -634,6 +660,21 @@ class CPUEngine(RolloutEngine):
         if self._capture is not None:
             self._capture.enabled = return_routed_experts
 
+        def sample(row: int) -> Sample:  # a finished row: its tokens, log-probs and routes are complete
+            resp = tokens[row]
+            return Sample(
+                prompt_ids=prompts[row],
+                response_ids=resp,
+                logprobs=np.asarray(logps[row], dtype=np.float32),
+                finish_reason=finish[row],
+                routed_experts=(routes[row, : len(prompts[row]) + len(resp) - 1].numpy().astype(self.routes_dtype)
+                                if routes is not None else None),
+                response_text=(self.tokenizer.decode(resp, skip_special_tokens=True)
+                               if self.tokenizer is not None else None),
+                images=row_images[row] if row_images is not None else None,
+            )
+
+        yielded: set[int] = set()
         cache = DynamicCache(config=self.model.config)
         active = torch.arange(B)  # batch position -> sample row
         try:
@@ -658,6 +699,10 @@ class CPUEngine(RolloutEngine):
                         finish[row], done[i] = "stop", True
                     elif len(tokens[row]) >= budgets[row]:
                         finish[row], done[i] = "length", True
+                for g in sorted({row // group for i, row in enumerate(active.tolist()) if done[i]}):
+                    if all(finish[r] for r in range(g * group, (g + 1) * group)):
+                        yielded.add(g)
+                        yield g, [sample(r) for r in range(g * group, (g + 1) * group)]
                 if bool(done.all()):
                     break
                 if self._paused.is_set():  # sglang's abort of a running request: it returns what it has
@@ -692,20 +737,9 @@ class CPUEngine(RolloutEngine):
                 self._capture.enabled = False
                 self._capture.pop()
 
-        samples = []
-        for row in range(B):
-            resp = tokens[row]
-            samples.append(Sample(
-                prompt_ids=prompts[row],
-                response_ids=resp,
-                logprobs=np.asarray(logps[row], dtype=np.float32),
-                finish_reason=finish[row],
-                routed_experts=(routes[row, : len(prompts[row]) + len(resp) - 1].numpy().astype(self.routes_dtype)
-                                if routes is not None else None),
-                response_text=self.tokenizer.decode(resp, skip_special_tokens=True) if self.tokenizer is not None else None,
-                images=row_images[row] if row_images is not None else None,
-            ))
-        return samples
+        for g in range(B // group):  # every row has finished (or was aborted) by now
+            if g not in yielded:
+                yield g, [sample(r) for r in range(g * group, (g + 1) * group)]
 
     # -- image prompts --------------------------------------------------------------------------
     def _vision_model(self):

@@ -34,8 +34,8 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from megatron_s3ac.rollout.base import (PendingGeneration, RolloutEngine, Sample, SamplingParams, check_images,
-                                        iter_buckets)
+from megatron_s3ac.rollout.base import (PendingGeneration, RolloutEngine, Sample, SamplingParams, StreamingGeneration,
+                                        check_images, iter_buckets)
 from megatron_s3ac.rollout.engines.ray_init import init_ray
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -159,6 +159,19 @@ class EngineHost:
         t0 = time.time()
         out = _generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)
         return out, t0, time.time()
+
+    def generate_stream(self, prompt_ids, params, n_samples, return_routed_experts, images=None):
+        """Ray streaming generator (``num_returns="streaming"``): each (prompt index, group) as the engine finishes
+        it (``generate_groups``), then (None, (start, end)) of the whole generation. The actor runs it to the end
+        before its next call, as any other."""
+        t0 = time.time()
+        groups = getattr(self.engine, "generate_groups", None)
+        kw = {} if images is None else {"images": images}  # engines without image prompts: four arguments
+        items = (groups(prompt_ids, params, n_samples, return_routed_experts, **kw) if callable(groups) else
+                 enumerate(_generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)))
+        for i, group in items:
+            yield int(i), group
+        yield None, (t0, time.time())
 
     def load_bucket(self, records) -> int:
         bucket, nbytes = unpack_bucket(records)
@@ -322,6 +335,39 @@ class RemoteEngine(RolloutEngine):
                                                 check_images(prompts, images))
         return PendingGeneration(lambda: self._get(ref, "generate()"),
                                  ready=lambda: bool(ray.wait([ref], timeout=0)[0]))
+
+    def generate_stream_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                              return_routed_experts: bool = False, images=None) -> StreamingGeneration:
+        """``generate_async`` whose groups come back while the actor still generates (a Ray streaming generator over
+        the engine's ``generate_groups``; the same samples as ``generate``). Each wait for the next group has the
+        call timeout (``timeout_s``); a dead actor raises RemoteEngineDied from ``groups()`` / ``result()``."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        self._check()
+        prompts = [[int(t) for t in p] for p in prompt_ids]
+        gen = self._actor.generate_stream.options(num_returns="streaming").remote(
+            prompts, params, int(n_samples), bool(return_routed_experts), check_images(prompts, images))
+
+        def items():
+            while True:
+                try:
+                    ref = gen._next_sync(timeout_s=self.timeout_s)
+                except StopIteration:
+                    return
+                except RayActorError as err:
+                    self._fail(RemoteEngineDied(f"remote {self._label()} died during generate(): "
+                                                f"{_death_cause(err)}"), kill=True)
+                    raise self._failure from err
+                if ref.is_nil():  # no next group within the timeout
+                    self._fail(RemoteEngineTimeout(
+                        f"remote {self._label()} generate() handed back no group within {self.timeout_s:g} s; the "
+                        f"actor was killed (pass a larger timeout_s if a group legitimately takes that long)"),
+                        kill=True)
+                    raise self._failure
+                yield self._get(ref, "generate()")
+
+        return StreamingGeneration(len(prompts), items(), ready=lambda: bool(ray.wait([gen], timeout=0)[0]))
 
     # -- partial rollout (rollout/partial.py) ------------------------------------------------------
     @property
