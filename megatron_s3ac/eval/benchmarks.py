@@ -301,21 +301,28 @@ def _mathvista(r: dict) -> tuple[Optional[Item], str]:
     question = _text(r.get("question"))
     if question is None:
         return None, "missing_question"
+    choices = None
     if str(r.get("question_type", "")).strip() == "multi_choice":
         choices = _options(r.get("choices"))
         if choices is None or not 2 <= len(choices) <= len(LETTERS):
             return None, "bad_choices"
-        letter = _letter(r.get("answer"), choices)
+    unit = _text(r.get("unit"))
+    return _image_item(image, question, choices, r.get("answer"), f" (unit: {unit})" if unit else "")
+
+
+def _image_item(image, question: str, choices, answer, suffix: str = "") -> tuple[Optional[Item], str]:
+    """One image benchmark item: multiple choice (``choices``: the options, answer a letter or an option) or free
+    form (``choices`` None / empty: answer the reference, scored as math); ``suffix`` follows a free-form question."""
+    if choices:
+        letter = _letter(answer, choices)
         if letter is None:
             return None, "bad_answer"
         item = _choice_item(f"{IMAGE_MARK}{question}", choices, letter)
     else:
-        answer = _text(r.get("answer"))
-        if answer is None:
+        ref = _text(answer)
+        if ref is None:
             return None, "missing_answer"
-        unit = _text(r.get("unit"))
-        item = Item(prompt=f"{IMAGE_MARK}{question}" + (f" (unit: {unit})" if unit else ""), reference=answer,
-                    kind="math")
+        item = Item(prompt=f"{IMAGE_MARK}{question}{suffix}", reference=ref, kind="math")
     return dataclasses.replace(item, images=(image,)), ""
 
 
@@ -327,18 +334,7 @@ def _mathvision(r: dict) -> tuple[Optional[Item], str]:
     if question is None:
         return None, "missing_question"
     question = question.replace("<image1>", "").strip()  # MathVision marks its one image in the text
-    choices = _options(r.get("options"))
-    if choices:
-        letter = _letter(r.get("answer"), choices)
-        if letter is None:
-            return None, "bad_answer"
-        item = _choice_item(f"{IMAGE_MARK}{question}", choices, letter)
-    else:
-        answer = _text(r.get("answer"))
-        if answer is None:
-            return None, "missing_answer"
-        item = Item(prompt=f"{IMAGE_MARK}{question}", reference=answer, kind="math")
-    return dataclasses.replace(item, images=(image,)), ""
+    return _image_item(image, question, _options(r.get("options")), r.get("answer"))
 
 
 def _mmmu_pro(r: dict) -> tuple[Optional[Item], str]:
