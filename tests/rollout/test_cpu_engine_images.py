@@ -116,3 +116,20 @@ def test_frozen_tower_survives_sleep(vl_dir):
         else:
             with pytest.raises(RuntimeError, match="not loaded since wake.*model.visual"):
                 eng.generate([ids], params, images=[im])
+
+
+def test_continuation_of_an_image_prompt_is_refused(tmp_path):
+    """Partial rollout resumes prompt + partial response by ids only: an image prompt's prefix would lose its
+    images, so the multimodal engine refuses it, naming the cause; a text prefix on the same engine is served."""
+    from megatron_s3ac.rollout.base import SamplingParams
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
+    from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
+
+    engine = CPUEngine.from_pretrained(save_tiny_qwen3_5_vl_full(str(tmp_path / "vl")), multimodal=True,
+                                       tokenizer=None)
+    ids, _, _ = tiny_image_prompt(0)
+    params = SamplingParams(temperature=0.0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="partial rollout of image prompts"):
+        engine.generate_continuations([(ids[0].tolist() + [5], 2)], params)
+    (s,) = engine.generate_continuations([([5, 6, 7], 2)], params)
+    assert len(s.response_ids) == 2

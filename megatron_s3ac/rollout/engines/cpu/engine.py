@@ -592,7 +592,15 @@ class CPUEngine(RolloutEngine):
                                return_routed_experts: bool = False) -> list[Sample]:
         """One sample per (prefix ids, budget) request: the prefix (prompt + partial response) is prefilled with the
         current weights and up to ``budget`` new tokens sampled; the sample's prompt_ids are the prefix, its
-        response / log-probs / routes the new tokens only (routes: rows of the prefix too, recomputed now)."""
+        response / log-probs / routes the new tokens only (routes: rows of the prefix too, recomputed now).
+        Text prefixes only: an image prompt's continuation would need its images (not carried yet), so a prefix
+        holding image placeholders is refused rather than served as text."""
+        if self._vision_model() is not None:
+            image_id = int(self.model.config.image_token_id)
+            for i, (p, _) in enumerate(requests):
+                if any(int(t) == image_id for t in p):
+                    raise ValueError(f"continuation {i} holds image tokens ({image_id}): partial rollout of image "
+                                     f"prompts is not supported (set rollout.partial_rollout=false)")
         return self._generate_rows([list(map(int, p)) for p, _ in requests], params, [int(b) for _, b in requests],
                                    return_routed_experts)
 
