@@ -30,7 +30,7 @@ class PeriodicEvaluator:
     def __init__(self, benchmarks: Mapping[str, BenchmarkSource], every_n_steps: int,
                  k: Union[int, Mapping[str, int]] = 1, params: Optional[SamplingParams] = None, seed: int = 0,
                  template: str = "auto", report_dir: Optional[str] = None, reward_pool=None, batch_size: int = 64,
-                 judge=None):
+                 judge=None, vision=None):
         # Load (and validate) the files once, at start-up, not at the first evaluation hours later.
         self.benchmarks = {}
         for name, src in benchmarks.items():
@@ -40,6 +40,7 @@ class PeriodicEvaluator:
         self.k, self.params, self.seed, self.template = k, params, seed, template
         self.report_dir, self.reward_pool, self.batch_size = report_dir, reward_pool, batch_size
         self.judge = judge  # eval.judge.LLMJudge or None (math-verify)
+        self.vision = vision  # evaluate()'s: a VL checkpoint's VisionProcessor for image sets
         self.best_step: Optional[int] = None
         self.best_score = -math.inf
         self.history: list[tuple[int, float]] = []  # (step, average avg@k)
@@ -51,7 +52,7 @@ class PeriodicEvaluator:
         """Evaluate now; returns flat metrics (plus "eval/is_best" 1.0/0.0) and updates best_step."""
         report = evaluate(engine, tokenizer, self.benchmarks, k=self.k, params=self.params, seed=self.seed,
                           template=self.template, reward_pool=self.reward_pool, batch_size=self.batch_size,
-                          judge=self.judge)
+                          judge=self.judge, vision=self.vision)
         report["step"] = step
         avg = report["average_avg_at_k"]
         is_best = math.isfinite(avg) and avg > self.best_score  # ties keep the earlier step
@@ -81,7 +82,7 @@ class TrainerEvaluation:
     callable returning the run's one verifier pool (called only when the reward is isolated)."""
 
     def __init__(self, eval_cfg, *, default_reward: str, default_max_new_tokens: int, heldout_rows: list,
-                 every_n_steps: int, report_dir: Optional[str], reward_pool):
+                 every_n_steps: int, report_dir: Optional[str], reward_pool, vision=None):
         from megatron_s3ac.eval.runner import BenchmarkSpec
         from megatron_s3ac.rollout.rewards import get_reward
 
@@ -90,12 +91,14 @@ class TrainerEvaluation:
         self.evaluator: Optional[PeriodicEvaluator] = None
         self.reward_pool = None
         self.sets: dict = {}
+        self.vision = vision  # trainer.data.VisionProcessor of a VL checkpoint: image sets go to the engine with images
         reward = e.reward or default_reward
         self.judge = judge_from_cfg(getattr(e, "judge", None))
         if e.heldout and heldout_rows:
             self.sets["heldout"] = BenchmarkSpec(heldout_rows, reward=reward, k=e.k_for.get("heldout"))
         for name, path in e.benchmarks.items():
-            self.sets[name] = BenchmarkSpec(path, reward=reward, k=e.k_for.get(name))
+            self.sets[name] = BenchmarkSpec(path, reward=reward, k=e.k_for.get(name),
+                                            schema=getattr(e, "schema_for", {}).get(name))
         if not self.sets:
             return
         if self.judge is not None:  # a misspelt set name would silently fall back to math-verify
@@ -109,7 +112,7 @@ class TrainerEvaluation:
         self.evaluator = PeriodicEvaluator(self.sets, every_n_steps=every_n_steps, k=e.k,
                                            params=self.params(greedy=False), seed=e.seed, template=e.template,
                                            report_dir=report_dir, reward_pool=self.reward_pool,
-                                           batch_size=e.batch_size, judge=self.judge)
+                                           batch_size=e.batch_size, judge=self.judge, vision=vision)
         self.sets = self.evaluator.benchmarks  # loaded once (files validated at start-up)
         if self.judge is not None and every_n_steps > 0 and any(
                 self.judge.applies(n, s.reward) for n, s in self.sets.items()):
@@ -128,7 +131,8 @@ class TrainerEvaluation:
             return None
         e = self.cfg
         return evaluate(engine, tokenizer, sets, k=1 if greedy else e.k, params=self.params(greedy), seed=e.seed,
-                        template=e.template, reward_pool=self.reward_pool, batch_size=e.batch_size, judge=self.judge)
+                        template=e.template, reward_pool=self.reward_pool, batch_size=e.batch_size, judge=self.judge,
+                        vision=self.vision)
 
     def pass_rate(self, engine, tokenizer, greedy: bool, name: str) -> Optional[float]:
         """avg@k of one set (greedy: k = 1); None if there is no such set."""

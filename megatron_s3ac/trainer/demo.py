@@ -20,6 +20,8 @@ def export_eval_inputs(tr, out: str, tag: str) -> None:
     if tr.rank != 0:
         return
     save_engine_hf(tr, os.path.join(out, f"hf_{tag}"))
+    if not tr.eval_prompts:  # a file set named "heldout" (eval.benchmarks: the multimodal miniature's drawings)
+        return
     # the reward travels with the set: s3ac-eval scores it as the trainer did, never by a guess
     reward = tr.cfg.eval.reward or tr.cfg.rollout.reward
     path = os.path.join(out, "heldout.jsonl")
@@ -58,7 +60,8 @@ def run_demo(cfg) -> dict:
     res = {"before": before, "after": after, "wall_s": total, "warmup_s": secs["warmup"],
            "coverage_s": secs["coverage"], "value_pretrain_s": secs["value_pretrain"], "rl_s": secs["rl"],
            "stages": {s: v["status"] for s, v in st.items()}, "algo": cfg.algo.name, "rl_steps": cfg.train.steps,
-           "eval": {"set": os.path.abspath(os.path.join(out, "heldout.jsonl")),
+           "eval": {"set": os.path.abspath(os.path.join(out, "heldout.jsonl") if tr.eval_prompts
+                                           else cfg.eval.benchmarks["heldout"]),
                     "models": {"before": os.path.abspath(os.path.join(out, "hf_warmup")),
                                "after": os.path.abspath(os.path.join(out, "hf_final"))},
                     "seed": e.seed, "batch_size": e.batch_size, "sampled_temperature": e.temperature, "sampled_k": e.k,
@@ -72,7 +75,8 @@ def run_demo(cfg) -> dict:
             if os.path.exists(src):
                 shutil.copyfile(src, os.path.join(out, name))
         pngs = plot_run(out)
-        print("\n  pass rate on %d held-out prompts (%s)" % (len(tr.eval_prompts), cfg.algo.name))
+        n_held = len(tr.eval_prompts) or len(tr.eval_sets["heldout"].source.items)
+        print("\n  pass rate on %d held-out prompts (%s)" % (n_held, cfg.algo.name))
         print("  %-26s %8s %8s" % ("", "before", "after"))
         labels = {"greedy": "greedy (T=0)", "sampled": f"sampled (T={cfg.eval.temperature:g}, avg@{cfg.eval.k})"}
         for k in ("greedy", "sampled"):

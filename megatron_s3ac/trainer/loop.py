@@ -133,8 +133,17 @@ class Trainer(EngineSide, RolloutPhases):
             heldout_rows=[{"prompt": p.text, "answer": p.reference, "prompt_ids": list(p.ids)}
                           for p in self.eval_prompts],
             every_n_steps=cfg.train.eval_every, report_dir=os.path.join(cfg.train.out_dir, "eval"),
-            reward_pool=self._reward_pool)
+            reward_pool=self._reward_pool, vision=self._eval_vision())
         self.evaluator, self.eval_sets = self.evaluation.evaluator, self.evaluation.sets
+
+    def _eval_vision(self):
+        """The VL checkpoint's VisionProcessor when the prompts carry images (image evaluation sets, e.g. the
+        multimodal miniature's held-out drawings), else None (text sets: evaluation unchanged)."""
+        if not self.multimodal:
+            return None
+        from megatron_s3ac.trainer.data import VisionProcessor
+
+        return VisionProcessor.from_pretrained(self.cfg.model.engine_hf_dir or self.cfg.model.hf_config)
 
     def decode(self, ids) -> str:
         return self.vocab.decode(ids) if hasattr(self.vocab, "chars") else self.vocab.decode(ids, skip_special_tokens=True)

@@ -140,7 +140,8 @@ def planned_stages(cfg: Config) -> dict:
     vpt = ("run" if critic and cfg.value_pretrain.enabled and not cfg.model.critic_init else
            "no critic" if not critic else "model.critic_init given" if cfg.model.critic_init
            else "value_pretrain.enabled=false")
-    plan = {"warmup": "run" if cfg.model.tiny is not None else "not model.tiny (the actor is model.actor_init)",
+    warm = cfg.model.tiny is not None or cfg.demo.warmup_actor_init
+    plan = {"warmup": "run" if warm else "not model.tiny (the actor is model.actor_init; demo.warmup_actor_init=false)",
             "coverage": vpt, "value_pretrain": vpt, "rl": "run"}
     if plan["coverage"] == "run" and cfg.value_pretrain.coverage_path:
         plan["coverage"] = "value_pretrain.coverage_path given"

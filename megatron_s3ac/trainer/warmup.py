@@ -48,9 +48,7 @@ def supervised_warmup(tr, log, snapshot=None) -> dict:
         if stop is None and step > d.warmup_max_steps:
             break
         pids = torch.randint(0, len(tr.prompts), (d.warmup_batch,), generator=g)
-        samples = [{"prompt_ids": tr.prompts[i].ids, "response_ids": tr.vocab.encode(tr.prompts[i].reference) + [EOS],
-                    "logprobs": [0.0] * (len(tr.prompts[i].reference) + 1), "reward": 1.0, "pid": i}
-                   for i in pids.tolist()]
+        samples = [warmup_sample(tr, i) for i in pids.tolist()]
         batch = collate(samples, tr.pad_to).to(tr.device)  # on the models' device
         nll = []
         for r in run_minibatches(tr.actor_ddp, tr.actor_opt, batch, [(0, torch.arange(len(samples)))], loss_fn,
@@ -86,6 +84,25 @@ def supervised_warmup(tr, log, snapshot=None) -> dict:
     tr.reset_optimizer(tr.actor_opt, tr.cfg.algo.actor_lr)
     out = {"steps": stop[0], "greedy_pass_rate": stop[1], "wall_s": time.time() - t0}
     return {**out, "overshoot": overshoot} if d.coverage_overshoot_evals > 0 else out
+
+
+def warmup_sample(tr, i: int) -> dict:
+    """The warm-up's training sample of prompt ``i``: its reference answer + EOS as the response. The character
+    vocabulary (text demos) encodes it with its own EOS; an HF tokenizer (a checkpoint's, e.g. the multimodal
+    miniature's) with ``add_special_tokens=False`` + its ``eos_token_id`` (what the engine stops on). An image
+    prompt's ``Prompt.images`` travels with the sample into the actor's forward (trainer.batch.collate)."""
+    p = tr.prompts[i]
+    if hasattr(tr.vocab, "chars"):  # the text demos' path, unchanged
+        return {"prompt_ids": p.ids, "response_ids": tr.vocab.encode(p.reference) + [EOS],
+                "logprobs": [0.0] * (len(p.reference) + 1), "reward": 1.0, "pid": i}
+    eos = tr.vocab.eos_token_id
+    if eos is None:
+        raise ValueError("supervised warm-up: the checkpoint's tokenizer has no eos_token_id to end the answers with")
+    resp = list(tr.vocab(p.reference, add_special_tokens=False)["input_ids"]) + [int(eos)]
+    s = {"prompt_ids": p.ids, "response_ids": resp, "logprobs": [0.0] * len(resp), "reward": 1.0, "pid": i}
+    if getattr(p, "images", None) is not None:
+        s["images"] = p.images
+    return s
 
 
 def save_engine_hf(tr, path: str) -> None:

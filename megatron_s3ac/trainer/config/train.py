@@ -22,6 +22,9 @@ class DemoCfg:
     coverage_overshoot_evals: int = 0
     coverage_prompts: int = 128
     coverage_k: int = 2
+    # also warm up an actor loaded from model.actor_init (not only model.tiny): the multimodal miniature, whose
+    # converted checkpoint is random (examples/cpu_demo_vl.yaml)
+    warmup_actor_init: bool = False
 
     def errors(self) -> list[str]:
         keys = ("warmup_batch", "warmup_max_steps", "warmup_eval_every", "coverage_checkpoints",
@@ -106,6 +109,9 @@ class EvalCfg:
     benchmarks: Dict[str, str] = field(default_factory=dict)  # name -> jsonl/json/parquet (eval schemas)
     k: int = 1  # samples per prompt (avg@k, pass@k); per-set k: k_for
     k_for: Dict[str, int] = field(default_factory=dict)
+    # per-set release schema of a file set (eval.benchmarks SCHEMAS / VISION_SCHEMAS, e.g. heldout: mathvista for the
+    # multimodal miniature's drawings); unset: the one the set's name implies
+    schema_for: Dict[str, str] = field(default_factory=dict)
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 0  # 0: rollout.max_new_tokens
@@ -129,6 +135,9 @@ class EvalCfg:
         unknown = set(self.k_for) - set(self.benchmarks) - ({"heldout"} if self.heldout else set())
         if unknown:
             out.append(f"eval.k_for names unknown sets: {sorted(unknown)}")
+        unknown = set(self.schema_for) - set(self.benchmarks)
+        if unknown:
+            out.append(f"eval.schema_for names unknown file sets: {sorted(unknown)}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 0:
             out.append("eval.temperature must be >= 0, eval.top_p in (0, 1], eval.max_new_tokens >= 0")
         return out
