@@ -20,7 +20,7 @@ def test_demo_config_data_and_engine(tmp_path):
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"),
                       [f"model.hf_config={paths['model']}", f"model.engine_hf_dir={paths['model']}",
                        f"model.actor_init={paths['mcore']}", f"data.path={paths['train']}",
-                       f"train.out_dir={tmp_path / 'run'}"])
+                       f"train.out_dir={tmp_path / 'run'}", f"eval.benchmarks.heldout={paths['heldout_mathvista']}"])
     assert os.path.isfile(os.path.join(paths["mcore"], "metadata.json"))  # the set-up's hf_to_mcore conversion
     data = build_data(cfg, use_daps=False)
     assert len(data.prompts) == 8 and all(p.images is not None for p in data.prompts)
