@@ -38,7 +38,7 @@ def _rl_steps(paths, mcore, out_dir, trainable, steps):
     m = paths["model"]
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"), [
         f"model.hf_config={m}", f"model.engine_hf_dir={m}", f"model.actor_init={mcore}", f"data.path={paths['train']}",
-        f"train.out_dir={out_dir}", f"train.steps={steps}", f"train.vision.trainable={str(trainable).lower()}",
+        f"train.out_dir={out_dir}", f"eval.benchmarks.heldout={paths['heldout_mathvista']}", f"train.steps={steps}", f"train.vision.trainable={str(trainable).lower()}",
         "rollout.prompts_per_step=4", "rollout.k=2", "algo.actor_minibatches=1", "algo.critic_minibatches=1",
         "algo.critic_epochs=1", "algo.dynamic_sampling=false", "daps.enabled=false", "algo.actor_lr=1e-3",
         "train.tensorboard=false", "train.progress=false"])
