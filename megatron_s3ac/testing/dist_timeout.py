@@ -132,10 +132,10 @@ def slow_rank0_engine(build, start_s: float, generate_s: float):
     real = build.build_engine
     events: list = []
 
-    def slow_build(cfg, info):
+    def slow_build(cfg, info, **kwargs):
         t0 = time.monotonic()
         time.sleep(start_s)
-        engine, owns_ray = real(cfg, info)
+        engine, owns_ray = real(cfg, info, **kwargs)
         events.append(("start", time.monotonic() - t0))
         return SlowEngine(engine, generate_s, events), owns_ray
 
