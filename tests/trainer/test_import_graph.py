@@ -87,3 +87,32 @@ def test_no_import_from_a_higher_floor():
     up = sorted(f"{m} (floor {_floor(m)}) imports {t} (floor {_floor(t)})"
                 for m, ts in import_graph().items() for t in ts if _floor(t) > _floor(m))
     assert not up, "\n".join(up)
+
+
+ENGINES = f"{PKG}.rollout.engines."
+
+
+def _engine_of(module: str):
+    """The engine folder a module lives in (``rollout/engines/<engine>/``), else None (engines/pool.py etc.)."""
+    if not module.startswith(ENGINES):
+        return None
+    rest = module[len(ENGINES):].split(".")
+    return rest[0] if len(rest) > 1 else None
+
+
+def test_no_engine_imports_another_engine():
+    """One engine's code and its weight sync live in one place: what two engines share goes into rollout/sync/ (or
+    rollout/), never one engine's module imported by another's (rollout/engines/<a>/ -> rollout/engines/<b>/)."""
+    g = import_graph()
+    assert {"cpu", "sglang", "vllm"} <= {_engine_of(m) for m in g}, "the engine folders moved: update ENGINES"
+    cross = sorted(f"{m} imports {t}" for m, ts in g.items() for t in ts
+                   if _engine_of(m) and _engine_of(t) and _engine_of(m) != _engine_of(t))
+    assert not cross, "\n".join(cross)
+
+
+def test_shared_sync_imports_no_engine():
+    """rollout/sync/ is the ground every engine's sync stands on: it imports no engine module (the strategy registry
+    names engine classes as "module:Class" strings, imported on lookup)."""
+    up = sorted(f"{m} imports {t}" for m, ts in import_graph().items() if m.startswith(f"{PKG}.rollout.sync")
+                for t in ts if t.startswith(ENGINES))
+    assert not up, "\n".join(up)

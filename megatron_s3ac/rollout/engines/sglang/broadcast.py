@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
-import socket
 from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_s3ac.rollout.sync.messages import recv_obj, send_obj
+from megatron_s3ac.rollout.sync.planned import planned_weights
+from megatron_s3ac.rollout.sync.rendezvous import free_port, rendezvous_address
 from megatron_s3ac.rollout.sync.strategy import WeightSyncStrategy
 
 
@@ -44,51 +45,6 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
                                       backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
-
-
-def _loopback(addr: str) -> bool:
-    return addr.startswith("127.") or addr in ("::1", "0.0.0.0", "localhost")
-
-
-def _route_source(target: str) -> Optional[str]:
-    """The local address this host sends from towards ``target`` (a UDP connect sends nothing); None if no route."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(target), 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None
-
-
-def rendezvous_address() -> str:
-    """An address of this host that engines on other nodes can reach (the weight-update group's store listens on
-    it): Ray's address of this node when Ray is up (the engines are Ray actors: Ray reaches them from it), else
-    the source address of this host's route towards MASTER_ADDR (the job's rendezvous host), else of its default
-    route, else a non-loopback address its name resolves to (``getaddrinfo``); 127.0.0.1 only for a host with
-    nothing else (then every engine is on it). Not ``gethostbyname(gethostname())`` alone: stock Debian/Ubuntu hosts
-    map their name to 127.0.1.1, which no other node can reach."""
-    candidates = []
-    try:
-        import ray
-
-        if ray.is_initialized():
-            candidates.append(ray.util.get_node_ip_address())
-    except ImportError:
-        pass
-    master = os.environ.get("MASTER_ADDR")
-    for target in ([master] if master else []) + ["8.8.8.8"]:  # a public address: only the route is looked up
-        candidates.append(_route_source(target))
-    try:  # every IPv4 address the host name resolves to (a loopback first one is skipped, not fatal)
-        candidates += [ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
-    except OSError:
-        pass
-    return next((a for a in candidates if a and not _loopback(a)), "127.0.0.1")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def flat_bucket(bucket: Sequence[tuple[str, torch.Tensor]], device: torch.device):
@@ -216,15 +172,6 @@ def _header(bucket) -> tuple[list, list, list]:
             [list(t.shape) for _, t in bucket])
 
 
-def planned_weights(info) -> tuple[list[str], list[list[int]]]:
-    """(names, shapes) of every HF tensor a whole-model export sends (all stages together; before any FP8
-    quantization, which keeps each weight's name and shape and adds ``*_scale_inv`` tensors)."""
-    from megatron_s3ac.convert.plan import build_plan
-
-    shapes = build_plan(info).hf_shapes
-    return list(shapes), [list(v) for v in shapes.values()]
-
-
 def open_sync(pool, info, controller: int, cache: Optional[dict] = None) -> None:
     """Every rank, at the start of a weight sync (collective over the default group). The controller checks every
     tensor the export will send against each engine's served checkpoint (names and shapes: sglang would skip an
@@ -266,25 +213,6 @@ def start_sync(sync, info, export_group=None):
     ctl = sync.roles["controller"]
     open_sync(sync.pool, info, ctl, sync._planned)
     return export_group, SyncStats(engine_rank=ctl)
-
-
-def _send_obj(obj, dst: int, dev: torch.device) -> None:
-    """A small JSON message over the default group (plain tensors: works on gloo and NCCL)."""
-    import json
-
-    data = json.dumps(obj).encode()
-    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=dev), dst=dst)
-    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev), dst=dst)
-
-
-def _recv_obj(src: int, dev: torch.device):
-    import json
-
-    n = torch.empty(1, dtype=torch.int64, device=dev)
-    dist.recv(n, src=src)
-    buf = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
-    dist.recv(buf, src=src)
-    return json.loads(bytes(buf.cpu().numpy()).decode())
 
 
 class StageBroadcastSync:
@@ -383,7 +311,7 @@ class StageBroadcastSync:
     def _serve_remote(self, stage: int, src: int, dev: torch.device) -> list[str]:
         """Controller: every bucket stage ``stage``'s leader (global rank ``src``) announces, until its end marker."""
         names = []
-        while (header := _recv_obj(src, dev)) is not None:
+        while (header := recv_obj(src, dev)) is not None:
             said = []
 
             def go():
@@ -434,7 +362,7 @@ class StageBroadcastSync:
                 if me == ctl:
                     self._serve(stage, header, start)
                 else:
-                    _send_obj(header, ctl, dev)
+                    send_obj(header, ctl, dev)
                     ok = torch.empty(1, dtype=torch.int64, device=dev)
                     dist.recv(ok, src=ctl)
                     if not int(ok.item()):
@@ -448,7 +376,7 @@ class StageBroadcastSync:
                 if into is not None:
                     self._arena.reset()
             if me == leader and me != ctl:
-                _send_obj(None, ctl, dev)  # end of this stage
+                send_obj(None, ctl, dev)  # end of this stage
             if me == ctl:  # then every other stage, in order, as its leader sends it
                 for s in sorted(r["leaders"]):
                     if r["leaders"][s] != me:

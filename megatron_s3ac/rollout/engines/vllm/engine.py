@@ -36,6 +36,7 @@ import numpy as np
 
 from megatron_s3ac.rollout.base import (RolloutEngine, Sample, SamplingParams, check_images, iter_buckets, refuse_images,
                                         routed_experts_dtype)
+from megatron_s3ac.rollout.sync.rendezvous import free_port
 from megatron_s3ac.rollout.engines.vllm.settings import (REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_python,
                                                  transfer_backend)
 
@@ -49,14 +50,6 @@ class VLLMEngineError(RuntimeError):
 
 class WeightUpdateError(VLLMEngineError, ValueError):
     """A weight update was refused (unknown name, wrong shape, MoE on CPU, ...); nothing was loaded."""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _num_experts(cfg: dict) -> int:
@@ -305,7 +298,7 @@ class VLLMEngine(RolloutEngine):
             self._group = "ipc"
             return
 
-        port = _free_port()
+        port = free_port()
         world = 1 + self.settings.tp_size
         info = {"master_address": "127.0.0.1", "master_port": port, "world_size": world, "rank_offset": 1,
                 "timeout_s": float(self.settings.timeout_s)}

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from megatron_s3ac.rollout.sync.messages import recv_obj, send_obj
+from megatron_s3ac.rollout.sync.planned import planned_weights
+from megatron_s3ac.rollout.sync.rendezvous import free_port, rendezvous_address
 from megatron_s3ac.rollout.sync.strategy import WeightSyncStrategy
 
 
@@ -59,8 +62,6 @@ class VLLMSessionSync(WeightSyncStrategy):
 
     def _open(self, info) -> None:
         """Every rank: rank 0 checks the whole export and opens the session; its verdict reaches every rank."""
-        from megatron_s3ac.rollout.engines.sglang.broadcast import planned_weights
-
         error = None
         if self.engine is not None:
             try:
@@ -119,11 +120,7 @@ class VLLMStageSync(VLLMSessionSync):
     no vLLM)."""
 
     def _connect(self, group) -> None:
-        import socket
-
-        from megatron_s3ac.rollout.engines.sglang.broadcast import _recv_obj, _send_obj
         from megatron_s3ac.rollout.engines.vllm.transfer import join_group
-        from megatron_s3ac.rollout.engines.sglang.broadcast import free_port as _free_port
         from megatron_s3ac.rollout.sync.weight_sync import _comm_device, _roles
 
         ctl, leaders, stage, leader = _roles(self.engine is not None, group)
@@ -137,10 +134,12 @@ class VLLMStageSync(VLLMSessionSync):
         backend = self._backend(dev)
         self.group = None
         if me == leader:
-            host = "127.0.0.1" if me == ctl else socket.gethostname()
-            port = _free_port()
+            # the controller's engine runs on its host; another stage's leader may not: an address the engine's
+            # workers reach (not gethostname(), which Debian maps to 127.0.1.1)
+            host = "127.0.0.1" if me == ctl else rendezvous_address()
+            port = free_port(host)
             if me != ctl:
-                _send_obj([host, port], ctl, dev)
+                send_obj([host, port], ctl, dev)
                 self.group = join_group(host, port, 0, world, timeout, backend)
         if me == ctl:
             import threading
@@ -156,7 +155,7 @@ class VLLMStageSync(VLLMSessionSync):
                     t.join()
                     self.group = box["g"]
                 else:
-                    h, p = _recv_obj(leaders[s], dev)
+                    h, p = recv_obj(leaders[s], dev)
                     self.engine.open_sender_group(f"pp{s}", h, p)
         dist.barrier()
 
@@ -175,7 +174,6 @@ class VLLMStageSync(VLLMSessionSync):
         from megatron.core import parallel_state as ps
 
         from megatron_s3ac.convert.export import export_hf_weights
-        from megatron_s3ac.rollout.engines.sglang.broadcast import _recv_obj, _send_obj
         from megatron_s3ac.rollout.engines.vllm.transfer import bucket_meta, pack
         from megatron_s3ac.rollout.sync.weight_sync import SyncStats, _comm_device
 
@@ -210,8 +208,8 @@ class VLLMStageSync(VLLMSessionSync):
                 if me == ctl:  # its own stage: receive and send here
                     t, box = receive_async(meta, stage)
                 else:
-                    _send_obj(meta, ctl, dev)
-                    if not _recv_obj(ctl, dev):
+                    send_obj(meta, ctl, dev)
+                    if not recv_obj(ctl, dev):
                         raise RuntimeError(f"rank {me}: the rank driving the vLLM engine stopped the weight sync at "
                                            f"bucket {meta['names'][0]} .. {meta['names'][-1]}")
                 self.group.broadcast(flat, 0).wait()
@@ -223,19 +221,19 @@ class VLLMStageSync(VLLMSessionSync):
                 stats.tensors += len(bucket)
                 stats.buckets += 1
             if me == leader and me != ctl:
-                _send_obj(None, ctl, dev)
+                send_obj(None, ctl, dev)
             if me == ctl:
                 for s in sorted(leaders):
                     if leaders[s] == ctl:
                         continue
-                    while (meta := _recv_obj(leaders[s], dev)) is not None:
+                    while (meta := recv_obj(leaders[s], dev)) is not None:
                         try:
                             self.engine.check_weights(meta["names"], meta["shapes"], f"bucket of stage {s}")
                         except BaseException:
-                            _send_obj(False, leaders[s], dev)
+                            send_obj(False, leaders[s], dev)
                             raise
                         t, box = receive_async(meta, s)
-                        _send_obj(True, leaders[s], dev)
+                        send_obj(True, leaders[s], dev)
                         t.join()
                         if "error" in box:
                             raise box["error"]
