@@ -172,6 +172,28 @@ def _header(bucket) -> tuple[list, list, list]:
             [list(t.shape) for _, t in bucket])
 
 
+def leader_arena(sync, is_leader: bool, bucket_bytes: int, dev: torch.device, quantize=None):
+    """The ``into`` a stage leader passes ``export_hf_weights``: ``sync._arena`` (made on first use), None off the
+    leader or when the stream is quantized (the fp8 pairs are new tensors: nothing to assemble in place)."""
+    if not is_leader:
+        return None
+    if sync._arena is None:
+        sync._arena = _FlatArena(bucket_bytes, dev)
+    return sync._arena if quantize is None else None
+
+
+def leader_flat(bucket, into: "Optional[_FlatArena]", quantize, dev: torch.device):
+    """A stage leader's exported bucket -> ((names, dtype names, shapes), flat uint8 bucket): quantized first when
+    asked; the arena's own buffer when the export assembled the bucket there in order, else a flattening copy."""
+    if bucket and quantize is not None:
+        bucket = list(quantize(bucket))
+    flat = into.flat(bucket) if into is not None and bucket else None
+    if flat is None:
+        names, dtypes, shapes, flat = flat_bucket(bucket, dev)
+        return (names, dtypes, shapes), flat
+    return _header(bucket), flat
+
+
 def open_sync(pool, info, controller: int, cache: Optional[dict] = None) -> None:
     """Every rank, at the start of a weight sync (collective over the default group). The controller checks every
     tensor the export will send against each engine's served checkpoint (names and shapes: sglang would skip an
@@ -342,22 +364,11 @@ class StageBroadcastSync:
         ctl, leader, stage, dev = r["controller"], r["leader"], r["stage"], r["device"]
         names_all: list[str] = []
         try:
-            into = None
-            if me == leader:
-                if self._arena is None:
-                    self._arena = _FlatArena(bucket_bytes, dev)
-                into = self._arena if quantize is None else None
+            into = leader_arena(self, me == leader, bucket_bytes, dev, quantize)
             for bucket in export_hf_weights(model_chunks, info, bucket_bytes, group=export_group, into=into):
                 if me != leader or not bucket:
                     continue
-                if quantize is not None:
-                    bucket = list(quantize(bucket))
-                flat = self._arena.flat(bucket) if into is not None else None
-                if flat is None:
-                    names, dtypes, shapes, flat = flat_bucket(bucket, dev)
-                    header = (names, dtypes, shapes)
-                else:
-                    header = _header(bucket)
+                header, flat = leader_flat(bucket, into, quantize, dev)
                 start = lambda: dist.broadcast(flat, src=0, group=self.group, async_op=True)
                 if me == ctl:
                     self._serve(stage, header, start)
@@ -411,27 +422,40 @@ class StageBroadcastSync:
         self.roles = None
 
 
-class SGLangBroadcastSync(WeightSyncStrategy):
-    """sglang engines on their own GPUs (``rollout.placement: separate``; registered in ``rollout.sync.strategy``):
-    each pipeline stage's leader broadcasts its own stage (``StageBroadcastSync``, connected on first use). The
-    engines keep their memory between rollouts (no sleep / wake). ``settings``: ``rollout.sglang`` (default: ``SGLangSettings()``)."""
+class SGLangSync(WeightSyncStrategy):
+    """What both sglang strategies share: ``settings`` (``rollout.sglang``, default ``SGLangSettings()``), the
+    stage-wise sync object they drive (``_make()``, built on first use) and its ``close``."""
 
     def __init__(self, engine=None, *, settings=None, quantize=None):
         from megatron_s3ac.rollout.factory import SGLangSettings
 
         super().__init__(engine, settings=SGLangSettings() if settings is None else settings, quantize=quantize)
-        self._bsync: Optional[StageBroadcastSync] = None
+        self._inner = None
+
+    def _make(self):
+        raise NotImplementedError
+
+    def _sync(self, chunks, info):
+        if self._inner is None:
+            self._inner = self._make()
+        return self._inner.sync(chunks, info, self.settings.bucket_bytes, quantize=self.quantize)
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+            self._inner = None
+
+
+class SGLangBroadcastSync(SGLangSync):
+    """sglang engines on their own GPUs (``rollout.placement: separate``; registered in ``rollout.sync.strategy``):
+    each pipeline stage's leader broadcasts its own stage (``StageBroadcastSync``, connected on first use). The
+    engines keep their memory between rollouts (no sleep / wake)."""
+
+    def _make(self):
+        return StageBroadcastSync(self.engine, timeout_s=self.settings.timeout_s)
 
     def sync(self, chunks, info, weights_loaded=None):
-        sg = self.settings
-        if self._bsync is None:
-            self._bsync = StageBroadcastSync(self.engine, timeout_s=sg.timeout_s)
-        stats = self._bsync.sync(chunks, info, sg.bucket_bytes, quantize=self.quantize)
+        stats = self._sync(chunks, info)
         if weights_loaded is not None:
             weights_loaded()
         return stats
-
-    def close(self) -> None:
-        if self._bsync is not None:
-            self._bsync.close()
-            self._bsync = None

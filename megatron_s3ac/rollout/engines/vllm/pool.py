@@ -19,9 +19,10 @@ ranks data-parallel workers the same way, ``weight_transfer/nccl_common.py:184-2
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from megatron_s3ac.rollout.base import RolloutEngine, Sample, SamplingParams
+from megatron_s3ac.rollout.engines.vllm.session import SessionUpdates
 
 
 def _each(fns: Sequence, what: str) -> list:
@@ -45,7 +46,7 @@ def _each(fns: Sequence, what: str) -> list:
     return out
 
 
-class VLLMEnginePool(RolloutEngine):
+class VLLMEnginePool(SessionUpdates, RolloutEngine):
     """N ``VLLMEngine`` clients in this process (see the module docstring). ``make(index) -> VLLMEngine``."""
 
     def __init__(self, make, num_engines: int):
@@ -115,25 +116,10 @@ class VLLMEnginePool(RolloutEngine):
             raise
         self._session_open = True
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: Optional[int] = None) -> None:
-        """All or nothing over every engine: checked on each, then one session each (or the open ones)."""
-        import torch
-
-        if hasattr(named_tensors, "items"):
-            named_tensors = named_tensors.items()
-        pairs = [(n, torch.as_tensor(t)) for n, t in named_tensors]
-        self.check_weights([n for n, _ in pairs], [tuple(t.shape) for _, t in pairs])
-        own = not self._session_open
-        if own:
-            self.begin_weight_update()
-        try:
-            for e in self.engines:  # each engine's own group / IPC handle; the checks above already passed
-                e.update_weights(pairs, bucket_bytes)
-        except BaseException:
-            self._abort_quietly()
-            raise
-        if own:
-            self.finish_weight_update()
+    def _send_pairs(self, pairs: list, bucket_bytes: Optional[int] = None) -> None:
+        """Checked pairs into every engine's open session (each its own group / IPC handle), one after another."""
+        for e in self.engines:
+            e._send_pairs(pairs, bucket_bytes)
 
     def open_sender_group(self, group: str, host: str, port: int, timeout_s: Optional[float] = None) -> None:
         """One sender group over every engine's workers (engine e's TP ranks at 1 + e x tp_size)."""
