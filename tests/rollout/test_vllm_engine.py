@@ -114,3 +114,44 @@ def test_server_side_check_refuses_before_receiving(engine, base_state):
     with pytest.raises(VLLMEngineError, match=r"check_weights failed: .*no_such"):
         engine._call("check_weights", names=["model.no_such.weight"], shapes=[[2]])
     engine.update_weights(base_state.items())  # still works afterwards
+
+
+def test_update_holds_one_bucket_beyond_the_checkpoint_copy(engine, base_state):
+    """The worker streams each bucket into vLLM's layerwise reload: beyond its copy of the served checkpoint (S) it
+    holds one bucket at a time, not the whole update (the first version staged all of it: a second S)."""
+    bucket = 16 << 10
+    engine.update_weights(base_state.items(), bucket_bytes=bucket)
+    (mem,) = engine.memory()  # one worker (tp 1)
+    sizes = [t.numel() * t.element_size() for t in base_state.values()]
+    assert mem["mirror_bytes"] == sum(sizes)  # fp32 engine: the copy is the checkpoint, byte for byte
+    assert len(sizes) > 10 and sum(sizes) > 10 * bucket  # many buckets
+    assert 0 < mem["peak_in_flight_bytes"] <= max(bucket, max(sizes)) + 8 * len(sizes)
+    assert mem["peak_in_flight_bytes"] < sum(sizes) / 10
+
+
+def test_failure_after_buckets_moved_refuses_generation_until_a_whole_update(engine, model_dir, base_state):
+    """A session that fails once a bucket has loaded (here the worker refuses a tensor sent twice, which the
+    client's per-bucket check lets through) leaves the loaded layer in place, completed whole from the checkpoint
+    copy; the engine refuses to generate until an update of every tensor finishes, then serves that update."""
+    from megatron_s3ac.rollout.engines.vllm.engine import VLLMEngineError
+
+    norm = [("model.norm.weight", base_state["model.norm.weight"] * 0.5)]
+    engine.begin_weight_update()
+    engine.send_bucket(norm)
+    with pytest.raises(VLLMEngineError, match=r"model\.norm\.weight.*sent twice"):
+        engine.send_bucket(norm)
+    engine._abort_quietly()  # what update_weights / the syncs do on a failure
+    with pytest.raises(VLLMEngineError, match="mixed"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=5))
+    # the loaded bucket is in (score does not check the flag: it shows what the engine holds)
+    want = teacher_forced(hf_model(model_dir, {**base_state, **dict(norm)}), FIXED)
+    assert _max_gap(engine.score(FIXED), want) < 1e-4
+    engine.update_weights(norm)  # a subset does not clear it
+    with pytest.raises(VLLMEngineError, match="mixed"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=5))
+    engine.update_weights(base_state.items())  # every tensor: served again
+    assert _max_gap(engine.score(FIXED), teacher_forced(hf_model(model_dir), FIXED)) < 1e-4
+    assert len(engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=5))) == len(PROMPTS)
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*twice"):  # refused up front: nothing moves
+        engine.update_weights(norm + norm)
+    assert len(engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=5))) == len(PROMPTS)

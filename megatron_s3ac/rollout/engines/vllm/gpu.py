@@ -40,6 +40,32 @@ def gpu_llm_kwargs(s, return_routed_experts: bool, placement: str = "separate", 
     return kw
 
 
+FP8_METHOD = "fp8_per_block"  # vLLM 0.32's online shorthand: e4m3 weights, 128x128 block scales (config/quantization.py:197-200)
+
+
+def fp8_ignore(keep) -> list[str]:
+    """vLLM ``quantization_config.ignore`` patterns for the project's fp8 keep list (``rollout.fp8_keep``, module
+    paths matched as SGLang matches them, ``convert.fp8.module_path_match``: the module itself, a prefix of it, or
+    inside it, on dotted boundaries). vLLM's online methods match ignore patterns with fnmatch against the layer's
+    full name, or against each shard's name for a fused layer (qkv_proj -> q_proj/k_proj/v_proj, all shards or none:
+    ``quantization/compressed_tensors/utils.py:53-70``, ``utils/config_utils.py:344-380``)."""
+    out = []
+    for p in keep:
+        p = str(p).strip(".")
+        out += [p, f"{p}.*", f"*.{p}", f"*.{p}.*"]
+    return out
+
+
+def fp8_llm_kwargs(keep) -> dict:
+    """vllm.LLM keywords of an engine serving ``rollout.weights_dtype: fp8``: vLLM quantizes the bf16 checkpoint
+    online (``quantization="fp8"`` online was removed in 0.32, ``quantization/fp8.py:105-112``; the shorthand is
+    ``fp8_per_block``) and re-quantizes each layer whenever a weight update reloads it (layerwise reload clears the
+    layer's processed flag and runs ``process_weights_after_loading`` again, ``model_loader/reload/layerwise.py:
+    356-393``). So the weight stream stays in the checkpoint's dtype and names (what every update is checked against)
+    and the trainer quantizes nothing; the modules in ``keep`` stay unquantized (``fp8_ignore``)."""
+    return {"quantization": FP8_METHOD, "quantization_config": {"ignore": fp8_ignore(keep)}}
+
+
 def _array(payload: Optional[dict]) -> Optional[np.ndarray]:
     if payload is None:
         return None

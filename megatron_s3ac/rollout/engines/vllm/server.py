@@ -13,7 +13,7 @@ exactly the calls ``RolloutEngine`` needs, and its errors carry the call and the
 
 Routes (POST, JSON; reply ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``): /health, /generate, /score,
 /weight_info, /check_weights, /init_weight_transfer, /start_weight_update, /update_weights, /finish_weight_update,
-/abort_weight_update, /flush_cache, /sleep, /wake_up, /shutdown. Calls into the engine are serialised.
+/abort_weight_update, /memory, /flush_cache, /sleep, /wake_up, /shutdown. Calls into the engine are serialised.
 """
 from __future__ import annotations
 
@@ -125,6 +125,8 @@ class Server:
         if route == "abort_weight_update":
             self.rpc("s3ac_abort_weight_update")
             return {}
+        if route == "memory":
+            return {"workers": self.rpc("s3ac_memory")}
         if route == "flush_cache":
             return {"flushed": bool(llm.reset_prefix_cache())}
         if route == "sleep":

