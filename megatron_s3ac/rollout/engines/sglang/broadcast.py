@@ -435,10 +435,14 @@ class SGLangSync(WeightSyncStrategy):
     def _make(self):
         raise NotImplementedError
 
-    def _sync(self, chunks, info):
+    def _built(self):
+        """The stage-wise sync object, built on first use (before the engine wakes: it connects nothing yet)."""
         if self._inner is None:
             self._inner = self._make()
-        return self._inner.sync(chunks, info, self.settings.bucket_bytes, quantize=self.quantize)
+        return self._inner
+
+    def _sync(self, chunks, info):
+        return self._built().sync(chunks, info, self.settings.bucket_bytes, quantize=self.quantize)
 
     def close(self) -> None:
         if self._inner is not None:

@@ -258,6 +258,7 @@ class SGLangColocatedSync(SGLangSync):
         return ColocatedIPCSync(self.engine, timeout_s=self.settings.timeout_s)
 
     def sync(self, chunks, info, weights_loaded=None):
+        self._built()
         woke = self.engine is not None and self.asleep
         if woke:  # weights re-allocated but stale: the sync below refills every one
             self.engine.wake(["weights"])
