@@ -6,9 +6,13 @@ every tensor runs, against the size of the model. One JSON line.
 Builds a dense Qwen3 of that shape in fp32 (saved locally, nothing downloaded), starts a vLLM engine on it through
 ``rollout.factory.make_engine_factory("vllm", model_dir=DIR)`` (``make vllm-env``'s environment), updates it twice
 with perturbed copies of every tensor (the first update also loads the worker's copy of the served checkpoint),
-and polls the resident memory (``VmRSS``, /proc) of the server's whole process tree every 2 ms during each update.
+and reads the peak resident memory of each process of the server's tree during each update (its ``VmHWM``, reset
+before the update through ``/proc/PID/clear_refs``; Linux, needs write access to those files).
 Reports the model's bytes, the resident memory before each update and its peak growth during it, in bytes and as a
-multiple of the model. Timings / memory taken on a shared machine: compare runs made one after the other.
+multiple of the model. The server runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (``--mmap-threshold``): glibc then
+maps every allocation above 64 KiB on its own and unmaps it when freed, so the resident memory follows the live
+tensors instead of keeping freed heap (vLLM's layerwise reload allocates and frees each layer once). Memory taken on
+a shared machine: compare runs made one after the other.
 """
 from __future__ import annotations
 
@@ -17,14 +21,12 @@ import json
 import os
 import sys
 import tempfile
-import threading
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and every descendant (/proc; a process that exits meanwhile counts 0)."""
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and every descendant (/proc)."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -34,37 +36,41 @@ def tree_rss(pid: int) -> int:
                 children.setdefault(ppid, []).append(int(d))
             except (OSError, ValueError, IndexError):
                 pass
-    total, todo = 0, [pid]
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
         todo += children.get(p, [])
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
+    return out
 
 
-def peak_during(pid: int, fn, every_s: float = 0.002) -> tuple[int, int]:
-    """(resident bytes before, peak resident bytes while ``fn()`` runs) of the process tree."""
-    before = tree_rss(pid)
-    peak, done = [before], threading.Event()
-
-    def poll():
-        while not done.is_set():
-            peak[0] = max(peak[0], tree_rss(pid))
-            time.sleep(every_s)
-    t = threading.Thread(target=poll, daemon=True)
-    t.start()
+def _status(p: int, key: str) -> int:
     try:
-        fn()
-    finally:
-        done.set()
-        t.join()
-    return before, max(peak[0], tree_rss(pid))
+        with open(f"/proc/{p}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and every descendant (a process that exits meanwhile counts 0)."""
+    return sum(_status(p, "VmRSS") for p in tree_pids(pid))
+
+
+def peak_during(pid: int, fn) -> tuple[int, int]:
+    """(resident bytes of the process tree before ``fn()``, the sum over its processes of each one's peak resident
+    bytes while ``fn()`` ran). Each process's high-water mark is reset first (``/proc/PID/clear_refs`` = 5) and read
+    after (``VmHWM``), so a short peak is not missed as polling would."""
+    pids = tree_pids(pid)
+    before = sum(_status(p, "VmRSS") for p in pids)
+    for p in pids:
+        with open(f"/proc/{p}/clear_refs", "w") as f:
+            f.write("5")
+    fn()
+    return before, sum(_status(p, "VmHWM") for p in pids)
 
 
 def main(argv=None) -> int:
@@ -74,7 +80,11 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--bucket-mb", type=float, default=16.0)
     ap.add_argument("--out", default=None, help="model directory (default: a temporary one)")
+    ap.add_argument("--mmap-threshold", type=int, default=65536, help="glibc MALLOC_MMAP_THRESHOLD_ of the server "
+                    "(0: leave glibc's default)")
     a = ap.parse_args(argv)
+    if a.mmap_threshold:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)  # inherited by the server and its workers
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -94,7 +104,8 @@ def main(argv=None) -> int:
     del model
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     eng = make_engine_factory("vllm", model_dir=out)()
-    row = {"model_bytes": model_bytes, "tensors": len(state), "bucket_bytes": int(a.bucket_mb * (1 << 20))}
+    row = {"model_bytes": model_bytes, "tensors": len(state), "bucket_bytes": int(a.bucket_mb * (1 << 20)),
+           "mmap_threshold": a.mmap_threshold}
     try:
         pid = eng.proc.pid
         for k in (1, 2):

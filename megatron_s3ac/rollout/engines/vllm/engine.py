@@ -118,6 +118,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         self._sent: set = set()  # names sent into the open session
         self._weights: Optional[dict] = None
         self._group = None
+        self._stale_groups: list = []  # groups left by a failed broadcast (see _abandon_group)
         self._asleep = False
         self._tmp = tempfile.mkdtemp(prefix="s3ac-vllm-")
         self.log_path = log_path or os.path.join(self._tmp, "server.log")
@@ -226,6 +227,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         self.proc = None
         self._log.close()
         self._group = None
+        self._stale_groups = []  # the workers are gone: a pending broadcast has failed, the destructor returns
 
     def __del__(self):
         try:
@@ -413,10 +415,16 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
             if "error" in box:
                 raise box["error"]
         except BaseException:
-            # a broadcast the workers did not receive (refused, or half done) leaves the group out of step (gloo
-            # may complete a small send at the root alone): rejoin a fresh group next session
-            self._group = None
+            self._abandon_group()
             raise
+
+    def _abandon_group(self) -> None:
+        """After a broadcast the workers did not receive (refused, or half done) the group is out of step (gloo may
+        complete a small send at the root alone): the next session joins a fresh one. The old one is kept, not
+        destroyed: a process group's destructor waits for its pending broadcast, which never completes."""
+        if self._group is not None and self._group != "ipc":
+            self._stale_groups.append(self._group)
+        self._group = None
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
         """Close the session: the engine completes every layer the session touched, ends the reload, and flushes
@@ -471,7 +479,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
 
     def memory(self) -> list[dict]:
         """Per worker: bytes its weight-transfer backend holds (``mirror_bytes``: the checkpoint copy;
-        ``peak_in_flight_bytes``: the largest chunk it held at once so far)."""
+        ``peak_in_flight_bytes``: the largest chunk it held at once in the last weight update)."""
         return self._call("memory")["workers"]
 
 

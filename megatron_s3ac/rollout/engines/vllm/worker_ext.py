@@ -154,7 +154,8 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         return {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in self.mirror.items()}
 
     def memory(self) -> dict:
-        """Bytes this backend holds: the checkpoint copy, and the largest chunk in flight so far."""
+        """Bytes this backend holds: the checkpoint copy, and the largest chunk it held at once in the last (or the
+        open) weight update."""
         return {"mirror_bytes": sum(t.numel() * t.element_size() for t in self.mirror.values()),
                 "peak_in_flight_bytes": self.peak_in_flight}
 
@@ -192,6 +193,7 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         if not self.mirror:
             self._load_mirror()
         self.received, self.reloading = set(), False
+        self.peak_in_flight = 0
 
     def update_weights(self, update_info) -> None:
         # the base class synchronizes the accelerator afterwards (base.py:502), which raises on CPU
