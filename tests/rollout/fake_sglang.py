@@ -245,7 +245,8 @@ class FakeTokenizerManager:
 
 class FakeSGLangEngine:
     # Test-only hooks, excluded from the signature contract check.
-    TEST_HOOKS = ("debug_checkpoint_tensor", "debug_checkpoint_state_dict", "debug_payload_log")
+    TEST_HOOKS = ("debug_checkpoint_tensor", "debug_checkpoint_state_dict", "debug_payload_log",
+                  "debug_crash_scheduler_at_forward")
 
     def __init__(self, model_path: str, tp_size: int = 1, context_length: Optional[int] = None,
                  enable_return_routed_experts: bool = False, enable_memory_saver: bool = False,
@@ -586,6 +587,27 @@ class FakeSGLangEngine:
         return self.busy_flushes == 0
 
     # -- test hooks -----------------------------------------------------------------------------
+    def debug_crash_scheduler_at_forward(self, n: int) -> None:
+        """The scheduler hits an exception at its ``n``-th model forward from now (mid-generation), and the process
+        holding this engine dies as sglang's does (item 10): the scheduler SIGQUITs its parent
+        (managers/scheduler.py:6370-6373) - or, if the scheduler itself was killed, the engine's SubprocessWatchdog
+        sees it within its 1 s poll and SIGQUITs its own process (utils/watchdog.py:166-232, started at
+        entrypoints/engine.py:1313-1316) - and the handler calls ``kill_process_tree(os.getpid())``
+        (entrypoints/engine.py:1976-1982, managers/tokenizer_manager.py:4072-4081), which SIGKILLs the process itself
+        (utils/common.py:2548-2552). Modelled as that SIGKILL: no exception, no reply; the caller (a pool's Ray
+        actor) sees the process gone. (Without a handler - the engine built off the main thread, engine.py:
+        1987-1992 - SIGQUIT's default action ends the process too.)"""
+        import signal
+
+        count = [0]
+
+        def hook(*_):
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        self.cpu.model.register_forward_hook(hook)
+
     def debug_checkpoint_state_dict(self) -> dict:
         """The served weights under checkpoint names (what a sync must have written)."""
         from transformers.core_model_loading import revert_weight_conversion
