@@ -292,7 +292,7 @@ def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *
                          ray_init_kwargs: Optional[dict] = None, pausable: bool = False):
     """CPU: the engine in this process (colocated) or in a RemoteEngine actor (separate). SGLang: an EnginePool of
     settings.num_engines engines (each pinned to its GPUs by a placement group). pausable: a separate CPU engine's
-    actor gets a control thread for ``pause_generation`` (partial rollout)."""
+    actor (or each SGLang pool actor) gets a control thread for ``pause_generation`` (partial rollout)."""
     if factory.kind == "vllm":
         s = factory.settings
         if s is not None and s.num_engines > 1:  # one server process each; the clients stay in this process
@@ -321,4 +321,4 @@ def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *
     gpus = 0 if factory.engine_cls is not None else s.gpus_per_engine  # a CPU stand-in takes no GPUs
     return EnginePool(factory, s.num_engines, gpus_per_engine=gpus, gpus_per_node=s.gpus_per_node,
                       cpus_per_engine=num_cpus, timeout_s=s.timeout_s, bucket_bytes=s.bucket_bytes,
-                      ray_init_kwargs=ray_init_kwargs)
+                      ray_init_kwargs=ray_init_kwargs, pausable=pausable)

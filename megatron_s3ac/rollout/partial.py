@@ -159,19 +159,14 @@ def sample_versions(groups: list[list[Sample]], default: int) -> list[list[tuple
 
 
 def unsupported_engine_reason(kind: str) -> str:
-    """Why ``rollout.partial_rollout`` is refused for engine ``kind`` (cpu and hf can pause: CPUEngine)."""
-    if kind == "sglang":
-        return ("rollout.partial_rollout=true with rollout.engine=sglang: sglang 0.5.23 pauses only in its HTTP "
-                "server (/pause_generation, /continue_generation: entrypoints/http_server.py:1831-1854; "
-                "managers/io_struct.py:1928 'only supported in SGLang Server'); SGLangEngine wraps the in-process "
-                "sglang.Engine (entrypoints/engine.py has no pause_generation). Use rollout.engine=cpu, or "
-                "rollout.partial_rollout=false")
+    """Why ``rollout.partial_rollout`` is refused for engine ``kind`` (cpu and hf can pause: CPUEngine; sglang:
+    SGLangEngine, through sglang.Engine's tokenizer_manager coroutines, rollout/engines/sglang/engine.py)."""
     if kind == "vllm":
         return ("rollout.partial_rollout=true with rollout.engine=vllm: the vLLM server here (rollout/engines/vllm/server.py) "
                 "runs vLLM's offline LLM (vllm/entrypoints/llm.py), whose generate() runs every request to the end; "
                 "pause/resume is AsyncLLM's (vllm 0.32 vllm/v1/engine/async_llm.py:952-985, the /pause route of "
                 "vllm/entrypoints/rl/online/api_router.py:31). Use rollout.engine=cpu, or rollout.partial_rollout=false")
-    return f"rollout.partial_rollout=true: rollout.engine={kind} cannot pause generation (only cpu / hf can)"
+    return f"rollout.partial_rollout=true: rollout.engine={kind} cannot pause generation (only cpu / hf / sglang can)"
 
 
 __all__ = ["unsupported_engine_reason", "PartialPending", "Resume", "continuation_requests", "merge", "num_versions", "sample_versions", "tagged",

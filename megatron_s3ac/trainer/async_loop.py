@@ -273,8 +273,12 @@ class AsyncRollout:
         """Rank 0: the batch's samples, waiting for them if needed (counted in the trainer's wait time)."""
         if e.pending is None:
             return None
+        from megatron_s3ac.rollout.base import StreamingGeneration
+
         t = time.time()
-        if self.stream and e.rewards is None and hasattr(e.pending, "groups"):
+        # a streamed first piece only: a partial-rollout batch resumed after a sync (PartialPending, whose .groups is
+        # its list of pieces) is scored whole at collection
+        if self.stream and e.rewards is None and isinstance(e.pending, StreamingGeneration):
             e.rewards = self._score_stream(e)
         groups = e.pending.result()
         self.wait_s += time.time() - t

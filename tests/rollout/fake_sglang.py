@@ -32,18 +32,28 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
 5. Aborted requests (``abort_requests``: request positions of the next generate call, ``abort_after`` tokens
    generated first): meta_info = id, finish_reason {"type": "abort", "message": "Abort in waiting queue"},
    the log-probs of the tokens so far, and NO ``routed_experts`` (managers/tokenizer_manager.py:3596-3635).
-10. Pause / continue (server endpoints only: entrypoints/http_server.py:1831-1854; sglang.Engine has none;
-   managers/io_struct.py:1928-1946 "only supported in SGLang Server", modes abort | retract | in_place, default
-   abort). ``pause_generation(mode="abort")`` sets is_pause (managers/tokenizer_manager.py:2269) and aborts every
-   request (``abort_request(abort_all=True)``, 2273-2280): a running one gets ``to_finish = FINISH_ABORT()``
-   (managers/scheduler.py:5797-5813), still runs one decode step and returns through the normal output path: its
-   output_ids and log-probs so far, routed_experts when asked (tokenizer_manager.py:2602-2609), finish_reason
-   {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None} (managers/schedule_batch.py:
-   332-345); a request still in the waiting queue is popped and aborted as in 5 (managers/scheduler.py:5685-5705).
-   A request sent while paused waits until ``continue_generation`` (tokenizer_manager.py:938-939, 2282-2286).
-   Replies: {"message": "Generation paused successfully.", "status": "ok"} and {"message": "Generation continued
-   successfully.", "status": "ok"}. The stand-in runs a batch's requests one after another, so one is running
-   (through CPUEngine's pause) and the later ones are waiting; retract / in_place are not modelled (refused).
+10. Pause / continue. The HTTP server's /pause_generation and /continue_generation (entrypoints/http_server.py:
+   1831-1854) only await two coroutines of the engine's ``TokenizerManager``, which ``sglang.Engine`` holds as
+   ``self.tokenizer_manager`` (entrypoints/engine.py:343) beside its event loop ``self.loop``
+   (``_ensure_event_loop``, engine.py:396, 1404-1414); ``Engine.generate`` drives that loop itself,
+   ``self.loop.run_until_complete(generator.__anext__())`` (engine.py:528-542), so the loop runs (and serves a
+   coroutine another thread hands it with ``asyncio.run_coroutine_threadsafe``) only while a generate blocks in
+   it. The stand-in has the same shape: ``tokenizer_manager`` (``FakeTokenizerManager``) and ``loop``; its
+   ``generate`` runs ``tokenizer_manager.generate_request`` on ``loop`` (the CPU work in an executor thread, so
+   the loop keeps serving). ``generate_request`` waits while ``is_pause`` (tokenizer_manager.py:938-939), then
+   holds ``model_update_lock.reader_lock`` for the whole batch (941). ``pause_generation(obj)`` with
+   ``obj.mode == "abort"`` (the default, managers/io_struct.py:1927-1946) takes ``is_pause_cond``, sets
+   ``is_pause`` (tokenizer_manager.py:2267-2269), then loops ``abort_request(abort_all=True)``; ``await
+   model_update_lock.is_locked()``; ``await asyncio.sleep(1.0)`` until no generate holds the lock (2273-2280):
+   so it returns only after the aborted batch has come back, at least one second after it started when a batch
+   was running. An aborted running request gets ``to_finish = FINISH_ABORT()`` (managers/scheduler.py:5797-5813),
+   still runs one decode step and returns through the normal output path: its output_ids and log-probs so far,
+   routed_experts when asked (tokenizer_manager.py:2602-2609), finish_reason {"type": "abort", "message":
+   "Aborted", "status_code": None, "err_type": None} (managers/schedule_batch.py:332-345); a request still in the
+   waiting queue is popped and aborted as in 5 (managers/scheduler.py:5685-5705). ``continue_generation(obj)``
+   clears ``is_pause`` and wakes the waiting requests (tokenizer_manager.py:2282-2286). The stand-in runs a
+   batch's requests one after another, so one is running (through CPUEngine's pause) and the later ones are
+   waiting; modes retract / in_place are not modelled (refused).
 6. Seeds (sampling/sampling_batch_info.py:157-171): with ``enable_deterministic_inference`` a request without
    ``sampling_seed`` samples with 42; without it every seed is ignored (the engine's own RNG, from random_seed).
    A seed that is not a plain int in [-2**63, 2**63 - 1] (e.g. numpy's int64) fails the whole batch with ValueError
@@ -148,11 +158,95 @@ def _checkpoint_names(model) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in sd.items()}
 
 
+class _ReaderCountLock:
+    """utils/aio_rwlock.py's RWLock as generate_request and pause use it: ``reader_lock`` (an async context
+    manager) and ``is_locked()`` (``_readers`` > 0; aio_rwlock.py:13, 78-80)."""
+
+    def __init__(self):
+        self._readers = 0
+
+    @property
+    def reader_lock(self):
+        import contextlib
+
+        @contextlib.asynccontextmanager
+        async def held():
+            self._readers += 1
+            try:
+                yield
+            finally:
+                self._readers -= 1
+
+        return held()
+
+    async def is_locked(self) -> bool:
+        return self._readers > 0
+
+
+class FakeTokenizerManager:
+    """managers/tokenizer_manager.py's pause / continue and the part of ``generate_request`` they interact with
+    (module docstring item 10). Its asyncio primitives are used on the engine's ``loop`` only."""
+
+    PAUSE_POLL_S = 1.0  # tokenizer_manager.py:2280 ``await asyncio.sleep(1.0)``
+
+    def __init__(self, engine: "FakeSGLangEngine"):
+        self.engine = engine
+        self.is_pause = False  # tokenizer_manager.py:777
+        self._cond = None  # asyncio.Condition() (778), made on the loop at first use
+        self.model_update_lock = _ReaderCountLock()  # 771
+        self.pause_calls = 0
+
+    @property
+    def is_pause_cond(self):
+        import asyncio
+
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def generate_request(self, run_batch):
+        import asyncio
+
+        async with self.is_pause_cond:  # tokenizer_manager.py:938-939
+            await self.is_pause_cond.wait_for(lambda: not self.is_pause)
+        async with self.model_update_lock.reader_lock:  # 941: held until the batch's outputs are back
+            return await asyncio.get_running_loop().run_in_executor(None, run_batch)
+
+    def abort_request(self, rid: str = "", abort_all: bool = False):
+        """abort_all: the scheduler aborts every running and waiting request (tokenizer_manager.py:2241-2265;
+        managers/scheduler.py:5685-5705, 5797-5813): the stand-in's running request stops at its next decode step."""
+        if abort_all:
+            self.engine.cpu.pause_generation()
+
+    async def pause_generation(self, obj):
+        import asyncio
+
+        self.engine._alive("pause_generation")
+        if obj.mode not in ("abort", "retract", "in_place"):  # io_struct.py:1946 Literal
+            raise ValueError(f"mode must be one of abort, retract, in_place, got {obj.mode!r}")
+        if obj.mode != "abort":
+            raise NotImplementedError(f"the stand-in models pause mode 'abort' only, not {obj.mode!r}")
+        self.pause_calls += 1
+        async with self.is_pause_cond:  # tokenizer_manager.py:2267-2280
+            self.is_pause = True
+            while True:
+                self.abort_request(abort_all=True)
+                if not await self.model_update_lock.is_locked():
+                    break
+                await asyncio.sleep(self.PAUSE_POLL_S)
+
+    async def continue_generation(self, obj):
+        self.engine._alive("continue_generation")
+        async with self.is_pause_cond:  # tokenizer_manager.py:2282-2286
+            self.is_pause = False
+            self.engine.cpu.continue_generation()
+            self.is_pause_cond.notify_all()
+
+
 class FakeSGLangEngine:
     # Test-only hooks, excluded from the signature contract check.
     TEST_HOOKS = ("debug_checkpoint_tensor", "debug_checkpoint_state_dict", "debug_payload_log",
-                  # server endpoints, not sglang.Engine methods (item 10): excluded from the Engine signature check
-                  "pause_generation", "continue_generation")
+                  "debug_crash_scheduler_at_forward")
 
     def __init__(self, model_path: str, tp_size: int = 1, context_length: Optional[int] = None,
                  enable_return_routed_experts: bool = False, enable_memory_saver: bool = False,
@@ -181,10 +275,10 @@ class FakeSGLangEngine:
         self.debug_payload_log: list[dict] = []
         self._flat_buckets = 0
         self._rng = np.random.default_rng(random_seed)
-        import threading
+        import asyncio
 
-        self.paused = False  # item 10: /pause_generation .. /continue_generation
-        self._pause_cond = threading.Condition()
+        self.tokenizer_manager = FakeTokenizerManager(self)  # item 10 (entrypoints/engine.py:343)
+        self.loop = asyncio.new_event_loop()  # engine.py:396, 1404-1414 (a fresh loop where none is set)
         config = AutoConfig.from_pretrained(model_path)
         if getattr(config, "model_type", None) == "qwen3_moe":  # qwen3_moe.py:878: every layer sparse
             config.mlp_only_layers, config.decoder_sparse_step = [], 1
@@ -255,8 +349,12 @@ class FakeSGLangEngine:
                                  f"{self.context_len} tokens. You requested a total of {m + n} tokens: {n} tokens "
                                  f"from the input messages and {m} tokens for the completion. Please reduce the "
                                  f"number of tokens in the input messages or the completion to fit within the limit.")
-        with self._pause_cond:  # item 10: a request sent while paused waits (tokenizer_manager.py:938-939)
-            self._pause_cond.wait_for(lambda: not self.paused)
+        # item 10: the batch through the tokenizer manager, on the engine's loop (engine.py:528-542)
+        return self.loop.run_until_complete(self.tokenizer_manager.generate_request(
+            lambda: self._run_batch(batch, sps, single, images, return_logprob, return_routed_experts)))
+
+    def _run_batch(self, batch, sps, single, images, return_logprob, return_routed_experts):
+        """The scheduler's side of one batch (runs in the loop's executor: the loop stays free for a pause)."""
         aborts, self.abort_requests = set(self.abort_requests), set()
         outputs = []
         for i, (ids, sp) in enumerate(zip(batch, sps)):
@@ -332,28 +430,6 @@ class FakeSGLangEngine:
                                  "text-only checkpoint)")
             out.append(ImageInputs(items[0]["pixel_values"], items[0]["image_grid_thw"]))
         return out
-
-    # -- server endpoints (item 10) -------------------------------------------------------------
-    def pause_generation(self, mode: str = "abort"):
-        """POST /pause_generation {"mode": ...} (entrypoints/http_server.py:1831-1841)."""
-        self._alive("pause_generation")
-        if mode not in ("abort", "retract", "in_place"):  # io_struct.py:1946 Literal
-            raise ValueError(f"mode must be one of abort, retract, in_place, got {mode!r}")
-        if mode != "abort":
-            raise NotImplementedError(f"the stand-in models pause mode 'abort' only, not {mode!r}")
-        with self._pause_cond:
-            self.paused = True  # tokenizer_manager.py:2269
-            self.cpu.pause_generation()  # abort_request(abort_all=True): the running request returns what it has
-        return {"message": "Generation paused successfully.", "status": "ok"}
-
-    def continue_generation(self):
-        """POST /continue_generation (entrypoints/http_server.py:1844-1854; tokenizer_manager.py:2282-2286)."""
-        self._alive("continue_generation")
-        with self._pause_cond:
-            self.paused = False
-            self.cpu.continue_generation()
-            self._pause_cond.notify_all()
-        return {"message": "Generation continued successfully.", "status": "ok"}
 
     def begin_weight_update(self, selector: str = "all"):
         self._alive("begin_weight_update")
@@ -511,6 +587,27 @@ class FakeSGLangEngine:
         return self.busy_flushes == 0
 
     # -- test hooks -----------------------------------------------------------------------------
+    def debug_crash_scheduler_at_forward(self, n: int) -> None:
+        """The scheduler hits an exception at its ``n``-th model forward from now (mid-generation), and the process
+        holding this engine dies as sglang's does (item 10): the scheduler SIGQUITs its parent
+        (managers/scheduler.py:6370-6373) - or, if the scheduler itself was killed, the engine's SubprocessWatchdog
+        sees it within its 1 s poll and SIGQUITs its own process (utils/watchdog.py:166-232, started at
+        entrypoints/engine.py:1313-1316) - and the handler calls ``kill_process_tree(os.getpid())``
+        (entrypoints/engine.py:1976-1982, managers/tokenizer_manager.py:4072-4081), which SIGKILLs the process itself
+        (utils/common.py:2548-2552). Modelled as that SIGKILL: no exception, no reply; the caller (a pool's Ray
+        actor) sees the process gone. (Without a handler - the engine built off the main thread, engine.py:
+        1987-1992 - SIGQUIT's default action ends the process too.)"""
+        import signal
+
+        count = [0]
+
+        def hook(*_):
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        self.cpu.model.register_forward_hook(hook)
+
     def debug_checkpoint_state_dict(self) -> dict:
         """The served weights under checkpoint names (what a sync must have written)."""
         from transformers.core_model_loading import revert_weight_conversion

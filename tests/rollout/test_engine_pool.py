@@ -217,3 +217,49 @@ def test_dead_and_late_engines_are_named(pool):
     ref = p.actors[0].generate.remote(PROMPTS * 4, SamplingParams(max_new_tokens=64, ignore_eos=True), 4, False)
     with pytest.raises(EngineTimeout, match="rollout engine 0 of 2 .*generate did not finish within 0.01 s"):
         p.wait([(0, ref)], "generate", timeout=0.01)
+
+
+def test_pausable_pool_pauses_a_running_generate_and_continues(ckpt, pool, tmp_path):
+    """EnginePool(pausable=True) of SGLang stand-ins: pause_generation reaches the actor on its control thread while
+    its generate runs (SGLangEngine.pause_generation: the tokenizer manager's pause coroutine on sglang's loop);
+    the generate returns the running request's tokens so far, aborted; after a weight update and
+    continue_generation (default group, in order) the continuations' log-probs are the new weights' (a
+    transformers forward of them)."""
+    from megatron_s3ac.rollout.base import SamplingParams
+    from megatron_s3ac.rollout.partial import PartialPending, continuation_requests
+
+    from test_sglang_engine import teacher
+
+    _, plain_factory = pool
+    assert not pool[0].supports_pause
+    new = save_tiny_qwen3_moe(tmp_path / "new", seed=1)
+    p = EnginePool(plain_factory, 1, cpus_per_engine=0.5, timeout_s=120, start_timeout_s=300, pausable=True)
+    try:
+        assert p.supports_pause
+        a = p.actors[0]
+        ray.get(a.call.remote("engine.cpu.__setattr__", ("_decode_delay", 0.2), {}))
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True, seed=5)
+        pend = p.generate_async(PROMPTS, greedy, n_samples=1)
+        readers = lambda: ray.get(a.call.options(concurrency_group="control").remote(
+            "engine.tokenizer_manager.model_update_lock.__getattribute__", ("_readers",), {}))
+        while readers() == 0:  # the batch is inside sglang's generate_request (tokenizer_manager.py:941)
+            ray.wait([pend.chunks[0][0][1]], timeout=0.05)
+        ray.wait([pend.chunks[0][0][1]], timeout=0.6)  # a few tokens in
+        p.pause_generation()
+        groups = pend.result()
+        first = groups[0][0]
+        assert all(s.finish_reason == "abort" for g in groups for s in g) and 0 < len(first.response_ids) < 8
+        lp0, _ = teacher(ckpt, first.prompt_ids, first.response_ids)
+        np.testing.assert_allclose(first.logprobs, lp0, atol=1e-5)
+        p.update_weights(load_file(f"{new}/model.safetensors").items())
+        p.continue_generation()
+        tagged, reqs, _ = continuation_requests(groups, 0, 1, 8, max_versions=2)
+        merged = PartialPending(tagged, reqs, p.continue_async([(q, b) for *_, q, b in reqs], greedy), 1).result()
+        for g in merged:
+            for s in g:
+                assert len(s.response_ids) == 8 and s.finish_reason == "length"
+                cut = int((s.token_versions == 0).sum())
+                lp, _ = teacher(new, s.prompt_ids, s.response_ids)
+                np.testing.assert_allclose(s.logprobs[cut:], lp[cut:], atol=1e-5)
+    finally:
+        p.close()

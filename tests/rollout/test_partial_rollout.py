@@ -163,7 +163,7 @@ def test_engines_that_cannot_pause_say_so():
 
     with pytest.raises(PartialRolloutUnsupported, match="Plain cannot pause generation"):
         Plain().pause_generation()
-    assert "http_server.py:1831" in unsupported_engine_reason("sglang")
+    assert "cpu / hf / sglang" in unsupported_engine_reason("sglang-like")
     assert "async_llm.py:952" in unsupported_engine_reason("vllm")
 
 

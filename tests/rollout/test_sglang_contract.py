@@ -230,10 +230,23 @@ BEHAVIOUR_FACTS = [
 ]
 
 
-def test_pause_is_a_server_endpoint_only(wheel):
-    """sglang.Engine has no pause_generation (why SGLangEngine refuses rollout.partial_rollout)."""
+def test_pause_runs_through_the_engines_tokenizer_manager(wheel):
+    """sglang.Engine has no pause_generation method, but holds the TokenizerManager whose coroutines the server's
+    /pause_generation awaits and the event loop its generate drives: what SGLangEngine.pause_generation uses."""
     assert "pause_generation" not in engine_methods(wheel)
     assert '@app.post("/pause_generation")' in wheel.text(PKG + "entrypoints/http_server.py")
+    eng = wheel.text(PKG + "entrypoints/engine.py")
+    for text in ("self.tokenizer_manager = tokenizer_manager", "self.loop = self._ensure_event_loop()",
+                 "ret = self.loop.run_until_complete(generator.__anext__())"):
+        assert text in eng, text
+    tm = wheel.text(PKG + "managers/tokenizer_manager.py")
+    for text in ("async def pause_generation(self, obj: PauseGenerationReqInput):",
+                 "async def continue_generation(self, obj: ContinueGenerationReqInput):",
+                 "async with self.model_update_lock.reader_lock:", "is_locked = await self.model_update_lock.is_locked()",
+                 "await asyncio.sleep(1.0)"):
+        assert text in tm, text
+    assert "self._readers = 0" in wheel.text(PKG + "utils/aio_rwlock.py")
+    assert "torch_empty_cache: bool = True" in wheel.text(PKG + "managers/io_struct.py")
 
 
 @pytest.mark.parametrize("module,text", BEHAVIOUR_FACTS, ids=[f"{m}:{t[:30]}" for m, t in BEHAVIOUR_FACTS])

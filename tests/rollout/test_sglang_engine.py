@@ -403,24 +403,31 @@ def test_context_length_defaults_like_sglang():
 
 
 def test_stand_in_pause_and_continue_as_sglang(ckpt):
-    """fake_sglang.py item 10 (sglang 0.5.23 entrypoints/http_server.py:1831-1854, managers/tokenizer_manager.py:
-    938-939, 2267-2286, managers/scheduler.py:5685-5705, 5797-5813, managers/schedule_batch.py:332-345): a pause
-    while a batch runs returns the running request's tokens and log-probs so far with finish_reason "Aborted" (+
-    routes), the waiting ones empty with "Abort in waiting queue"; a generate sent while paused waits for
-    continue_generation; the replies are the server's."""
+    """fake_sglang.py item 10 (sglang 0.5.23 entrypoints/engine.py:343, 396, 528-542, managers/tokenizer_manager.py:
+    938-941, 2267-2286, managers/scheduler.py:5685-5705, 5797-5813, managers/schedule_batch.py:332-345): the pause
+    coroutine handed to the engine's loop while a batch runs returns the running request's tokens and log-probs so
+    far with finish_reason "Aborted" (+ routes), the waiting ones empty with "Abort in waiting queue"; the loop stops
+    with the generate's result before the pause coroutine ends (it is asleep in its poll) and finishes when the loop
+    runs again; a generate sent while paused waits for continue_generation."""
+    import asyncio
     import threading
-    import time
+    import types
 
     fake = FakeSGLangEngine(model_path=ckpt, enable_return_routed_experts=True, enable_deterministic_inference=True)
+    tm, loop = fake.tokenizer_manager, fake.loop
     fake.cpu._decode_delay = 0.2
     sp = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
     got = {}
     t = threading.Thread(target=lambda: got.setdefault("out", fake.generate(
         input_ids=PROMPTS, sampling_params=[sp, sp], return_logprob=True, return_routed_experts=True)))
     t.start()
-    time.sleep(0.7)
-    assert fake.pause_generation() == {"message": "Generation paused successfully.", "status": "ok"}
-    t.join(timeout=30)
+    while tm.model_update_lock._readers == 0:  # the batch is past the is_pause check (tokenizer_manager.py:941)
+        t.join(timeout=0.01)
+    fut = asyncio.run_coroutine_threadsafe(tm.pause_generation(types.SimpleNamespace(mode="abort")), loop)
+    t.join(timeout=60)
+    assert not t.is_alive() and not fut.done()  # the loop stopped with the batch; the pause sleeps inside it
+    loop.run_until_complete(asyncio.wrap_future(fut, loop=loop))
+    assert fut.done() and tm.is_pause
     running, waiting = got["out"]
     assert running["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
                                                      "err_type": None}
@@ -435,10 +442,12 @@ def test_stand_in_pause_and_continue_as_sglang(ckpt):
     t2 = threading.Thread(target=lambda: late.setdefault("out", fake.generate(
         input_ids=PROMPTS[1], sampling_params={**sp, "max_new_tokens": 3}, return_logprob=True)))
     t2.start()
-    time.sleep(0.5)
-    assert "out" not in late  # held while paused
-    assert fake.continue_generation() == {"message": "Generation continued successfully.", "status": "ok"}
-    t2.join(timeout=30)
+    t2.join(timeout=0.5)
+    assert t2.is_alive() and "out" not in late  # held while paused (tokenizer_manager.py:938-939)
+    # t2's generate runs the loop: the continue coroutine handed to it runs there
+    asyncio.run_coroutine_threadsafe(tm.continue_generation(types.SimpleNamespace(torch_empty_cache=True)),
+                                     loop).result(timeout=30)
+    t2.join(timeout=60)
     assert late["out"]["meta_info"]["finish_reason"]["type"] == "length" and len(late["out"]["output_ids"]) == 3
     with pytest.raises(NotImplementedError, match="'retract'"):
-        fake.pause_generation(mode="retract")
+        loop.run_until_complete(tm.pause_generation(types.SimpleNamespace(mode="retract")))

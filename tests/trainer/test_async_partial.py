@@ -22,6 +22,12 @@ def test_config_rules():
     with pytest.raises(ConfigError, match=r"partial_max_versions=0 must be an integer >= 1"):
         load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
                                          "rollout.partial_max_versions=0"])
+    # sglang pauses (SGLangEngine through sglang.Engine's tokenizer_manager): no partial-rollout error for it, only
+    # the tiny model's own (sglang needs an HF directory)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
+                                         "rollout.engine=sglang"])
+    assert "partial_rollout" not in str(err.value) and "cannot serve the built-in tiny model" in str(err.value)
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm: .*async_llm.py:952"):
         load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
                                          "rollout.engine=vllm"])
@@ -135,3 +141,22 @@ def test_partial_responses_round_trip_through_a_checkpoint_file(tmp_path):
     assert got.response_ids == [4, 5, 6, 1] and got.token_versions.tolist() == [3, 3, 4, 4]
     assert got.logprobs.tolist() == [-0.5, -1.25, -0.75, np.float32(-0.1)] and got.finish_reason == "stop"
     assert got.routed_experts[:4].sum() == 0 and (got.routed_experts[4:] == 1).all()
+
+
+def test_a_resumed_batch_is_not_scored_as_a_stream():
+    """With streaming rewards on, a batch whose aborted responses were resubmitted after a sync (PartialPending:
+    its ``groups`` is the list of first pieces, not a stream) is handed back merged and left unscored for
+    collection (it crashed with "'list' object is not callable" in bench/bench_async.py's partial arm)."""
+    import numpy as np
+    import torch
+
+    from megatron_s3ac.rollout.base import Sample
+    from megatron_s3ac.rollout.partial import PartialPending
+    from megatron_s3ac.trainer.async_loop import AsyncRollout, Submitted
+
+    ar = AsyncRollout.__new__(AsyncRollout)
+    ar.stream, ar.wait_s, ar.spans, ar.log = True, 0.0, [], []
+    groups = [[Sample(prompt_ids=[1, 2], response_ids=[3], logprobs=np.zeros(1, np.float32), finish_reason="stop")]]
+    e = Submitted(3, torch.tensor([0]), {}, 1)
+    e.pending = PartialPending(groups, [], None, 2)
+    assert ar._result(e) == groups and e.rewards is None and e.collected

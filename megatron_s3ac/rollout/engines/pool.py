@@ -118,7 +118,8 @@ class EngineWorker:
                 "tp_size": int(getattr(config, "tp_size", 1) or 1),
                 "base_gpu_id": int(getattr(config, "base_gpu_id", 0) or 0),
                 "gpu_id_step": int((getattr(config, "extra", None) or {}).get("gpu_id_step", 1)),
-                "context_length": int(ctx) if ctx else None}
+                "context_length": int(ctx) if ctx else None,
+                "supports_pause": bool(getattr(self.engine, "supports_pause", False))}
 
     @staticmethod
     def address() -> str:
@@ -130,6 +131,17 @@ class EngineWorker:
         if images is None:  # engines without image prompts keep their four-argument generate
             return self.engine.generate(prompts, params, n_samples, return_routed_experts)
         return self.engine.generate(prompts, params, n_samples, return_routed_experts, images=images)
+
+    # partial rollout (rollout/partial.py): pause runs in the "control" concurrency group (``EnginePool(pausable=
+    # True)``), beside a generate of the default group; the rest run in order in the default group
+    def pause_generation(self):
+        return self.engine.pause_generation()
+
+    def continue_generation(self):
+        return self.engine.continue_generation()
+
+    def continuations(self, requests, params, return_routed_experts):
+        return self.engine.generate_continuations(requests, params, return_routed_experts)
 
     def call(self, method: str, args, kwargs):
         """engine.<method>(*args, **kwargs); method may be a dotted path (e.g. "engine.debug_...")."""
@@ -187,7 +199,7 @@ class EnginePool(RolloutEngine):
     def __init__(self, factory: Callable[[EngineSlot], RolloutEngine], num_engines: int, *,
                  gpus_per_engine: int = 0, gpus_per_node: Optional[int] = None, cpus_per_engine: float = 1,
                  timeout_s: float = 1800.0, start_timeout_s: float = 900.0, max_inflight: int = 2,
-                 bucket_bytes: int = 256 << 20, ray_init_kwargs: Optional[dict] = None):
+                 bucket_bytes: int = 256 << 20, ray_init_kwargs: Optional[dict] = None, pausable: bool = False):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -201,6 +213,7 @@ class EnginePool(RolloutEngine):
         self.nnodes = max(1, gpus_per_engine // per_node) if gpus_per_engine > per_node else 1
         self.num_engines, self.timeout_s, self.max_inflight = int(num_engines), float(timeout_s), int(max_inflight)
         self.bucket_bytes = int(bucket_bytes)
+        self.pausable = bool(pausable)  # partial rollout: each actor gets a "control" thread for pause_generation
         self._failure: Optional[EnginePoolError] = None
         init_ray(num_engines * cpus_per_engine * self.nnodes, gpus_per_engine, ray_init_kwargs)  # RAY_ADDRESS: join
         gpus_per_bundle = gpus_per_engine // self.nnodes if gpus_per_engine else 0
@@ -224,7 +237,10 @@ class EnginePool(RolloutEngine):
             # a task takes max_retries (Ray refuses the actor-only max_restarts / max_task_retries for tasks)
             task_opts = lambda pg, b: {**{k: v for k, v in opts(pg, b).items()
                                           if k not in ("max_restarts", "max_task_retries")}, "max_retries": 0}
-            remote = ray.remote(EngineWorker)
+            # Ray takes concurrency groups at class definition (as RemoteEngine(pausable=True)): one "control"
+            # thread for pause_generation beside the default group, whose calls stay one at a time, in order
+            remote = (ray.remote(concurrency_groups={"control": 1})(EngineWorker) if self.pausable
+                      else ray.remote(EngineWorker))
             for e, pg in enumerate(self.placement_groups):
                 addr = None
                 if self.nnodes > 1:  # node 0's address, found by a probe in its bundle
@@ -392,6 +408,56 @@ class EnginePool(RolloutEngine):
             yield None, (t0, time.time())
 
         return StreamingGeneration(len(prompt_ids), items(), ready=pending.done)
+
+    # -- partial rollout (rollout/partial.py; docs/rollout.md "Partial rollout") --------------------
+    @property
+    def supports_pause(self) -> bool:
+        """Every engine can pause (SGLangEngine) and the actors were started ``pausable`` (their control thread)."""
+        return self.pausable and bool(self.info) and all(bool(i.get("supports_pause")) for i in self.info)
+
+    def pause_generation(self) -> None:
+        """Every engine's ``pause_generation`` on its actor's control thread, while its generate runs; returns when
+        each has paused (SGLangEngine: once its aborted batch came back)."""
+        from megatron_s3ac.rollout.base import PartialRolloutUnsupported
+
+        if not self.supports_pause:
+            raise PartialRolloutUnsupported("the engine pool cannot pause generation: " + (
+                "an engine has no pause_generation" if self.pausable else "started without pausable=True"))
+        self._check()
+        self.wait([(e, a.pause_generation.options(concurrency_group="control").remote())
+                   for e, a in enumerate(self.actors)], "pause_generation()")
+
+    def continue_generation(self) -> None:
+        """In each actor's default group: after the calls sent before it (the weight update)."""
+        self._all("continue_generation")
+
+    def generate_continuations(self, requests, params: SamplingParams, return_routed_experts: bool = False):
+        return self.continue_async(requests, params, return_routed_experts).result()
+
+    def continue_async(self, requests, params: SamplingParams, return_routed_experts: bool = False
+                       ) -> PendingGeneration:
+        """The continuations split into balanced contiguous chunks, one per engine (request k seeded
+        ``params.seed + k`` on whichever engine runs it, as ``generate``); the samples in request order and the
+        call's (start, end) wall-clock span."""
+        import time
+
+        import ray
+
+        self._check()
+        reqs = [([int(t) for t in p], int(b)) for p, b in requests]
+        t0 = time.time()
+        refs = []
+        for e, lo, hi, p in split_generation(len(reqs), params, 1, self.num_engines):
+            refs.append((e, self.actors[e].continuations.remote(reqs[lo:hi], p, bool(return_routed_experts))))
+
+        def wait():
+            out = [s for chunk in self.wait(refs, "generate_continuations()") for s in chunk]
+            if len(out) != len(reqs):
+                raise EnginePoolError(f"the engines returned {len(out)} continuations for {len(reqs)} requests")
+            return out, t0, time.time()
+
+        return PendingGeneration(wait, ready=lambda: not refs or not ray.wait(
+            [r for _, r in refs], num_returns=len(refs), timeout=0)[1])
 
     def begin_weight_update(self) -> None:
         self._all("begin_weight_update")

@@ -125,7 +125,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if r.partial_rollout and cfg.train.max_staleness < 1:
         errs.append("rollout.partial_rollout=true resumes responses interrupted by a weight sync of the asynchronous "
                     "loop: needs train.max_staleness >= 1 (the synchronous loop syncs only between rollouts)")
-    if r.partial_rollout and r.engine not in (EngineKind.cpu, EngineKind.hf):
+    if r.partial_rollout and r.engine not in (EngineKind.cpu, EngineKind.hf, EngineKind.sglang):
         from megatron_s3ac.rollout.partial import unsupported_engine_reason
 
         errs.append(unsupported_engine_reason(EngineKind(r.engine).value))

@@ -41,6 +41,7 @@ class RolloutCfg:
     # partial rollout (train.max_staleness > 0; rollout/partial.py, docs/rollout.md "Partial rollout"): at each
     # weight sync the engine is paused instead of waited for; unfinished responses keep their tokens and resume on
     # the new weights, each token tagged with its weights version. Off: today's bounded-staleness loop, unchanged.
+    # Engines: cpu / hf (CPUEngine) and sglang (SGLangEngine in a pausable EnginePool); vllm is refused.
     partial_rollout: bool = False
     # a response spanning this many weights versions is not resumed again: its partial tokens are dropped and it is
     # regenerated from its prompt on the new weights (async/partial_regenerated); 1 = never resume

@@ -410,7 +410,10 @@ class StageBroadcastSync:
             return
         me = dist.get_rank()
         refs = []
-        if me == self.roles["controller"]:
+        # a pool whose engine died (EnginePool._failure: its process is gone, and with it the engine's side of every
+        # group) takes no more calls: the asynchronous loop's restart closes the sync of a dead pool
+        dead = getattr(self.pool, "_failure", None) is not None
+        if me == self.roles["controller"] and not dead:
             for s in sorted(self.roles["leaders"]):
                 refs += [self.pool.submit(e, "destroy_weights_update_group", self._group_name(s))
                          for e in range(len(self.roles["tp_sizes"]))]

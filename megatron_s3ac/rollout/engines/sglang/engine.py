@@ -404,6 +404,11 @@ class SGLangEngine(RolloutEngine):
         self._session_open = False
         self._seed_base = int(seed) * 1_000_003
         self._calls = 0  # generate calls (distinct default seeds per call)
+        import threading
+
+        self._ctl = threading.Condition()  # partial rollout: guards _generating / _paused (pause_generation)
+        self._generating = 0  # engine.generate calls now blocking in sglang's loop
+        self._paused = False
         self.last_sync: dict = {}
         if engine is not None:
             self.engine = engine
@@ -441,8 +446,7 @@ class SGLangEngine(RolloutEngine):
         base = self._seed_base + self._calls * 1_000_000 if params.seed is None else None
         sampling = [to_sglang_sampling_params(params, seed_offset=k, base_seed=base) for k in range(len(requests))]
         try:
-            outputs = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True,
-                                           return_routed_experts=return_routed_experts, image_data=image_data)
+            outputs = self._engine_generate(requests, sampling, return_routed_experts, image_data)
         except ValueError as err:  # context length unknown here: sglang refused the whole batch; name the prompt
             ctx = _context_from_message(str(err))
             if ctx is None:
@@ -450,12 +454,111 @@ class SGLangEngine(RolloutEngine):
             self.context_length = ctx
             self._check_lengths(prompts, params.max_new_tokens)
             raise
+        if outputs is None:  # paused: every request aborted before it started (the base-class contract)
+            outputs = [{"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}} for _ in requests]
         if len(outputs) != len(requests):
             raise SGLangError(f"{self.name}: {len(outputs)} outputs for {len(requests)} requests")
         samples = [self._to_sample(p, out, return_routed_experts) for p, out in zip(requests, outputs)]
         for i, s in enumerate(samples if row_images is not None else ()):
             s.images = row_images[i]
         return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompts))]
+
+    def _engine_generate(self, requests, sampling, return_routed_experts: bool, image_data):
+        """``sglang.Engine.generate`` (it blocks in the engine's event loop, entrypoints/engine.py:528-542), counted
+        in ``_generating`` for ``pause_generation``; None, without calling sglang, while paused (sglang would hold
+        the batch until ``continue_generation``, managers/tokenizer_manager.py:938-939, which the caller sends only
+        after this call: the base-class contract instead returns the requests empty and aborted)."""
+        with self._ctl:
+            if self._paused:
+                return None
+            self._generating += 1
+        try:
+            return self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True,
+                                        return_routed_experts=return_routed_experts, image_data=image_data)
+        finally:
+            with self._ctl:
+                self._generating -= 1
+                self._ctl.notify_all()
+
+    # -- partial rollout (rollout/partial.py; docs/rollout.md "Partial rollout") --------------------
+    supports_pause = True
+
+    def pause_generation(self) -> None:
+        """Abort every running request and hold new ones (sglang 0.5.23's pause in mode "abort"), from any thread,
+        while ``generate`` blocks in another. ``sglang.Engine`` has no pause method, but holds the coroutines the
+        HTTP server's /pause_generation awaits (entrypoints/http_server.py:1831-1841): ``self.tokenizer_manager``
+        (entrypoints/engine.py:343), ``TokenizerManager.pause_generation(PauseGenerationReqInput)``
+        (managers/tokenizer_manager.py:2267-2280). They run on the engine's loop (``self.loop``, engine.py:396),
+        which runs only inside ``Engine.generate``'s ``run_until_complete`` (engine.py:542). So:
+
+        1. a running generate: wait until its batch holds ``model_update_lock``'s reader lock (``_readers > 0``,
+           utils/aio_rwlock.py:13, 43-49; taken after the is_pause check, tokenizer_manager.py:938-941: a pause
+           landing before that check would park the batch until continue_generation), then hand the coroutine to
+           the running loop (``asyncio.run_coroutine_threadsafe``). It sets is_pause and sends
+           ``abort_request(abort_all=True)`` every second until no batch holds the lock (2273-2280); the aborted
+           requests come back with their tokens, log-probs and routes so far (finish_reason "abort",
+           tokenizer_manager.py:2602-2609, managers/scheduler.py:5797-5813) and the generate returns.
+        2. The loop stops with that generate's result (run_until_complete), the pause coroutine still inside it
+           (asleep, 2280): this thread drives the loop until the coroutine ends (no generate runs: ``_paused``
+           refuses new ones).
+        3. No generate running: the coroutine is run on the loop here (it only sets is_pause).
+        Returns after the batch came back (sglang: at least its 1 s poll when a batch was running)."""
+        import asyncio
+
+        tm, loop = self.engine.tokenizer_manager, self.engine.loop
+        with self._ctl:
+            self._paused = True
+            running = self._generating > 0
+        while running and getattr(tm.model_update_lock, "_readers", 0) == 0:  # step 1's wait
+            with self._ctl:
+                running = not self._ctl.wait_for(lambda: self._generating == 0, timeout=0.001)
+        if running:
+            fut = asyncio.run_coroutine_threadsafe(tm.pause_generation(_sglang_request("PauseGenerationReqInput",
+                                                                                       mode="abort")), loop)
+            with self._ctl:
+                self._ctl.wait_for(lambda: self._generating == 0)
+            loop.run_until_complete(asyncio.wrap_future(fut, loop=loop))  # step 2
+        else:
+            loop.run_until_complete(tm.pause_generation(_sglang_request("PauseGenerationReqInput", mode="abort")))
+
+    def continue_generation(self) -> None:
+        """``TokenizerManager.continue_generation`` (tokenizer_manager.py:2282-2286: clears is_pause, tells the
+        scheduler), run on the engine's loop here: no generate runs while paused."""
+        tm, loop = self.engine.tokenizer_manager, self.engine.loop
+        with self._ctl:
+            if self._generating:
+                raise SGLangError(f"{self.name}: continue_generation while a generate runs")
+        loop.run_until_complete(tm.continue_generation(_sglang_request("ContinueGenerationReqInput")))
+        with self._ctl:
+            self._paused = False
+
+    def generate_continuations(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
+                               return_routed_experts: bool = False) -> list[Sample]:
+        """One request per (prefix = prompt + partial response, budget): sglang prefills the prefix with the weights
+        of this moment and samples up to ``budget`` tokens (request k seeded ``params.seed + k``); the sample's
+        prompt_ids are the prefix, its response / log-probs the new tokens, its routes every row (the prefix's
+        recomputed now), as CPUEngine.generate_continuations."""
+        if return_routed_experts and not self.config.enable_return_routed_experts:
+            raise ValueError("return_routed_experts needs SGLangConfig(enable_return_routed_experts=True)")
+        self._check_awake("generate_continuations")
+        prefixes = [list(map(int, p)) for p, _ in requests]
+        budgets = [int(b) for _, b in requests]
+        if any(b < 1 for b in budgets):
+            raise ValueError(f"every continuation needs a token budget >= 1, got {min(budgets)}")
+        for p, b in zip(prefixes, budgets):
+            self._check_lengths([p], b)
+        if not prefixes:
+            return []
+        self._calls += 1
+        base = self._seed_base + self._calls * 1_000_000 if params.seed is None else None
+        sampling = [to_sglang_sampling_params(dataclasses.replace(params, max_new_tokens=b), seed_offset=k,
+                                              base_seed=base) for k, b in enumerate(budgets)]
+        outputs = self._engine_generate(prefixes, sampling, return_routed_experts, None)
+        if outputs is None:
+            outputs = [{"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}} for _ in prefixes]
+        if len(outputs) != len(prefixes):
+            raise SGLangError(f"{self.name}: {len(outputs)} outputs for {len(prefixes)} continuations")
+        return [self._to_sample(p, out, return_routed_experts) for p, out in zip(prefixes, outputs)]
 
     def _check_lengths(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Refuse before sglang is called: sglang raises ValueError if any prompt + max_new_tokens > context
@@ -481,8 +584,15 @@ class SGLangEngine(RolloutEngine):
             ids = [int(t) for t in out.get("output_ids") or []]
             if len(ids) != len(response):
                 response, logprobs = [], np.zeros(0, np.float32)
+            # a request that was running when a pause aborted it returns through the normal output path, routes
+            # included when asked (tokenizer_manager.py:2602-2609): kept for partial rollout's merge; one aborted
+            # in the waiting queue has none
+            routes = None
+            if with_routes and meta.get("routed_experts") is not None and response:
+                routes = decode_routed_experts(meta["routed_experts"], len(prompt) + len(response) - 1,
+                                               self.num_layers, self.top_k, self.num_experts)
             return Sample(prompt_ids=prompt, response_ids=response, logprobs=logprobs, finish_reason="abort",
-                          routed_experts=None, response_text=out.get("text"))
+                          routed_experts=routes, response_text=out.get("text"))
         if "output_ids" in out and list(out["output_ids"]) != response:
             raise SGLangError(f"{self.name}: output_ids disagree with output_token_logprobs")
         routes = None
@@ -775,6 +885,21 @@ class SGLangEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _sglang_request(cls: str, **fields):
+    """sglang's ``managers/io_struct.py`` request ``cls`` (PauseGenerationReqInput: mode, io_struct.py:1927-1946;
+    ContinueGenerationReqInput: torch_empty_cache, 1949-1955); without sglang (the CPU tests' stand-in, which reads
+    only these fields) a namespace with the same fields and defaults."""
+    try:
+        from sglang.srt.managers import io_struct
+    except ImportError:
+        import types
+
+        defaults = {"PauseGenerationReqInput": {"mode": "abort"},
+                    "ContinueGenerationReqInput": {"torch_empty_cache": True}}[cls]
+        return types.SimpleNamespace(**{**defaults, **fields})
+    return getattr(io_struct, cls)(**fields)
 
 
 def _itemsize(dtype: Any) -> int:
