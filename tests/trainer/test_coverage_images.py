@@ -21,14 +21,10 @@ NEW = 3
 
 @pytest.fixture(scope="module")
 def miniature(tmp_path_factory):
-    from megatron_s3ac.convert import hf_to_mcore
     from megatron_s3ac.trainer.tasks_vision import save_vision_miniature
 
     root = tmp_path_factory.mktemp("coverage_images")
-    paths = save_vision_miniature(str(root / "data"), num_prompts=6, eval_prompts=2)
-    mcore = str(root / "mcore")
-    hf_to_mcore(paths["model"], mcore, progress=False)
-    return paths, mcore, root
+    return save_vision_miniature(str(root / "data"), num_prompts=6, eval_prompts=2), root
 
 
 def _prompts(model_dir, path):
@@ -48,7 +44,7 @@ def test_coverage_rows_of_image_prompts_match_transformers_greedy_and_name_their
     from megatron_s3ac.testing.tiny_qwen3_5 import VL_TOKENS
     from megatron_s3ac.trainer.coverage import CoverageSettings, generate_coverage
 
-    paths, _, root = miniature
+    paths, root = miniature
     m = paths["model"]
     prompts, tok = _prompts(m, paths["train"])
     assert all(p.images is not None for p in prompts)
@@ -105,8 +101,13 @@ def _vpt(paths, mcore, out_dir, rows):
             "errors": errors}
 
 
+@pytest.mark.slow  # a Trainer (actor, critic, multimodal engine) on a gloo rank: minutes on 2 loaded cores
 def test_value_pretraining_feeds_the_coverage_rows_images_to_the_critic(miniature):
-    paths, mcore, root = miniature
+    from megatron_s3ac.convert import hf_to_mcore
+
+    paths, root = miniature
+    mcore = str(root / "mcore")
+    hf_to_mcore(paths["model"], mcore, progress=False)
     prompts, _ = _prompts(paths["model"], paths["train"])
     # coverage rows as the coverage stage writes them (prompt ids + the prompt's index, no pixels), rewards +-1
     rows = [{"prompt_ids": list(p.ids), "response_ids": [3 + i % 10, 1], "reward": 1.0 if i % 2 else -1.0,
