@@ -133,7 +133,8 @@ def legible_tower(model_dir: str) -> int:
 
 def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: int = 300, seed: int = 0,
                           convert: bool = False) -> dict:
-    """The miniature on disk: ``model/`` (tiny Qwen3.5-MoE VL checkpoint + the task's character tokenizer:
+    """The miniature on disk: ``model/`` (tiny Qwen3.5-MoE VL checkpoint, its tower's biases zeroed by
+    ``legible_tower``, + the task's character tokenizer:
     ``VISION_CHARS``: digits, '+', '=' at ids 3-14; the image token ids 90-93 of the tiny config), ``train.jsonl`` and
     ``heldout.jsonl`` (disjoint pictures). ``convert``: also ``mcore/``, the checkpoint through hf_to_mcore (what
     ``model.actor_init`` of examples/cpu_demo_vl.yaml names: the actor's vision tower comes from its carried
