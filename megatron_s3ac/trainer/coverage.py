@@ -64,13 +64,15 @@ def build_coverage(cfg, policies: Sequence[str], prompts: Sequence, vocab, score
     ``pipeline.coverage_prompts`` (else ``demo.coverage_prompts``) of ``prompts`` drawn with seed
     ``train.seed + 5``, rolled out by every policy with ``coverage_settings(cfg)``; see generate_coverage."""
     n = cfg.pipeline.coverage_prompts or cfg.demo.coverage_prompts
-    chosen = coverage_prompt_subset(prompts, n, cfg.train.seed + 5)
+    # the indices, drawn as coverage_prompt_subset draws its prompts: an image prompt's row names its prompt by index
+    order = coverage_prompt_subset(list(range(len(prompts))), n, cfg.train.seed + 5)
+    chosen = [prompts[i] for i in order]
     settings = coverage_settings(cfg)
     # a warm-up snapshot (.../policies/step_N) samples with seed N, as the demo's coverage always did
     seeds = [int(m[1]) if (m := _SNAPSHOT.search(os.path.normpath(str(p)))) else settings.seed + i
              for i, p in enumerate(policies)]
     return generate_coverage(policies, chosen, settings, decode=decoder(vocab), score=score,
-                             out_path=out_path, log=log, after_policy=after_policy, seeds=seeds)
+                             out_path=out_path, log=log, after_policy=after_policy, seeds=seeds, prompt_index=order)
 
 
 def resolve_policies(cfg, warmup_dir: str) -> list[str]:
@@ -99,18 +101,28 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
                       decode: Callable[[list], str], score: Callable[[list, list], Sequence[float]], out_path: str,
                       log: Optional[Callable[[dict], None]] = None,
                       after_policy: Optional[Callable[[int], None]] = None,
-                      seeds: Optional[Sequence[int]] = None) -> dict:
+                      seeds: Optional[Sequence[int]] = None, prompt_index: Optional[Sequence[int]] = None) -> dict:
     """Roll out every policy (an engine per HF dir, from the rollout factory) on ``prompts``
     (``trainer.data.Prompt``: .ids, .reference) with ``settings.k`` samples each; score the decoded
     responses; write ``out_path`` (jsonl rows {prompt_ids, response_ids, reward, source}) atomically
     (a ``.tmp`` renamed at the end: a killed run leaves no partial file). Aborted samples are dropped.
     Returns {"trajectories", "pass_rate", "policies": [per policy: source, trajectories, pass_rate,
     mean_response_len, truncated_frac, wall_s]}. ``seeds``: the sampling seed per policy (default
-    ``settings.seed + i``)."""
+    ``settings.seed + i``).
+
+    Image prompts (``Prompt.images``, models.multimodal.ImageInputs): the engines load the checkpoint multimodal and
+    are given each prompt's images; the row of an image prompt records ``prompt_index`` (``prompt_index[j]`` for
+    ``prompts[j]``, default j: its index in the prompt set the trainer loads), from which value pretraining takes
+    the same pixels back (trainer.value_pretrain.attach_row_images): the jsonl holds ids, never pixels."""
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.factory import build_rollout_engine, make_engine_factory
     from megatron_s3ac.trainer.data import write_coverage
 
+    images = [getattr(p, "images", None) for p in prompts]
+    multimodal = any(im is not None for im in images)
+    if prompt_index is not None and len(prompt_index) != len(prompts):
+        raise ValueError(f"coverage: {len(prompt_index)} prompt indices for {len(prompts)} prompts")
+    index = list(range(len(prompts))) if prompt_index is None else [int(i) for i in prompt_index]
     tmp = out_path + ".tmp"
     if os.path.exists(tmp):
         os.remove(tmp)
@@ -120,7 +132,8 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
         seed = settings.seed + i if seeds is None else int(seeds[i])
         kind = settings.engine
         dev = {} if kind in ("sglang", "vllm") else {
-            "dtype": settings.dtype, "device": "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"}
+            "dtype": settings.dtype, "device": "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu",
+            "multimodal": multimodal}  # sglang serves a VL checkpoint multimodal as it is
         section = settings.vllm if kind == "vllm" else settings.sglang
         # building a model draws from torch's global generator: the caller's (the trainer's) stream is kept
         with torch.random.fork_rng(devices=[]):
@@ -130,18 +143,20 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
                 outs = eng.generate([list(p.ids) for p in prompts],
                                     SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
                                                    max_new_tokens=settings.max_new_tokens, seed=seed),
-                                    n_samples=settings.k)
+                                    n_samples=settings.k, **({"images": images} if multimodal else {}))
             finally:
                 getattr(eng, "close", eng.shutdown)()
-        flat = [(p, s) for p, grp in zip(prompts, outs) for s in grp if s.finish_reason != "abort"]
-        rewards = [float(r) for r in score([decode(s.response_ids) for _, s in flat], [p.reference for p, _ in flat])]
+        flat = [(j, p, s) for j, (p, grp) in enumerate(zip(prompts, outs)) for s in grp if s.finish_reason != "abort"]
+        rewards = [float(r) for r in score([decode(s.response_ids) for _, _, s in flat],
+                                           [p.reference for _, p, _ in flat])]
         # an empty response (EOS never sampled, nothing generated) still is a state: one pad token
         write_coverage(tmp, [{"prompt_ids": list(p.ids), "response_ids": list(s.response_ids) or [0], "reward": r,
-                              "source": str(policy)} for (p, s), r in zip(flat, rewards)])
+                              "source": str(policy), **({"prompt_index": index[j]} if images[j] is not None else {})}
+                             for (j, p, s), r in zip(flat, rewards)])
         n_pass = sum(r > 0 for r in rewards)
         st = {"source": str(policy), "trajectories": len(flat), "pass_rate": n_pass / max(1, len(flat)),
-              "mean_response_len": sum(len(s.response_ids) for _, s in flat) / max(1, len(flat)),
-              "truncated_frac": sum(s.finish_reason == "length" for _, s in flat) / max(1, len(flat)),
+              "mean_response_len": sum(len(s.response_ids) for _, _, s in flat) / max(1, len(flat)),
+              "truncated_frac": sum(s.finish_reason == "length" for _, _, s in flat) / max(1, len(flat)),
               "wall_s": time.time() - t0}
         per.append(st)
         total, passed = total + len(flat), passed + n_pass

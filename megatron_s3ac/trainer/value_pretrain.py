@@ -25,6 +25,28 @@ def value_pretrain(tr, rows: list[dict], log=None) -> dict:
         return _value_pretrain(tr, rows, log)
 
 
+def attach_row_images(prompts, rows: list[dict]) -> list[dict]:
+    """Coverage rows of image prompts (trainer.coverage: ``prompt_index`` = the prompt's index in the trainer's
+    prompt set) -> the same rows with ``images`` = that prompt's ``ImageInputs`` (what the critic's vision path
+    takes, as in RL). A row whose index is out of range, whose prompt has no images, or whose ``prompt_ids`` are
+    not that prompt's ids (coverage data of another prompt set) raises ValueError naming the row. Text rows pass
+    unchanged."""
+    out = []
+    for i, r in enumerate(rows):
+        j = r.get("prompt_index")
+        if j is None:
+            out.append(r)
+            continue
+        if not (isinstance(j, int) and 0 <= j < len(prompts)):
+            raise ValueError(f"coverage row {i}: prompt_index {j!r} is not an index of the {len(prompts)} prompts")
+        p = prompts[j]
+        if getattr(p, "images", None) is None or list(p.ids) != list(r["prompt_ids"]):
+            raise ValueError(f"coverage row {i}: prompt {j} of the trainer's data is not the row's image prompt "
+                             f"(coverage data written from another prompt set?)")
+        out.append(dict(r, images=p.images))
+    return out
+
+
 def _mp_grad_sq(model) -> tuple[float, float]:
     """(head, backbone) squared grad norms summed over the model-parallel group, TP duplicates once."""
     from megatron.core import parallel_state as ps
@@ -56,7 +78,7 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
     frozen = freeze_attention_and_router(critic) if vc.freeze_attention_and_router else []
     ddp = wrap_ddp(critic, tr.critic_config)
     opt = build_optimizer([ddp], lr=vc.lr, clip_grad=vc.clip_grad)
-    samples = [dict(r, logprobs=[0.0] * len(r["response_ids"]), pid=0) for r in rows]
+    samples = [dict(r, logprobs=[0.0] * len(r["response_ids"]), pid=0) for r in attach_row_images(tr.prompts, rows)]
     batch = collate(samples, tr.pad_to).to(tr.device)  # on the models' device (trainer.device)
     # lambda = 1, gamma = 1: the return of every valid token is the terminal reward R; a row may instead carry
     # per-token "returns" (one per response token): a controlled target (tools/critic_reference_fit.py, issue 29)

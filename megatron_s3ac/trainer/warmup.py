@@ -5,6 +5,8 @@ the 10-60% band RL needs; its evaluation points are saved as HF dirs (the covera
 each as a stronger coverage policy, then restores the target's weights (the RL start policy)."""
 from __future__ import annotations
 
+import os
+import shutil
 import time
 
 import torch
@@ -118,3 +120,10 @@ def save_engine_hf(tr, path: str) -> None:
         save_char_tokenizer(tr.vocab, path)
     elif hasattr(tr.vocab, "save_pretrained"):
         tr.vocab.save_pretrained(path)
+    # a vision-language checkpoint's image processor travels with it (s3ac-eval and the data loader read it there)
+    from megatron_s3ac.trainer.config import engine_model_dir
+
+    src = engine_model_dir(tr.cfg)
+    pre = os.path.join(src, "preprocessor_config.json") if src else None
+    if pre and os.path.isfile(pre):
+        shutil.copyfile(pre, os.path.join(path, "preprocessor_config.json"))
