@@ -104,6 +104,7 @@ def test_trainer_yaml(tmp_path, capsys):
     assert d["train_gpus"] == 4
 
 
+@pytest.mark.slow  # > 60 s under load; the fast suite's 20-minute budget (CI)
 def test_context_parallel_layout_for_long_responses(capsys):
     """The 397B at 2K + 64K on 128 H200: no CP-free layout fits (forward on the last stage), a CP one does."""
     base = [os.path.join(CFG, "qwen3_5_397b_a17b"), "--gpus", "128", "--prompt-len", "2048", "--response-len",

