@@ -121,6 +121,7 @@ def _carried(step_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # three 2-rank torchrun runs of the VL miniature
 @pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
 def test_kill_and_resume_with_carried_tensors(miniature, tmp_path, trainable):
     """A VL run killed after step 3 (checkpoint of step 2: actor with its carried vision tower and MTP layer) and
@@ -139,13 +140,13 @@ def test_kill_and_resume_with_carried_tensors(miniature, tmp_path, trainable):
     cfg = os.path.join(ROOT, "examples", "cpu_demo_vl.yaml")
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["train.save_every=2", "train.eval_every=0"]
-    r = _torchrun([cfg] + _overrides(paths, mcore, str(a), trainable, 4) + common)
+    r = _torchrun([cfg] + _overrides(paths, mcore, str(a), trainable, 4) + common, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _torchrun([cfg] + _overrides(paths, mcore, str(b), trainable, 4) + common, {"S3AC_TESTING_FAIL_AT_STEP": "3"})
+    r = _torchrun([cfg] + _overrides(paths, mcore, str(b), trainable, 4) + common, {"S3AC_TESTING_FAIL_AT_STEP": "3"}, 900)
     assert r.returncode != 0  # died after step 3, the checkpoint of step 2 on disk
     assert os.path.exists(b / "checkpoints" / "step_000002" / "COMPLETE")
     assert not os.path.exists(b / "checkpoints" / "step_000004")
-    r = _torchrun([cfg] + _overrides(paths, mcore, str(b), trainable, 4) + common)
+    r = _torchrun([cfg] + _overrides(paths, mcore, str(b), trainable, 4) + common, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     ma, mb = _metrics(a), _metrics(b)
     assert [m["step"] for m in mb] == [0, 1, 2, 3]
