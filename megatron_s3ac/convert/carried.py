@@ -157,9 +157,7 @@ def attach_vision_from_carried(model, info, trainable: bool = False, dtype=torch
 @torch.no_grad()
 def refresh_from_vision(model) -> None:
     """Copy a trainable vision tower's weights into this rank's carried blocks of ``model.visual.*``."""
-    from megatron_s3ac.models.vision import VISION_ATTR
-
-    tower = model._modules.get(VISION_ATTR) if hasattr(model, "_modules") else None
+    tower = _trainable_tower(model)
     carried = getattr(model, ATTR, None)
     if tower is None or carried is None:
         return
@@ -168,6 +166,34 @@ def refresh_from_vision(model) -> None:
         p = params.get(key)
         if p is not None:
             t.copy_(p.detach()[tuple(slice(o, o + n) for o, n in zip(off, t.shape))].to(t.dtype).cpu())
+
+
+def _trainable_tower(model):
+    """The vision tower registered as a module of the GPTModel (trainable; a frozen one is not a module), or None."""
+    from megatron_s3ac.models.vision import VISION_ATTR, unwrap_gpt
+
+    for m in (model, unwrap_gpt(model)):
+        tower = m._modules.get(VISION_ATTR) if hasattr(m, "_modules") else None
+        if tower is not None:
+            return tower
+    return None
+
+
+def optimizer_model_state_dict(model) -> dict:
+    """The model state dict an optimizer's ``sharded_state_dict`` maps its parameters through:
+    ``model.sharded_state_dict()`` plus a trainable vision tower's parameters as replicated ShardedTensors
+    (``s3ac_vision.<HF name>``, each the parameter itself). The tower's weights are saved as carried blocks, so the
+    model's own state dict has no entry for them, and megatron's distributed optimizer refuses a parameter it
+    cannot find there ("... not in model_sharded_state_dict"); its Adam states are then saved under those keys."""
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint
+
+    sd = model.sharded_state_dict()
+    tower = _trainable_tower(model)
+    if tower is not None:
+        for n, p in tower.hf_named_parameters():
+            key = "s3ac_vision." + n
+            sd[key] = make_sharded_tensor_for_checkpoint(p, key)
+    return sd
 
 
 def load_model(model, ckpt_dir: str) -> None:
@@ -184,3 +210,24 @@ def load_model(model, ckpt_dir: str) -> None:
         loaded = carried.take(loaded)
         setattr(model, ATTR, carried)  # a plain attribute: not a module, parameter or buffer
     model.load_state_dict(loaded)
+    if carried is not None:
+        _vision_from_carried(model)
+
+
+@torch.no_grad()
+def _vision_from_carried(model) -> None:
+    """After a load: the model's vision tower (built earlier from ``model.actor_init``'s carried tensors) takes the
+    checkpoint's ``model.visual.*``: a tower trained before the save resumes trained, not as initialised.
+    Collective (``full_tensors``) on every rank of a model with a vision path (``s3ac_vision_meta``, set on every
+    pipeline stage by ``attach_vision``), the same decision everywhere."""
+    from megatron_s3ac.models.vision import HF_VISION_PREFIX, unwrap_gpt, vision_of
+
+    if getattr(unwrap_gpt(model), "s3ac_vision_meta", None) is None:
+        return
+    tensors = full_tensors(model, HF_VISION_PREFIX)
+    tower = vision_of(model, spare=True)
+    if tower is None or not tensors:
+        return
+    for n, p in tower.hf_named_parameters():
+        if n in tensors:
+            p.copy_(tensors[n].to(p.dtype))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from megatron_s3ac.models.registry import ModelInfo
 from megatron_s3ac.plan import constants as C
-from megatron_s3ac.plan.params import StageParams, rank_params, total_params, vision_params
+from megatron_s3ac.plan.params import StageParams, rank_params, total_params, vision_config, vision_params
 
 PHASES = ("rollout", "forward", "actor_update", "critic_update", "weight_sync")
 # the phases of model-state residency (residency()): "forward" is the critic's values, then the actor's old log-probs
@@ -140,15 +140,16 @@ def opt_bytes_per_elem(knobs: Knobs) -> int:
     return 4 + (4 if knobs.precision_aware else 8)
 
 
-def add_vision(states: States, n: int, layout, world: int, knobs: Knobs) -> States:
+def add_vision(states: States, n: int, layout, world: int, knobs: Knobs, trainable: bool) -> States:
     """``states`` plus a vision tower of ``n`` parameters on this rank: replicated on every rank of the first
-    pipeline stage (not sharded over TP / EP), in the model dtype; frozen (default): no grads, no optimizer
-    states; trainable: fp32 grads and the optimizer states sharded over DP like the dense parameters."""
+    pipeline stage (not sharded over TP / EP), in the model dtype; frozen (the critic's always, the actor's by
+    default): no grads, no optimizer states; trainable: fp32 grads and the optimizer states sharded over DP like
+    the dense parameters."""
     if not n:
         return states
     b = C.DTYPE_BYTES[knobs.dtype]
     states.params += n * b
-    if knobs.vision_trainable:
+    if trainable:
         dp = world // (layout.tp * layout.pp)
         ob = opt_bytes_per_elem(knobs)
         opt = -(-n // dp) * ob
@@ -173,6 +174,51 @@ def model_states(sp: StageParams, layout, world: int, knobs: Knobs) -> States:
 
 
 # ---- activations -------------------------------------------------------------------------------
+@dataclass
+class VisionAct:
+    """The vision tower's bytes per patch (an image token is ``patches_per_token`` patches before the merger):
+    ``saved`` = what autograd keeps for the backward of a trainable tower (frozen: nothing, no parameter or input
+    requires a gradient); ``block`` = one block's share of it, the transient peak of a forward (frozen) or of
+    a block's backward (trainable)."""
+
+    saved: float
+    block: float
+    patches_per_token: int
+
+
+def vision_activation(hf: dict, knobs: Knobs) -> VisionAct | None:
+    """Bytes per patch of a Qwen3.5 / Qwen3-VL vision tower (transformers' ``Qwen3_5MoeVisionModel`` with SDPA, as
+    models/vision.py runs it; counted from its saved tensors, docs/planner.md). Per block, with h / I / n_h the
+    tower's width / MLP width / heads: LayerNorm inputs and outputs (4h), the qkv output (3h: q, k, v are views
+    of it), the rotary-embedded q and k (2h), the attention output and the proj input (2h), the MLP's fc1 and GELU
+    outputs (2I) in the model dtype, the attention's log-sum-exp (4 n_h) and the two LayerNorms' mean / rstd (the
+    model dtype on CPU, fp32 on GPU); once: the patch embedding's input (C t p^2), the position embeddings'
+    interpolation indices and weights (4 int64 + 4 fp32), the rotary cos / sin (2 x fp32 head_dim), the merger's
+    LayerNorm input / output and fc1 / GELU outputs (4h per patch: h m^2 per merged token) and its mean / rstd."""
+    v = vision_config(hf)
+    if not v:
+        return None
+    b = C.DTYPE_BYTES[knobs.dtype]
+    stat = b if knobs.backend == "cpu" else 4
+    h, inter, nh, depth = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_heads"]), int(v["depth"])
+    c, p, t, m = int(v.get("in_channels", 3)), int(v["patch_size"]), int(v.get("temporal_patch_size", 2)), \
+        int(v.get("spatial_merge_size", 2))
+    block = b * (11 * h + 2 * inter) + 4 * nh + 2 * 2 * stat
+    once = c * t * p * p * b + 4 * 8 + 4 * 4 + 2 * (h // nh) * 4 + 4 * h * b + 2 * stat
+    return VisionAct(saved=depth * block + once, block=block, patches_per_token=m * m)
+
+
+def vision_activation_bytes(va: VisionAct | None, knobs: Knobs, trainable: bool, patches: int,
+                            in_flight: int) -> tuple[float, float]:
+    """(held, working) bytes of the tower on a first-stage rank: every rank of the stage runs the whole tower on its
+    micro-batch's images (the tower is replicated, not TP / CP sharded), ``patches`` per micro-batch. Trainable:
+    ``held`` = its saved activations for each micro-batch in flight (megatron's recompute covers the decoder's
+    layers only, so ``--recompute`` does not reduce it); frozen: forward only, nothing held. ``working`` = one
+    block's transient peak."""
+    if va is None or not patches:
+        return 0.0, 0.0
+    held = va.saved * patches * in_flight if trainable else 0.0
+    return held, va.block * patches
 def _gdn_dims(info: ModelInfo) -> dict:
     from megatron_s3ac.models.qwen3_5 import text_config
 
@@ -550,8 +596,13 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
     c_tokens, c_micro = _micro_tokens(w, c_dp, w.critic_minibatches)
     # context parallel: each CP rank holds 1/cp of every micro-batch's tokens (its activations, logits and
     # log-prob / entropy buffers); the per-token outputs gathered over CP are a few bytes per token
-    tokens_micro = tokens
+    tokens_micro, c_tokens_micro = tokens, c_tokens
     tokens, c_tokens = -(-tokens // layout.cp), -(-c_tokens // critic_layout.cp)
+    vis = vision_activation(info.hf, knobs) if w.image_tokens else None
+
+    def patches(micro_tokens: int) -> int:  # the vision tower's patches in a micro-batch (its rows' images)
+        return (micro_tokens // w.seq_len) * w.image_tokens * vis.patches_per_token if vis is not None else 0
+
     fixed = (C.CUDA_CONTEXT_GIB + C.NCCL_GIB) * gib
     vocab_local = info.padded_vocab_size / layout.tp
     chunk = min(knobs.logprob_chunk, tokens) if knobs.logprob_chunk else tokens
@@ -560,21 +611,28 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
         st = StageEstimate(stage=p, layers=sp.layers, params=sp, critic_params=None,
                            actor=model_states(sp, layout, train_gpus, knobs), critic=None)
         if p == 0:  # the vision tower feeds the decoder's input: first stage
-            add_vision(st.actor, vision_params(info.hf), layout, train_gpus, knobs)
+            add_vision(st.actor, vision_params(info.hf), layout, train_gpus, knobs, knobs.vision_trainable)
         in_flight = min(layout.pp - p, n_micro)
         held, rebuild, work_a = activation_bytes(info, sp.layers, layout, knobs, tokens, in_flight, kinds)
         st.act_actor = held + rebuild
+        if p == 0:  # the tower's own activations (its patches, before the merger)
+            v_held, v_work = vision_activation_bytes(vis, knobs, knobs.vision_trainable, patches(tokens_micro),
+                                                     in_flight)
+            st.act_actor += v_held
+            work_a = max(work_a, v_work)
         work_c = 0.0
         if c_params is not None:
             # the critic's stage p on the same GPU (same PP size assumed when layouts differ: worst stage used)
             cp = c_params[min(p, len(c_params) - 1)]
             st.critic_params = cp
             st.critic = model_states(cp, critic_layout, train_gpus, knobs)
-            if p == 0:
-                add_vision(st.critic, vision_params(info.hf), critic_layout, train_gpus, knobs)
+            if p == 0:  # the critic's tower is the actor's, always frozen (trainer/build.py build_critic)
+                add_vision(st.critic, vision_params(info.hf), critic_layout, train_gpus, knobs, False)
             c_in = min(critic_layout.pp - min(p, critic_layout.pp - 1), c_micro)
             held, rebuild, work_c = activation_bytes(info, cp.layers, critic_layout, knobs, c_tokens, c_in, kinds)
             st.act_critic = held + rebuild
+            if p == 0:
+                work_c = max(work_c, vision_activation_bytes(vis, knobs, False, patches(c_tokens_micro), c_in)[1])
         st.working = max(work_a, work_c) + C.WORKSPACE_GIB * gib
         if p == len(a_params) - 1:
             _, st.logits_train, st.logits_forward = logits_bytes(tokens, vocab_local, knobs, chunk)

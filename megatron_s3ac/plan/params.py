@@ -184,14 +184,9 @@ def vision_params(hf: dict) -> int:
     one): patch embedding (Conv3d C x t x p x p -> h, with bias), learned position embeddings (P x h), ``depth``
     blocks (two LayerNorms, qkv h -> 3h and proj h -> h with biases, MLP h -> I -> h with biases) and the patch
     merger (LayerNorm(h), (h m^2) -> (h m^2) -> out_hidden with biases)."""
-    v = dict(hf.get("vision_config") or {})
+    v = vision_config(hf)
     if not v:
         return 0
-    missing = {"intermediate_size", "patch_size", "out_hidden_size", "depth", "hidden_size"} - set(v)
-    if missing:  # a partial vision_config (e.g. examples/hf_configs): the architecture's defaults fill it
-        v = {**_vision_defaults(hf), **v}
-        if "out_hidden_size" in missing:  # the merger projects onto the language model's width
-            v["out_hidden_size"] = (hf.get("text_config") or hf).get("hidden_size", v.get("out_hidden_size"))
     h, inter, depth = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["depth"])
     c, p, t = int(v.get("in_channels", 3)), int(v["patch_size"]), int(v.get("temporal_patch_size", 2))
     m, out, npos = int(v.get("spatial_merge_size", 2)), int(v["out_hidden_size"]), int(v.get("num_position_embeddings", 0))
@@ -200,6 +195,19 @@ def vision_params(hf: dict) -> int:
     hm = h * m * m
     merger = 2 * h + (hm * hm + hm) + (out * hm + out)
     return patch + npos * h + depth * block + merger
+
+
+def vision_config(hf: dict) -> dict:
+    """The checkpoint's ``vision_config`` with the architecture's defaults filled in ({} without one)."""
+    v = dict(hf.get("vision_config") or {})
+    if not v:
+        return {}
+    missing = {"intermediate_size", "patch_size", "out_hidden_size", "depth", "hidden_size", "num_heads"} - set(v)
+    if missing:  # a partial vision_config (e.g. examples/hf_configs): the architecture's defaults fill it
+        v = {**_vision_defaults(hf), **v}
+        if "out_hidden_size" in missing:  # the merger projects onto the language model's width
+            v["out_hidden_size"] = (hf.get("text_config") or hf).get("hidden_size", v.get("out_hidden_size"))
+    return v
 
 
 def _vision_defaults(hf: dict) -> dict:

@@ -168,7 +168,8 @@ class EngineFactory:
     device: Optional[str] = None  # cpu / hf: where it runs (None: the engine process decides)
     multimodal: bool = False  # cpu / hf: a vision-language checkpoint as the full model (serves image prompts)
     placement: Optional[str] = None  # vllm: colocated -> the s3ac_ipc weight transfer (None: separate)
-    # cpu / hf: HF name prefixes of weights the sync never sends (a frozen vision tower): kept through sleep()
+    # HF name prefixes of weights the sync never sends (a frozen vision tower): kept through sleep(). cpu / hf: the
+    # engine keeps them; sglang: its engines start with enable_weights_cpu_backup (SGLangEngine.sleep explains why)
     resident_prefixes: tuple = ()
     # vllm: rollout.weights_dtype ("fp8": vLLM quantizes online, GPU only) and rollout.fp8_keep (None: the default)
     weights_dtype: Optional[str] = None
@@ -233,12 +234,13 @@ class EngineFactory:
             model_path=self.model_dir, dtype=s.dtype, tp_size=s.tp_size, ep_size=s.ep_size,
             attn_dp_size=s.attn_dp_size, moe_a2a_backend=s.moe_a2a_backend, mem_fraction_static=s.mem_fraction_static,
             context_length=s.context_length, enable_return_routed_experts=self.return_routed_experts,
-            enable_memory_saver=True, enable_weights_cpu_backup=s.weights_cpu_backup,
+            enable_memory_saver=True, enable_weights_cpu_backup=s.weights_cpu_backup or bool(self.resident_prefixes),
             enable_deterministic_inference=s.deterministic_inference, disable_cuda_graph=not s.cuda_graphs,
             random_seed=self.seed + index, nnodes=getattr(slot, "nnodes", 1), node_rank=getattr(slot, "node_rank", 0),
             dist_init_addr=getattr(slot, "dist_init_addr", None), extra=dict(s.extra))
         return SGLangEngine(cfg, engine_cls=self.engine_cls, name=f"sglang engine {index}",
-                            bucket_bytes=s.bucket_bytes, seed=self.seed + index)
+                            bucket_bytes=s.bucket_bytes, seed=self.seed + index,
+                            resident_prefixes=self.resident_prefixes)
 
 
 def make_engine_factory(kind: str, *, model_dir: Optional[str] = None, hf_config: Any = None,

@@ -340,18 +340,22 @@ def build_engine(cfg: Config, info, multimodal: bool = False):
         factory = make_engine_factory("vllm", model_dir=engine_model_dir(cfg), settings=r.vllm, seed=cfg.train.seed,
                                       placement=placement, weights_dtype=r.weights_dtype, fp8_keep=r.fp8_keep)
         return build_rollout_engine(factory, placement), False
+    resident = ()
+    if multimodal and not cfg.train.vision.trainable:  # a frozen tower is never sent: the engine keeps its own copy
+        from megatron_s3ac.models.vision import HF_VISION_PREFIX
+
+        resident = (HF_VISION_PREFIX,)
     if kind == "sglang":
-        # sglang records routes only for R3 (a dense model has none to record: the engine refuses the flag)
+        # sglang records routes only for R3 (a dense model has none to record: the engine refuses the flag);
+        # resident weights make the factory ask sglang for its weights CPU backup (sleep would lose them otherwise)
         _, routes = r3_setting(cfg, info)
         factory = make_engine_factory("sglang", model_dir=engine_model_dir(cfg), settings=r.sglang,
-                                      seed=cfg.train.seed, torch_threads=threads, return_routed_experts=routes)
+                                      seed=cfg.train.seed, torch_threads=threads, return_routed_experts=routes,
+                                      resident_prefixes=resident)
     elif cfg.model.engine_hf_dir:
         if multimodal:  # sglang / vllm read the VL checkpoint as it says; the cpu / hf engine needs the flag
-            from megatron_s3ac.models.vision import HF_VISION_PREFIX
-
             dev["multimodal"] = True
-            if not cfg.train.vision.trainable:  # a frozen tower is never sent: the engine keeps its own copy
-                dev["resident_prefixes"] = (HF_VISION_PREFIX,)
+            dev["resident_prefixes"] = resident
         factory = make_engine_factory(kind, model_dir=cfg.model.engine_hf_dir, torch_threads=threads, **dev)
     elif multimodal:
         raise ConfigError("image prompts need the rollout engine to load the vision-language checkpoint: set "

@@ -238,12 +238,14 @@ def _save_optimizer(tr, name: str, model, opt, directory: str) -> dict:
     """Save one model's optimizer into ``directory``; returns its metadata entry."""
     from megatron.core import dist_checkpointing
 
+    from megatron_s3ac.convert.carried import optimizer_model_state_dict
+
     fmt = _wanted_format(tr)
     reason = "train.optimizer_checkpoint=per_rank" if fmt == "per_rank" else _agreed_refusal(opt)
     entry = {"layout": _layout(tr, name)}
     if reason is None:
         with _scope(tr, name):
-            sd = opt.sharded_state_dict(model.sharded_state_dict(), metadata=_dist_metadata(fmt))
+            sd = opt.sharded_state_dict(optimizer_model_state_dict(model), metadata=_dist_metadata(fmt))
             dist_checkpointing.save(sd, directory)
         return {**entry, "optimizer_format": fmt}
     if fmt != "per_rank":
@@ -269,6 +271,8 @@ def read_meta(path: str) -> dict:
 
 def _load_optimizer(tr, name: str, model, opt, path: str, entry: dict) -> None:
     from megatron.core import dist_checkpointing
+
+    from megatron_s3ac.convert.carried import optimizer_model_state_dict
 
     directory = os.path.join(path, f"{name}_optim")
     if not getattr(tr.cfg.train, "resume_optimizer", True):
@@ -299,7 +303,7 @@ def _load_optimizer(tr, name: str, model, opt, path: str, entry: dict) -> None:
             f"tp/pp/ep, or set train.resume_optimizer=false")
     _prime_state(opt)
     with _scope(tr, name):
-        sd = opt.sharded_state_dict(model.sharded_state_dict(), is_loading=True, metadata=_dist_metadata(fmt))
+        sd = opt.sharded_state_dict(optimizer_model_state_dict(model), is_loading=True, metadata=_dist_metadata(fmt))
         fitted = _fit_common(dist_checkpointing.load(sd, directory), opt, fmt, path, name)
     subs = list(getattr(opt, "chained_optimizers", [opt]))
     for sub, state in zip(subs, [fitted] if len(subs) == 1 else [fitted[i] for i in range(len(subs))]):

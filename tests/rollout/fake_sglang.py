@@ -28,7 +28,12 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
    None/[] also means all three (386-387) and does ``offload_tags.remove(tag)`` (389-390): KeyError for a tag
    not released, which kills the scheduler (managers/scheduler.py:6370-6373) -> this stand-in is dead afterwards.
    Weights released without ``enable_weights_cpu_backup`` come back as garbage (torch_memory_saver frees them);
-   here they come back as NaN.
+   here they come back as NaN. All of them: the "weights" region is one ``memory_saver_adapter.region`` around
+   the whole ``loader.load_model`` (model_executor/model_runner_components/load_model_utils.py:323-348), a VL
+   model's vision tower included (built in the model's ``__init__``, models/qwen3_vl.py:1332-1340, the base of
+   Qwen3_5MoeForConditionalGeneration, models/qwen3_5.py:2586); only buffers are stashed and put back
+   (weight_updater.py:368-374, 395-402, 478-490), which the stand-in gets by leaving buffers alone. With the backup
+   (load_model_utils.py:307-326; no per-module form) every parameter comes back as it was.
 5. Aborted requests (``abort_requests``: request positions of the next generate call, ``abort_after`` tokens
    generated first): meta_info = id, finish_reason {"type": "abort", "message": "Abort in waiting queue"},
    the log-probs of the tokens so far, and NO ``routed_experts`` (managers/tokenizer_manager.py:3596-3635).

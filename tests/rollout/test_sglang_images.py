@@ -59,3 +59,58 @@ def test_stand_in_refusals(vl_ckpt):
                     image_data=[[processor_output(im0), processor_output(im0)]])
     with pytest.raises(ValueError, match="equal to the batch size"):
         on.generate(input_ids=[p0, p0], sampling_params={"max_new_tokens": 2}, image_data=[[processor_output(im0)]])
+
+
+def _served_tower(eng):
+    return {n: t.clone() for n, t in eng.engine.debug_checkpoint_state_dict().items() if n.startswith("model.visual.")}
+
+
+def test_frozen_tower_survives_the_colocated_sleep(vl_ckpt):
+    """The colocated cycle (sleep all -> wake weights -> sync -> wake kv_cache + cuda_graph) with a frozen tower:
+    the sync sends the text tensors only and is complete; the factory started the engine with sglang's weights CPU
+    backup (resident_prefixes), so the tower is the checkpoint's after wake and a seeded image-prompt generation
+    equals the one before the sleep. Without the backup the stand-in's tower is gone (NaN, as sglang's
+    torch_memory_saver frees the whole weights region), and the wrapper refuses that sleep when it knows the
+    resident weights."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_s3ac.rollout.factory import SGLangSettings, make_engine_factory
+
+    def build(resident):
+        return make_engine_factory("sglang", model_dir=vl_ckpt, settings=SGLangSettings(), engine_cls=FakeSGLangEngine,
+                                   resident_prefixes=resident)()
+
+    def cycle(eng):
+        text = [(n, t) for f in sorted(os.listdir(vl_ckpt)) if f.endswith(".safetensors")
+                for n, t in load_file(os.path.join(vl_ckpt, f)).items() if not n.startswith(("model.visual.", "mtp."))]
+        eng.sleep()
+        eng.wake(["weights"])
+        eng.update_weights(text, require_complete=True)  # complete: the tower is not a tensor the sync must send
+        eng.wake(["kv_cache", "cuda_graph"])
+        return {n for n, _ in text}
+
+    p0, im0 = _prompt(0)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
+    eng = build(("model.visual.",))
+    assert eng.config.enable_weights_cpu_backup and eng.engine.cpu_backup
+    before, tower = eng.generate([p0], sp, images=[im0])[0][0], _served_tower(eng)
+    sent = cycle(eng)
+    assert tower and not any(n.startswith("model.visual.") for n in sent)
+    after = eng.generate([p0], sp, images=[im0])[0][0]
+    assert after.response_ids == before.response_ids
+    np.testing.assert_array_equal(after.logprobs, before.logprobs)
+    assert all(torch.equal(t, tower[n]) for n, t in _served_tower(eng).items())
+
+    lost = build(())  # a trainable tower: no resident weights, no backup; a sync that skipped the tower loses it
+    assert not lost.config.enable_weights_cpu_backup
+    cycle(lost)
+    assert all(torch.isnan(t).all() for t in _served_tower(lost).values())
+
+    cfg = SGLangConfig(model_path=vl_ckpt, enable_weights_cpu_backup=False)
+    refusing = SGLangEngine(cfg, engine_cls=FakeSGLangEngine, resident_prefixes=("model.visual.",))
+    with pytest.raises(RuntimeError, match="without enable_weights_cpu_backup would lose the .* served tensors"):
+        refusing.sleep()
+    refusing.sleep(["kv_cache", "cuda_graph"])  # the KV cache may still go

@@ -140,3 +140,96 @@ def test_check_cli_names_the_key(arith_dir, capsys):
     assert main(["check"] + BASE + sglang_overrides(arith_dir) + ["rollout.sglang.attn_dp_size=3"]) != 0
     assert "rollout.sglang.attn_dp_size" in capsys.readouterr().err
     assert main(["check"] + BASE + sglang_overrides(arith_dir)) == 0
+
+
+# ---- image prompts through the sglang stand-in (the VL miniature), colocated TP2 on 2 ranks ---------------------
+def _vl_with_sglang(paths, mcore, out_dir, trainable):
+    """The trainer on image prompts with rollout.engine=sglang: one step (its sync), then a sleep -> sync cycle
+    without training (the image prompt's seeded generation before and after); the names every sync sent and the
+    engine's tower against the trainer's."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    import megatron_s3ac.rollout.factory as F
+    from fake_sglang import FakeSGLangEngine
+    from megatron_s3ac.models.vision import vision_of
+    from megatron_s3ac.rollout.base import SamplingParams
+    from megatron_s3ac.trainer.loop import Trainer
+    from tests.trainer.test_rl_images import ROOT, _overrides
+
+    F.SGLANG_ENGINE_CLS = FakeSGLangEngine
+    cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"),
+                      _overrides(paths, mcore, out_dir, trainable, 1)
+                      + ["rollout.engine=sglang", "rollout.sglang.bucket_mb=1"] + COLOCATED_TP2)
+    tr = Trainer(cfg)
+    rank0 = tr.engine is not None
+    p = tr.prompts[0]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=3, seed=5)
+
+    def gen():
+        s = tr.engine.generate([p.ids], sp, images=[p.images])[0][0]
+        return list(s.response_ids), [float(x) for x in s.logprobs]
+
+    out = {"backup": tr.engine.config.enable_weights_cpu_backup if rank0 else None}
+    tr.step()  # rollout, sleep, train, sync (the trained weights; a trainable tower among them)
+
+    def nans():  # a served tensor a sync left unsent after a release is NaN (the stand-in's released memory)
+        return sorted(n for n, t in tr.engine.engine.debug_checkpoint_state_dict().items()
+                      if t.is_floating_point() and torch.isnan(t).any())
+
+    flag = [nans() if rank0 else None]
+    torch.distributed.broadcast_object_list(flag, src=0)
+    out["nan_after_step"] = flag[0]
+    if flag[0]:  # every rank stops here (the rest is collective)
+        out["sent"] = sorted({n for e in tr.engine.engine.debug_payload_log for n in e["names"]}) if rank0 else []
+        tr.close()
+        return out
+    before = gen() if rank0 else None
+    tr._engine_sleep()  # rank 0's strategy: every tag released
+    tr.sync_weights()  # wake weights -> the actor's export -> wake kv_cache + cuda_graph
+    out["nan_after_wake"] = nans() if rank0 else None
+    out["same_after_wake"] = (not out.get("nan_after_wake") and gen() == before) if rank0 else None
+    tower = {n: t.detach().clone() for n, t in vision_of(tr.actor).hf_named_parameters()}
+    if rank0:
+        eng = tr.engine.engine
+        out["sent"] = sorted({n for e in eng.debug_payload_log for n in e["names"]})
+        served = eng.debug_checkpoint_state_dict()
+        out["tower_equal"] = all(torch.equal(served[n], t) for n, t in tower.items())
+        out["tower"] = sorted(tower)
+    tr.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def vl_miniature(tmp_path_factory):
+    from megatron_s3ac.convert import hf_to_mcore
+    from megatron_s3ac.trainer.tasks_vision import save_vision_miniature
+
+    root = tmp_path_factory.mktemp("sglang_vl")
+    paths = save_vision_miniature(str(root / "data"), num_prompts=8, eval_prompts=2)
+    hf_to_mcore(paths["model"], str(root / "mcore"), progress=False)
+    return paths, str(root / "mcore")
+
+
+# trainable: found here, open: after the step's sync the stand-in's per-expert weights of the VL miniature (fused
+# `experts` layout) are still NaN from the release: the export's expert names are not ones the stand-in's loader
+# serves, so they are skipped silently (as sglang skips unknown names). Frozen runs hide it behind the weights CPU
+# backup. Whether real sglang 0.5.23's Qwen3.5 loader takes those names is not checked yet.
+@pytest.mark.slow
+@pytest.mark.parametrize("trainable", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, reason="the VL miniature's expert tensors are not refilled by the sglang sync (see above)"))],
+    ids=["frozen", "trainable"])
+def test_vl_tower_with_the_sglang_stand_in(vl_miniature, tmp_path, trainable):
+    """Frozen: the engine starts with sglang's weights CPU backup (resident tower), no sync sends model.visual.*,
+    the image prompt's generation after sleep / wake equals the one before, and the served tower is the trainer's
+    (= the checkpoint's). Trainable: no backup, every sync sends the tower, and after the step's sync the served
+    tower equals the trained one."""
+    paths, mcore = vl_miniature
+    r0 = run_distributed(_vl_with_sglang, 2, paths, mcore, str(tmp_path), trainable)[0]
+    assert r0["nan_after_step"] == [], (r0["nan_after_step"][:5], [n for n in r0["sent"] if "visual" in n][:5])
+    visual = [n for n in r0["sent"] if n.startswith("model.visual.")]
+    assert r0["sent"] and r0["tower"]
+    assert r0["backup"] is (not trainable)
+    assert visual == (r0["tower"] if trainable else [])
+    assert r0["nan_after_wake"] == [] and r0["same_after_wake"]
+    assert r0["tower_equal"]

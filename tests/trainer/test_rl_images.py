@@ -1,5 +1,5 @@
 """Issue 27's "Must show": RL steps with image prompts on the CPU engine (loaded multimodal because the data has
-images), 2 gloo ranks (TP1 x EP2), the tiny Qwen3.5-MoE VL miniature (examples/cpu_demo_vl.yaml, its HF dir
+images), 2 gloo ranks (TP1 x EP2) and 4 (TP2 x EP2, slow), the tiny Qwen3.5-MoE VL miniature (examples/cpu_demo_vl.yaml, its HF dir
 converted with hf_to_mcore into model.actor_init). Checked against independent references: the routers' own
 top-k (no replay) against the engine's recorded routes over every position, image placeholders included
 (r3/agreement == 1.0); the vision tower's weights before / after the steps (frozen: bit-equal and never in a
@@ -28,20 +28,25 @@ def miniature(tmp_path_factory):
     return paths, mcore
 
 
-def _rl_steps(paths, mcore, out_dir, trainable, steps):
+def _overrides(paths, mcore, out_dir, trainable, steps, tp=1):
+    """examples/cpu_demo_vl.yaml on the fixture's miniature: 4 prompts x 2 samples a step, one minibatch."""
+    m = paths["model"]
+    return [f"model.hf_config={m}", f"model.engine_hf_dir={m}", f"model.actor_init={mcore}", f"data.path={paths['train']}",
+            f"train.out_dir={out_dir}", f"eval.benchmarks.heldout={paths['heldout_mathvista']}", f"train.steps={steps}",
+            f"train.vision.trainable={str(trainable).lower()}", f"actor_layout.tp={tp}",
+            "rollout.prompts_per_step=4", "rollout.k=2", "algo.actor_minibatches=1", "algo.critic_minibatches=1",
+            "algo.critic_epochs=1", "algo.dynamic_sampling=false", "daps.enabled=false", "algo.actor_lr=1e-3",
+            "train.tensorboard=false", "train.progress=false"]
+
+
+def _rl_steps(paths, mcore, out_dir, trainable, steps, tp=1):
     import numpy as np
 
     from megatron_s3ac.models.vision import vision_of
     from megatron_s3ac.trainer.loop import Trainer
     from tests.trainer.test_trainer import capture_batches
 
-    m = paths["model"]
-    cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"), [
-        f"model.hf_config={m}", f"model.engine_hf_dir={m}", f"model.actor_init={mcore}", f"data.path={paths['train']}",
-        f"train.out_dir={out_dir}", f"eval.benchmarks.heldout={paths['heldout_mathvista']}", f"train.steps={steps}", f"train.vision.trainable={str(trainable).lower()}",
-        "rollout.prompts_per_step=4", "rollout.k=2", "algo.actor_minibatches=1", "algo.critic_minibatches=1",
-        "algo.critic_epochs=1", "algo.dynamic_sampling=false", "daps.enabled=false", "algo.actor_lr=1e-3",
-        "train.tensorboard=false", "train.progress=false"])
+    cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"), _overrides(paths, mcore, out_dir, trainable, steps, tp))
     tr = Trainer(cfg)
     tower = vision_of(tr.actor)
     before = {n: p.detach().clone() for n, p in tower.hf_named_parameters()}
@@ -80,11 +85,13 @@ def _rl_steps(paths, mcore, out_dir, trainable, steps):
     return res
 
 
-# frozen (~50 s here, the fixture's conversion included) stays in the fast suite; trainable is the slow variant
+# TP1 x EP2 on 2 ranks, frozen (~50 s here, the fixture's conversion included), stays in the fast suite; trainable
+# and TP2 x EP2 on 4 ranks (tensor-parallel attention / GDN / vision scatter, expert-parallel MoE) are slow
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["tp1ep2", "tp2ep2"])
 @pytest.mark.parametrize("trainable", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["frozen", "trainable"])
-def test_three_rl_steps_on_image_prompts(miniature, tmp_path, trainable):
+def test_three_rl_steps_on_image_prompts(miniature, tmp_path, trainable, tp):
     paths, mcore = miniature
-    r0 = run_distributed(_rl_steps, 2, paths, mcore, str(tmp_path / "run"), trainable, 3)[0]
+    r0 = run_distributed(_rl_steps, 2 * tp, paths, mcore, str(tmp_path / "run"), trainable, 3, tp)[0]
     assert r0["multimodal"] and r0["engine_multimodal"]  # derived from the data's images
     assert len(r0["steps"]) == 3
     for m in r0["steps"]:
@@ -99,3 +106,68 @@ def test_three_rl_steps_on_image_prompts(miniature, tmp_path, trainable):
     else:
         assert not any(r0["changed"].values()) and r0["sent_visual"] == []
     assert r0["engine_equal"]  # frozen: the engine kept the checkpoint's tower, which the trainer's still equals
+
+
+def _carried(step_dir):
+    """The ``s3ac_carried.<HF name>`` tensors of a training checkpoint's actor, whole (every block read)."""
+    from megatron_s3ac.convert.dcp_io import DistcpCheckpoint
+
+    ck = DistcpCheckpoint(os.path.join(step_dir, "actor"))
+    try:
+        keys = [k for k in ck.md.state_dict_metadata if k.startswith("s3ac_carried.")]
+        return {k: ck.read_region(k, (0,) * len(ck.global_shape(k)), ck.global_shape(k)) for k in keys}
+    finally:
+        ck.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # three 2-rank torchrun runs of the VL miniature
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_kill_and_resume_with_carried_tensors(miniature, tmp_path, trainable):
+    """A VL run killed after step 3 (checkpoint of step 2: actor with its carried vision tower and MTP layer) and
+    resumed gives the uninterrupted run's metrics (every key but timings, tools/compare_metrics.py's rule) and a
+    final checkpoint whose carried tensors equal the uninterrupted run's bit for bit; mcore-to-hf of it is the
+    complete VL directory (the input's tensor names, dtypes and side files; transformers loads it as the VL
+    model); frozen: its tower and MTP tensors are the input's, trainable: its tower is not."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from megatron_s3ac.convert import mcore_to_hf
+    from megatron_s3ac.trainer.checkpoint import latest_checkpoint
+    from tests.qwen3_5.test_vl_checkpoint import _side_files, _tensors
+    from tests.trainer.test_trainer import _metrics, _torchrun
+
+    paths, mcore = miniature
+    cfg = os.path.join(ROOT, "examples", "cpu_demo_vl.yaml")
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["train.save_every=2", "train.eval_every=0"]
+    r = _torchrun([cfg] + _overrides(paths, mcore, str(a), trainable, 4) + common, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _torchrun([cfg] + _overrides(paths, mcore, str(b), trainable, 4) + common, {"S3AC_TESTING_FAIL_AT_STEP": "3"}, 900)
+    assert r.returncode != 0  # died after step 3, the checkpoint of step 2 on disk
+    assert os.path.exists(b / "checkpoints" / "step_000002" / "COMPLETE")
+    assert not os.path.exists(b / "checkpoints" / "step_000004")
+    r = _torchrun([cfg] + _overrides(paths, mcore, str(b), trainable, 4) + common, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ma, mb = _metrics(a), _metrics(b)
+    assert [m["step"] for m in mb] == [0, 1, 2, 3]
+    assert ma == mb
+    last_a, last_b = latest_checkpoint(str(a)), latest_checkpoint(str(b))
+    assert os.path.basename(last_a) == os.path.basename(last_b) == "step_000004"
+    ca, cb = _carried(last_a), _carried(last_b)
+    assert any(".visual." in k for k in ca) and any(k.startswith("s3ac_carried.mtp.") for k in ca)
+    assert ca.keys() == cb.keys() and all(ca[k].dtype == cb[k].dtype and torch.equal(ca[k], cb[k]) for k in ca)
+    src = _tensors(paths["model"])
+    out = str(tmp_path / "hf_resumed")
+    mcore_to_hf(os.path.join(last_b, "actor"), out, hf_config=paths["model"], progress=False)
+    back = _tensors(out)
+    assert back.keys() == src.keys() and all(back[k].dtype == src[k].dtype for k in src)
+    assert _side_files(out) == _side_files(paths["model"]) and "preprocessor_config.json" in _side_files(out)
+    for k, t in back.items():  # the HF tensor = the checkpoint's carried one
+        if k.startswith(("model.visual.", "mtp.")):
+            assert torch.equal(t, cb["s3ac_carried." + k]), k
+    assert all(torch.equal(back[k], src[k]) for k in src if k.startswith("mtp."))
+    tower_same = [torch.equal(back[k], src[k]) for k in src if k.startswith("model.visual.")]
+    assert all(tower_same) if not trainable else not any(tower_same)
+    assert not all(torch.equal(back[k], src[k]) for k in src if k.startswith("model.language_model."))  # trained
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+    assert type(model) is Qwen3_5MoeForConditionalGeneration and model.model.visual is not None

@@ -202,7 +202,7 @@ def test_latest_checkpoint_ignores_partial_saves(tmp_path):
     assert latest_checkpoint(str(tmp_path)) == str(root / "step_000002")
 
 
-def _torchrun(args, env_extra=None):
+def _torchrun(args, env_extra=None, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "megatron_s3ac.trainer.cli", "train"] + args
@@ -211,7 +211,7 @@ def _torchrun(args, env_extra=None):
     out = next(a.split("=", 1)[1] for a in args if a.startswith("train.out_dir="))
     log = out + f".{int(bool(env_extra))}.{len(os.listdir(os.path.dirname(out)))}.log"
     with open(log, "w") as f:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=300)
+        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     r.stderr = open(log).read()
     return r
 

@@ -20,6 +20,10 @@ checks them against the pinned wheel. The 0.5.23 behaviours this wrapper handles
   (managers/scheduler.py:6370-6373: SIGQUIT to the process holding the Engine, whose handler kills it; no Python
   exception reaches the caller); no tags == all three (weight_updater.py:345-346 for release, 386-387 for
   resume). -> released tags are tracked; ``wake()`` resumes only those.
+* Releasing "weights" frees the whole model's parameters, a VL model's vision tower included (one torch_memory_saver
+  region around the model load, model_executor/model_runner_components/load_model_utils.py:307-348); only
+  ``enable_weights_cpu_backup`` brings them back. -> weights no sync sends (``resident_prefixes``: a frozen tower)
+  make the factory start the engine with the backup, and ``sleep`` refuses to release them without it.
 * An aborted request's meta_info has no ``routed_experts`` (managers/tokenizer_manager.py:3596-3635). -> it becomes a
   ``finish_reason="abort"`` Sample without routes; it never raises.
 * A prompt + max_new_tokens over the context length makes ``generate`` raise ValueError
@@ -369,8 +373,10 @@ class SGLangEngine(RolloutEngine):
                  num_experts: Optional[int] = None, engine: Any = None, engine_cls: Optional[Callable] = None,
                  served_shapes: Optional[dict] = None, name: str = "sglang engine",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, flush_retries: int = 6, flush_retry_delay_s: float = 0.05,
-                 seed: int = 0):
+                 seed: int = 0, resident_prefixes: Sequence[str] = ()):
         self.config, self.name = config, name
+        # HF name prefixes of served weights no sync refills (a frozen vision tower): sleep() must not lose them
+        self.resident_prefixes = tuple(resident_prefixes)
         self.bucket_bytes = int(bucket_bytes)
         self.flush_retries, self.flush_retry_delay_s = int(flush_retries), float(flush_retry_delay_s)
         hf = read_hf_config(config.model_path) if os.path.isdir(config.model_path) else None
@@ -827,11 +833,28 @@ class SGLangEngine(RolloutEngine):
         return tuple(t for t in MEMORY_TAGS if t in self._released)
 
     def sleep(self, tags: Optional[Sequence[str]] = None) -> None:
-        """Release GPU memory of ``tags`` (default all of MEMORY_TAGS) not already released."""
+        """Release GPU memory of ``tags`` (default all of MEMORY_TAGS) not already released.
+
+        Releasing "weights" pauses torch_memory_saver's "weights" region, which holds the WHOLE model: it is one
+        region around ``loader.load_model`` (model_executor/model_runner_components/load_model_utils.py:323-348),
+        and a VL model's vision tower is built inside it as a submodule (models/qwen3_vl.py:1332-1340, the base of
+        Qwen3_5MoeForConditionalGeneration, models/qwen3_5.py:2586). Only buffers are stashed and restored
+        (managers/scheduler_components/weight_updater.py:368-374, 395-402, 478-490); parameter contents survive
+        only with ``enable_weights_cpu_backup`` (load_model_utils.py:307-326), which has no per-module form. So
+        weights no sync refills (``resident_prefixes``: a frozen tower) need the backup: without it this refuses
+        to release them rather than serve a garbage tower after wake."""
         self._check_tags(tags)
         todo = [t for t in (tags or MEMORY_TAGS) if t not in self._released]
         if not todo:
             return
+        if "weights" in todo and not self.config.enable_weights_cpu_backup and self.resident_prefixes:
+            kept = [n for n in self.served_shapes or () if n.startswith(self.resident_prefixes)]
+            if kept or self.served_shapes is None:
+                raise RuntimeError(
+                    f"{self.name}: releasing 'weights' without enable_weights_cpu_backup would lose the "
+                    f"{len(kept)} served tensors under {list(self.resident_prefixes)} that no weight sync sends "
+                    f"(a frozen vision tower); start the engine with enable_weights_cpu_backup "
+                    f"(rollout.sglang.weights_cpu_backup: the trainer's factory sets it for a frozen tower)")
         self.engine.release_memory_occupation(tags=todo)
         self._released.update(todo)
         if "weights" in todo and not self.config.enable_weights_cpu_backup:
