@@ -10,7 +10,8 @@
    same config otherwise, and the partial-rollout arm (``rollout.partial_rollout=true`` at max_staleness
    ``--partial-staleness``, default 2: the sync pauses the engine instead of draining it). ``--comparable`` sets a
    config where generation and training take comparable time (GRPO-X without a critic, one actor mini-batch,
-   32 prompts x 4, 96 new tokens). Reported: each mode's trained samples / s of wall time over the steps after ``--warmup``
+   16 prompts x 4, 96 new tokens: generation / training ~0.65-0.7 on a quiet 2-core machine; 32 prompts gave ~0.45-0.57,
+   where even an ideal overlap stays under 1.5x). Reported: each mode's trained samples / s of wall time over the steps after ``--warmup``
    (every sample trains: algo.dynamic_sampling=false), the synchronous run's generation and training seconds per
    step (what "comparable" means here), and the async run's engine busy fraction and trainer wait; ``--repeat``
    pairs alternate and the median / min / max ratio is reported. On a shared
@@ -36,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 
 # ---- 1. measured ---------------------------------------------------------------------------------------
-COMPARABLE = ["algo.name=grpo_x", "algo.actor_minibatches=1"]  # + --prompts 32 --max-new-tokens 96 (main)
+COMPARABLE = ["algo.name=grpo_x", "algo.actor_minibatches=1"]  # + --prompts 16 --max-new-tokens 96 (main)
 ARMS = {"sync": (0, []), "async": (1, []), "partial": (None, ["rollout.partial_rollout=true"])}
 
 
@@ -225,13 +226,13 @@ def main(argv=None) -> int:
     p.add_argument("--arms", default="sync,async,partial", help="comma list of sync, async, partial")
     p.add_argument("--partial-staleness", type=int, default=2, help="train.max_staleness of the partial arm")
     p.add_argument("--comparable", action="store_true",
-                   help="generation ~ training: GRPO-X, 1 actor mini-batch, 32 prompts x 4, 96 new tokens")
+                   help="generation ~ training: GRPO-X, 1 actor mini-batch, 16 prompts x 4, 96 new tokens")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more trainer overrides (both modes)")
     p.add_argument("--sim-only", action="store_true")
     p.add_argument("--mismatch", action="store_true", help="only the staleness 0 / 2, corrections on / off runs")
     args = p.parse_args(argv)
     if args.comparable:
-        args.prompts, args.max_new_tokens = 32, 96
+        args.prompts, args.max_new_tokens = 16, 96
         args.set = COMPARABLE + list(args.set)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.mismatch:
