@@ -13,8 +13,11 @@ under ``sglang/srt/`` of sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl:
    ``(success, message)`` tuples
    (managers/tokenizer_control_mixin.py:445-601).
 2. The Qwen3-MoE loader skips names it does not know (no error, success stays True): models/qwen3_moe.py:1222-1225,
-   1244-1246, 1264-1267. A known name with the wrong shape fails its weight_loader; on the tensor path nothing
-   catches it (managers/scheduler_components/weight_updater.py:232-263 calls
+   1244-1246, 1264-1267; the Qwen3.5-MoE (VL) loader takes the routed experts fused (``mlp.experts.gate_up_proj`` /
+   ``down_proj``, as transformers 5 saves them) or per expert, per-expert ones not after a fused one in the same
+   call, and only logs an unknown name (models/qwen3_5.py:2659-2970; see ``_load``). A known name with the wrong
+   shape fails its weight_loader; on the tensor path nothing catches it
+   (managers/scheduler_components/weight_updater.py:232-263 calls
    model_executor/model_runner_components/weight_updater.py:343-413, neither has a try) and the scheduler dies
    (managers/scheduler.py:6370-6373); on the distributed path it becomes (False, "Failed to update parameter
    online: ...") (model_executor/model_runner_components/weight_updater.py:324-341).
@@ -143,6 +146,10 @@ from megatron_s3ac.rollout.base import SamplingParams
 
 ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]  # constants.py:6-10
 SESSION_REQUIRED = "{} must run between begin_weight_update() and end_weight_update()"
+
+
+_FUSED_EXPERTS = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.")
 
 
 @dataclasses.dataclass
@@ -291,6 +298,14 @@ class FakeSGLangEngine:
         self.multimodal = getattr(config, "vision_config", None) is not None and enable_multimodal is not False
         self.cpu = CPUEngine.from_config(config, seed=int(random_seed or 0), multimodal=self.multimodal)
         self.served = _checkpoint_names(self.cpu.model)
+        # models/qwen3_5.py (Qwen3_5MoeForConditionalGeneration.load_weights, 2659-2970): besides the per-expert
+        # names (FusedMoE.make_expert_params_mapping, layers/moe/fused_moe_triton/layer.py:1797-1823) it takes
+        # transformers 5's fused ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] (2703-2706,
+        # 2807-2811, 2853-2882), after ``model.language_model.`` -> ``model.`` (2774-2775).
+        self.fused_experts = getattr(config, "model_type", None) == "qwen3_5_moe"
+        if self.fused_experts:
+            self.served.update({k: tuple(v.shape) for k, v in self.cpu.model.state_dict().items()
+                                if _FUSED_EXPERTS.search(k)})
         self.context_len = int(context_length or config.get_text_config().max_position_embeddings)
         files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
         for f in files:  # initial load goes through the same (silently skipping) loader
@@ -307,10 +322,16 @@ class FakeSGLangEngine:
         raise SchedulerDied(why)
 
     def _load(self, named, crash_on_error: bool = True):
-        """qwen3_moe.py load_weights: unknown names skipped silently; a wrong shape fails the loader."""
+        """qwen3_moe.py load_weights: unknown names skipped silently; a wrong shape fails the loader. Qwen3.5-MoE
+        (one call = one load_weights call): once a fused expert name came, ``is_fused_expert`` stays set for the
+        rest of the call and per-expert names no longer match (qwen3_5.py:2807-2811, 2843-2848) -> skipped with a
+        warning only (2941-2960)."""
+        fused_seen = False
         for name, tensor in named:
-            if name not in self.served:
-                continue  # qwen3_moe.py:1224-1225 / 1266-1267
+            if self.fused_experts and _FUSED_EXPERTS.search(name):
+                fused_seen = True
+            if name not in self.served or (fused_seen and _PER_EXPERT.search(name)):
+                continue  # qwen3_moe.py:1224-1225 / 1266-1267; qwen3_5.py:2960 (a warning, success stays True)
             if tuple(tensor.shape) != self.served[name]:
                 raise AssertionError(f"weight_loader: shape {tuple(tensor.shape)} != {self.served[name]} for {name}")
             self.cpu.update_weights([(name, tensor.to(torch.float32))])
@@ -614,10 +635,15 @@ class FakeSGLangEngine:
         self.cpu.model.register_forward_hook(hook)
 
     def debug_checkpoint_state_dict(self) -> dict:
-        """The served weights under checkpoint names (what a sync must have written)."""
+        """The served weights under checkpoint names (what a sync must have written); for Qwen3.5-MoE the routed
+        experts under both names its loader takes (per expert and fused [E, ...], see ``__init__``)."""
         from transformers.core_model_loading import revert_weight_conversion
 
-        return revert_weight_conversion(self.cpu.model, dict(self.cpu.model.state_dict()))
+        sd = dict(self.cpu.model.state_dict())
+        out = revert_weight_conversion(self.cpu.model, dict(sd))
+        if self.fused_experts:
+            out.update({k: v for k, v in sd.items() if _FUSED_EXPERTS.search(k)})
+        return out
 
     def debug_checkpoint_tensor(self, name: str) -> torch.Tensor:
         return self.debug_checkpoint_state_dict()[name]

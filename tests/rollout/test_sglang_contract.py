@@ -213,6 +213,15 @@ BEHAVIOUR_FACTS = [
     ("sampling/sampling_batch_info.py", "else 42"),
     ("models/qwen3_moe.py", "is_layer_sparse = True"),
     ("models/qwen3_moe.py", "if name not in params_dict:\n                        continue"),
+    # Qwen3.5-MoE (VL) loader: fused experts taken (is_fused_expert sticks for the call), per-expert names too
+    ("models/qwen3_5.py", '("experts.w13_weight", "experts.gate_up_proj", 0, "w1"),'),
+    ("models/qwen3_5.py", 'if name.endswith("experts.gate_up_proj") or name.endswith(\n'
+                          '                    "experts.down_proj"\n                ):\n'
+                          '                    is_fused_expert = True'),
+    ("models/qwen3_5.py", 'name = name.replace(r"model.language_model.", r"model.")'),
+    ("models/qwen3_5.py", "loaded_weight = loaded_weight.chunk(2, dim=-2)"),
+    ("models/qwen3_5.py", 'logger.warning(f"Parameter {name} not found in params_dict")'),
+    ("layers/moe/fused_moe_triton/layer.py", 'f"experts.{expert_id}.{weight_name}.",'),
     ("managers/tokenizer_manager.py", "is longer than the "),
     ("managers/tokenizer_manager.py", "Requested token count exceeds the model's maximum context length"),
     ("weight_sync/tensor_bucket.py", "def empty(cls, names, dtypes, shapes, device)"),

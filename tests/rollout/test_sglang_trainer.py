@@ -148,10 +148,13 @@ def _vl_with_sglang(paths, mcore, out_dir, trainable):
     without training (the image prompt's seeded generation before and after); the names every sync sent and the
     engine's tower against the trainer's."""
     import torch
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
 
     sys.path.insert(0, HERE)
     import megatron_s3ac.rollout.factory as F
     from fake_sglang import FakeSGLangEngine
+    from megatron_s3ac.convert.export import export_hf_weights
     from megatron_s3ac.models.vision import vision_of
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.trainer.loop import Trainer
@@ -184,6 +187,22 @@ def _vl_with_sglang(paths, mcore, out_dir, trainable):
         out["sent"] = sorted({n for e in tr.engine.engine.debug_payload_log for n in e["names"]}) if rank0 else []
         tr.close()
         return out
+    # the routed experts the engine serves after the step's sync against the trainer's export (collective), and
+    # against the checkpoint's: stale experts (a sync whose expert names the loader skipped) equal the checkpoint
+    exported = {}
+    chunks = list(tr.actor) if isinstance(tr.actor, (list, tuple)) else [tr.actor]
+    for bucket in export_hf_weights(chunks, tr.info, 1 << 20,
+                                    group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True)):
+        exported.update({n: t.detach().clone() for n, t in bucket if ".mlp.experts." in n})
+    if rank0:
+        served = tr.engine.engine.debug_checkpoint_state_dict()
+        ckpt = {}
+        for f in sorted(os.listdir(paths["model"])):
+            if f.endswith(".safetensors"):
+                ckpt.update(load_file(os.path.join(paths["model"], f)))
+        out["experts"] = sorted(exported)
+        out["experts_served"] = [n for n, t in sorted(exported.items()) if torch.equal(served[n], t.float())]
+        out["experts_trained"] = [n for n, t in sorted(exported.items()) if not torch.equal(ckpt[n].float(), t.float())]
     before = gen() if rank0 else None
     tr._engine_sleep()  # rank 0's strategy: every tag released
     tr.sync_weights()  # wake weights -> the actor's export -> wake kv_cache + cuda_graph
@@ -211,22 +230,21 @@ def vl_miniature(tmp_path_factory):
     return paths, str(root / "mcore")
 
 
-# trainable: found here, open: after the step's sync the stand-in's per-expert weights of the VL miniature (fused
-# `experts` layout) are still NaN from the release: the export's expert names are not ones the stand-in's loader
-# serves, so they are skipped silently (as sglang skips unknown names). Frozen runs hide it behind the weights CPU
-# backup. Whether real sglang 0.5.23's Qwen3.5 loader takes those names is not checked yet.
 @pytest.mark.slow
-@pytest.mark.parametrize("trainable", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason="the VL miniature's expert tensors are not refilled by the sglang sync (see above)"))],
-    ids=["frozen", "trainable"])
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
 def test_vl_tower_with_the_sglang_stand_in(vl_miniature, tmp_path, trainable):
     """Frozen: the engine starts with sglang's weights CPU backup (resident tower), no sync sends model.visual.*,
     the image prompt's generation after sleep / wake equals the one before, and the served tower is the trainer's
     (= the checkpoint's). Trainable: no backup, every sync sends the tower, and after the step's sync the served
-    tower equals the trained one."""
+    tower equals the trained one. Both: after the step's sync the engine's routed experts (sent fused,
+    ``mlp.experts.gate_up_proj`` / ``down_proj``, as sglang's Qwen3.5-MoE loader takes them) equal the trainer's
+    export, which the step moved away from the checkpoint's (so stale experts fail)."""
     paths, mcore = vl_miniature
     r0 = run_distributed(_vl_with_sglang, 2, paths, mcore, str(tmp_path), trainable)[0]
     assert r0["nan_after_step"] == [], (r0["nan_after_step"][:5], [n for n in r0["sent"] if "visual" in n][:5])
+    assert r0["experts"] and all(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in r0["experts"])
+    assert r0["experts_served"] == r0["experts"]
+    assert r0["experts_trained"] == r0["experts"]
     visual = [n for n in r0["sent"] if n.startswith("model.visual.")]
     assert r0["sent"] and r0["tower"]
     assert r0["backup"] is (not trainable)
