@@ -209,6 +209,34 @@ def legible_tower(model_dir: str) -> int:
     return n
 
 
+def _special_ids(model_dir: str, tok) -> None:
+    """Write the tokenizer's eos / bos / pad ids into ``config.json`` (top level and ``text_config``) and
+    ``generation_config.json``, as the published Qwen3.5 checkpoints carry them. Why: the engines stop on the
+    model's eos (the CPU engine reads ``generation_config.eos_token_id``, then ``config.eos_token_id``); without
+    it they never stop, and a warm-up-trained "7" + EOS came back as "7" + EOS + one more token, "7x", scored
+    wrong (the held-out pass rate read ~0-7% while transformers' greedy on the same weights, stopped at EOS,
+    passed 57-67%)."""
+    ids = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id, "pad_token_id": tok.pad_token_id}
+    if ids["eos_token_id"] is None:
+        raise RuntimeError(f"{model_dir}: the task tokenizer has no eos token")
+    ids = {k: int(v) for k, v in ids.items() if v is not None}
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(ids)
+    cfg.setdefault("text_config", {}).update(ids)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    gpath = os.path.join(model_dir, "generation_config.json")
+    gen = {}
+    if os.path.isfile(gpath):
+        with open(gpath) as f:
+            gen = json.load(f)
+    gen.update(ids)
+    with open(gpath, "w") as f:
+        json.dump(gen, f, indent=2)
+
+
 def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: int = 300, seed: int = 0,
                           convert: bool = False, task="sum") -> dict:
     """The miniature on disk: ``model/`` (tiny Qwen3.5-MoE VL checkpoint, its tower's biases zeroed by
@@ -234,6 +262,7 @@ def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: i
     back = AutoTokenizer.from_pretrained(model)
     if back(vocab.chars, add_special_tokens=False)["input_ids"] != vocab.encode(vocab.chars):
         raise RuntimeError(f"{model}: the saved tokenizer does not reproduce the character vocabulary's ids")
+    _special_ids(model, back)
     t = vision_task(task)
     if t.name == "sum" and t is VISION_TASKS["sum"]:  # the original draw (kept: its sets are unchanged)
         held = digit_pairs(eval_prompts, seed + 1)
