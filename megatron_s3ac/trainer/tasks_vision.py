@@ -1,4 +1,5 @@
-"""The multimodal miniature: "add the numbers in the image".
+"""The multimodal miniature: "add the numbers in the image" (``task="sum"``) or "which digit is in the image"
+(``task="read"``, the variant the tiny model learns within minutes on CPU; see ``VISION_TASKS``).
 
 Each prompt is one locally drawn image of two digits side by side (a 3 x 5 bitmap glyph per digit, white on
 black, 8 x 16 pixels: a 1 x 4 x 8 grid of the tiny vision tower's 2 x 2 patches = 32 image tokens) followed by
@@ -38,18 +39,92 @@ PROMPT_TEXT = "<image>="  # the image, then "=": the answer is the sum of its tw
 
 def digit_image(a: int, b: int, jitter: tuple[int, int] = (0, 0)):
     """An 8 x 16 RGB PIL image of digits ``a`` and ``b`` (0-9), the glyphs at rows 1+dy, columns 1+dx and 9+dx."""
+    return draw_digits((a, b), jitter)
+
+
+def draw_digits(digits, jitter: tuple[int, int] = (0, 0), scale: int = 1):
+    """An RGB PIL image of ``digits`` (each 0-9) side by side, white on black: one 8 x 8 cell per digit with its
+    3 x 5 glyph at row 1+dy, column 1+dx of the cell (dy 0..2, dx 0..3), every glyph pixel a ``scale`` x ``scale``
+    block; size (8 scale) x (8 scale len(digits)) pixels."""
     from PIL import Image
 
-    if not (0 <= a <= 9 and 0 <= b <= 9):
-        raise ValueError(f"digits must be 0-9, got {a}, {b}")
-    px = np.zeros((HEIGHT, WIDTH, 3), dtype=np.uint8)
+    digits = tuple(int(d) for d in digits)
+    if not digits or not all(0 <= d <= 9 for d in digits):
+        raise ValueError(f"digits must be 1+ values in 0-9, got {digits}")
     dy, dx = jitter
-    for d, x0 in ((a, 1 + dx), (b, 9 + dx)):
+    if not (0 <= dy <= 2 and 0 <= dx <= 3) or scale < 1:
+        raise ValueError(f"jitter must be (0..2, 0..3) and scale >= 1, got {jitter}, {scale}")
+    px = np.zeros((8 * scale, 8 * scale * len(digits), 3), dtype=np.uint8)
+    for k, d in enumerate(digits):
         for r, row in enumerate(GLYPHS[str(d)]):
             for c, ch in enumerate(row):
                 if ch == "#":
-                    px[1 + dy + r, x0 + c] = 255
+                    y, x = (1 + dy + r) * scale, (1 + dx + c + 8 * k) * scale
+                    px[y:y + scale, x:x + scale] = 255
     return Image.fromarray(px)
+
+
+JITTERS = [(dy, dx) for dy in range(3) for dx in range(4)]
+
+
+class VisionTask:
+    """A difficulty setting of the miniature: ``digits`` glyphs (1: answer = the digit, "which digit is in the
+    image"; 2: answer = their sum) drawn from 0..``max_digit``, at ``scale`` (pixels per glyph pixel; the tower's
+    patch is 2 x 2, so scale 2 = one glyph pixel per patch), with the 12 glyph offsets (``jitter``) or none.
+    ``pictures()`` lists every distinct (digits, jitter)."""
+
+    def __init__(self, name: str, digits: int, max_digit: int = 9, scale: int = 1, jitter: bool = True):
+        if digits not in (1, 2) or not 0 < max_digit <= 9 or scale < 1:
+            raise ValueError(f"task {name!r}: digits must be 1 or 2, max_digit 1-9, scale >= 1")
+        self.name, self.digits, self.max_digit, self.scale, self.jitter = name, digits, max_digit, scale, jitter
+
+    def pictures(self) -> list:
+        import itertools
+
+        return [(ds, j) for ds in itertools.product(range(self.max_digit + 1), repeat=self.digits)
+                for j in (JITTERS if self.jitter else [(0, 0)])]
+
+    def image(self, digits, jitter):
+        return draw_digits(digits, jitter, self.scale)
+
+    def answer(self, digits) -> str:
+        return str(sum(digits))
+
+    def __repr__(self):
+        return (f"VisionTask({self.name!r}, digits={self.digits}, max_digit={self.max_digit}, scale={self.scale}, "
+                f"jitter={self.jitter})")
+
+
+# "sum": the issue's "add the numbers in the image" (8 x 16 px, 32 image tokens, 1,200 pictures); the tiny model
+# stays image-blind on it in plain transformers (docs/data.md). "read": one digit 0-9 (8 x 8 px, 16 image tokens,
+# 120 pictures), which it learns in ~100-300 steps, the held-out pictures (other offsets of the digits) included.
+VISION_TASKS = {"sum": VisionTask("sum", digits=2), "read": VisionTask("read", digits=1)}
+
+
+def vision_task(task) -> VisionTask:
+    if isinstance(task, VisionTask):
+        return task
+    if task not in VISION_TASKS:
+        raise ValueError(f"unknown vision task {task!r}: one of {sorted(VISION_TASKS)}")
+    return VISION_TASKS[task]
+
+
+def task_split(task, n_train: int, n_eval: int, seed: int = 0):
+    """(train draws, held-out draws) of ``task``, each a list of (digits, jitter). Held-out: ``n_eval`` distinct
+    pictures, at most a quarter of all pictures (seeded), none of them in train; train: ``n_train`` draws of
+    the other pictures, each picture once while they last, then again in a fresh order (a small task's train
+    set repeats pictures)."""
+    t = vision_task(task)
+    pics = t.pictures()
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(len(pics)).tolist()
+    nh = min(n_eval, len(pics) // 4)
+    held = [pics[i] for i in perm[:nh]]
+    rest = perm[nh:]
+    train = []
+    while len(train) < n_train:
+        train += [pics[i] for i in rng.permutation(rest).tolist()]
+    return train[:n_train], held
 
 
 def digit_pairs(n: int, seed: int, exclude: set | None = None) -> list[tuple[int, int, tuple[int, int]]]:
@@ -72,24 +147,27 @@ def _png(img) -> bytes:
     return buf.getvalue()
 
 
-def write_vision_set(path: str, pairs, embed: bool = False) -> str:
-    """Write the prompt set ``pairs`` (from ``digit_pairs``): ``path`` ending in .jsonl -> rows {prompt, answer,
-    images: [relative path]} with PNGs under ``<stem>_images/``; ending in .parquet -> rows whose images are
-    {"bytes": png, "path": None} (``embed`` is implied). Returns ``path``."""
+def write_vision_set(path: str, pairs, embed: bool = False, task="sum") -> str:
+    """Write the prompt set ``pairs`` (from ``digit_pairs``: (a, b, jitter); or ``task_split``: (digits,
+    jitter)) of ``task`` (a ``VISION_TASKS`` name or a ``VisionTask``): ``path`` ending in .jsonl -> rows {prompt,
+    answer, images: [relative path]} with PNGs under ``<stem>_images/``; ending in .parquet -> rows whose images
+    are {"bytes": png, "path": None} (``embed`` is implied). Returns ``path``."""
+    t = vision_task(task)
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     rows = []
     parquet = path.endswith(".parquet")
     img_dir = os.path.splitext(path)[0] + "_images"
-    for i, (a, b, jitter) in enumerate(pairs):
-        img = digit_image(a, b, tuple(jitter))
+    for i, pair in enumerate(pairs):
+        digits, jitter = (tuple(pair[:2]), pair[2]) if len(pair) == 3 else (tuple(pair[0]), pair[1])
+        img = t.image(digits, tuple(jitter))
         if parquet or embed:
             entry = {"bytes": _png(img), "path": None}
         else:
             os.makedirs(img_dir, exist_ok=True)
-            name = f"{i:05d}_{a}{b}.png"
+            name = f"{i:05d}_{''.join(map(str, digits))}.png"
             img.save(os.path.join(img_dir, name))
             entry = os.path.join(os.path.basename(img_dir), name)
-        rows.append({"prompt": PROMPT_TEXT, "answer": str(a + b), "images": [entry]})
+        rows.append({"prompt": PROMPT_TEXT, "answer": t.answer(digits), "images": [entry]})
     if parquet:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -131,12 +209,42 @@ def legible_tower(model_dir: str) -> int:
     return n
 
 
+def _special_ids(model_dir: str, tok) -> None:
+    """Write the tokenizer's eos / bos / pad ids into ``config.json`` (top level and ``text_config``) and
+    ``generation_config.json``, as the published Qwen3.5 checkpoints carry them. Why: the engines stop on the
+    model's eos (the CPU engine reads ``generation_config.eos_token_id``, then ``config.eos_token_id``); without
+    it they never stop, and a warm-up-trained "7" + EOS came back as "7" + EOS + one more token, "7x", scored
+    wrong (the held-out pass rate read ~0-7% while transformers' greedy on the same weights, stopped at EOS,
+    passed 57-67%)."""
+    ids = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id, "pad_token_id": tok.pad_token_id}
+    if ids["eos_token_id"] is None:
+        raise RuntimeError(f"{model_dir}: the task tokenizer has no eos token")
+    ids = {k: int(v) for k, v in ids.items() if v is not None}
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(ids)
+    cfg.setdefault("text_config", {}).update(ids)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    gpath = os.path.join(model_dir, "generation_config.json")
+    gen = {}
+    if os.path.isfile(gpath):
+        with open(gpath) as f:
+            gen = json.load(f)
+    gen.update(ids)
+    with open(gpath, "w") as f:
+        json.dump(gen, f, indent=2)
+
+
 def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: int = 300, seed: int = 0,
-                          convert: bool = False) -> dict:
+                          convert: bool = False, task="sum") -> dict:
     """The miniature on disk: ``model/`` (tiny Qwen3.5-MoE VL checkpoint, its tower's biases zeroed by
     ``legible_tower``, + the task's character tokenizer:
     ``VISION_CHARS``: digits, '+', '=' at ids 3-14; the image token ids 90-93 of the tiny config), ``train.jsonl`` and
-    ``heldout.jsonl`` (disjoint pictures). ``convert``: also ``mcore/``, the checkpoint through hf_to_mcore (what
+    ``heldout.jsonl`` (disjoint pictures). ``task``: ``"sum"`` (two digits, their sum; held-out = ``eval_prompts``
+    random drawings, train = ``num_prompts`` others) or ``"read"`` (one digit; ``task_split``: the held-out set
+    is at most a quarter of the 120 pictures, 30). ``convert``: also ``mcore/``, the checkpoint through hf_to_mcore (what
     ``model.actor_init`` of examples/cpu_demo_vl.yaml names: the actor's vision tower comes from its carried
     ``model.visual.*``). Returns the paths."""
     from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full
@@ -154,10 +262,15 @@ def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: i
     back = AutoTokenizer.from_pretrained(model)
     if back(vocab.chars, add_special_tokens=False)["input_ids"] != vocab.encode(vocab.chars):
         raise RuntimeError(f"{model}: the saved tokenizer does not reproduce the character vocabulary's ids")
-    held = digit_pairs(eval_prompts, seed + 1)
-    train = digit_pairs(num_prompts, seed, exclude=set(held))
-    out = {"model": model, "train": write_vision_set(os.path.join(out_dir, "train.jsonl"), train),
-           "heldout": write_vision_set(os.path.join(out_dir, "heldout.jsonl"), held)}
+    _special_ids(model, back)
+    t = vision_task(task)
+    if t.name == "sum" and t is VISION_TASKS["sum"]:  # the original draw (kept: its sets are unchanged)
+        held = digit_pairs(eval_prompts, seed + 1)
+        train = digit_pairs(num_prompts, seed, exclude=set(held))
+    else:
+        train, held = task_split(t, num_prompts, eval_prompts, seed)
+    out = {"model": model, "train": write_vision_set(os.path.join(out_dir, "train.jsonl"), train, task=t),
+           "heldout": write_vision_set(os.path.join(out_dir, "heldout.jsonl"), held, task=t)}
     # the held-out set again in MathVista's layout (free-form rows), for s3ac-eval --bench mathvista=...
     vista = os.path.join(out_dir, "heldout_mathvista.jsonl")
     with open(out["heldout"]) as f, open(vista, "w") as g:

@@ -91,3 +91,29 @@ def test_refusals(mini, tmp_path):
         load_math_prompts(two, tok, 64, vision=vision)
     text_ckpt = save_tiny_qwen3_5(str(tmp_path / "text"), variant="text")
     assert VisionProcessor.from_pretrained(text_ckpt) is None
+
+
+def test_read_task_split_and_drawings(tmp_path):
+    """The "read" difficulty: one digit, answer = the digit; held-out pictures none of train's; a scale-2 drawing is
+    the scale-1 one with every pixel a 2 x 2 block; the original sum drawings unchanged (two 8 x 8 cells)."""
+    import numpy as np
+
+    from megatron_s3ac.trainer.tasks_vision import VISION_TASKS, VisionTask, draw_digits, task_split
+
+    read = VISION_TASKS["read"]
+    assert len(read.pictures()) == 10 * 12
+    train, held = task_split(read, 200, 300, seed=0)
+    assert len(held) == 30 == len(set(held)) and len(train) == 200
+    assert not set(held) & set(train) and len(set(train)) == 90  # every other picture, repeated
+    one = np.asarray(draw_digits((7,), (1, 2)))
+    assert one.shape == (8, 8, 3) and np.array_equal(np.kron(one[..., 0], np.ones((2, 2), np.uint8)),
+                                                     np.asarray(draw_digits((7,), (1, 2), scale=2))[..., 0])
+    two = np.asarray(digit_image(7, 3, (1, 2)))
+    assert np.array_equal(two[:, :8], one) and np.array_equal(two[:, 8:], np.asarray(draw_digits((3,), (1, 2))))
+    assert one[1 + 1, 1 + 2:1 + 2 + 3, 0].tolist() == [255, 255, 255]  # "7": top row "###" at row 1+dy, col 1+dx
+    rows = [json.loads(line) for line in open(write_vision_set(str(tmp_path / "r.jsonl"), held[:4], task="read"))]
+    assert [r["answer"] for r in rows] == [str(d[0]) for d, _ in held[:4]]
+    with pytest.raises(ValueError, match="unknown vision task"):
+        write_vision_set(str(tmp_path / "x.jsonl"), held[:1], task="nope")
+    with pytest.raises(ValueError, match="digits must be 1 or 2"):
+        VisionTask("x", digits=3)
