@@ -93,6 +93,7 @@ def test_converted_checkpoint_round_trip(vl_full, tmp_path):
     assert not any(n.startswith(CARRIED) for n in plan.hf_shapes)
 
 
+@pytest.mark.slow  # > 60 s under load; the fast suite's 20-minute budget (CI)
 def test_training_checkpoint_carries_vision_and_mtp_at_tp2_ep2(vl_full, tmp_path):
     hf, mcore = vl_full
     outs = run_distributed(carried_through_training, 4, hf, mcore, str(tmp_path / "run"), 2, 2)
