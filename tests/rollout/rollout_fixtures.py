@@ -3,6 +3,8 @@
 A uniquely named module (not conftest) so `from rollout_fixtures import ...` cannot pick up another
 directory's conftest.
 """
+import contextlib
+
 from transformers import Qwen3MoeConfig
 
 from megatron_s3ac.testing.tiny_models import char_tokenizer as _char_tokenizer
@@ -24,3 +26,21 @@ def tiny_moe_config(**overrides) -> Qwen3MoeConfig:
                   initializer_range=0.2)  # larger than HF's 0.02: no near-ties in the router
     kwargs.update(overrides)
     return Qwen3MoeConfig(**kwargs)
+
+
+@contextlib.contextmanager
+def local_ray_by_value(module):
+    """A local 2-CPU Ray session (unless one is already up; then that one, left running) in which ``module``'s
+    test-local engine classes travel to the actors by value."""
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(module)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(module)
+        if started:
+            ray.shutdown()

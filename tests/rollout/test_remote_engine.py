@@ -23,7 +23,7 @@ from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 from megatron_s3ac.rollout.engines.cpu.remote import (
     RemoteEngine, RemoteEngineClosed, RemoteEngineDied, RemoteEngineTimeout, pack_bucket, unpack_bucket,
 )
-from rollout_fixtures import tiny_moe_config
+from rollout_fixtures import local_ray_by_value, tiny_moe_config
 
 PROMPTS = [[4, 5, 13, 6, 7, 14], [8, 9, 14], [20, 21]]
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=6, max_new_tokens=12, seed=3)
@@ -59,14 +59,8 @@ def stub(delay: float = 0.0, timeout_s: float = 60.0) -> RemoteEngine:
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # StubEngine travels by value
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-    if started:
-        ray.shutdown()
+    with local_ray_by_value(sys.modules[__name__]):  # StubEngine travels by value
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,13 @@ import time
 
 import numpy as np
 import pytest
-import ray
 
 from megatron_s3ac.rollout.base import RolloutEngine, SamplingParams, StreamingGeneration
 from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngine
 from megatron_s3ac.rollout.rewards import RewardPool
 from megatron_s3ac.trainer.async_loop import reward_overlap
-from rollout_fixtures import tiny_moe_config
+from rollout_fixtures import local_ray_by_value, tiny_moe_config
 import slow_reward  # noqa: F401 (registers test_slow_when_a)
 
 PROMPTS = [[4, 5, 13, 6, 7, 14], [8, 9, 14], [20, 21], [5, 6], [7, 7, 7]]
@@ -88,14 +87,8 @@ def test_cpu_engine_streams_groups_as_they_finish_with_generates_samples():
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # PacedEngine travels by value
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-    if started:
-        ray.shutdown()
+    with local_ray_by_value(sys.modules[__name__]):  # PacedEngine travels by value
+        yield
 
 
 def test_remote_engine_streams_while_the_actor_generates(ray_session):

@@ -237,6 +237,14 @@ def start_sync(sync, info, export_group=None):
     return export_group, SyncStats(engine_rank=ctl)
 
 
+def abort_sync(pool) -> None:
+    """The controller, after a failed stage-wise sync (StageBroadcastSync, ColocatedIPCSync): end the engines' open
+    weight-update session so the next sync can open one; an error of this end is secondary to the one raised."""
+    try:
+        pool.end_weight_update()
+    except Exception:
+        pass
+
 class StageBroadcastSync:
     """Separate-GPU weight sync from the ranks that own the bytes (every trainer rank builds one; the rank that
     holds the engine pool passes ``pool``, the others None).
@@ -396,10 +404,7 @@ class StageBroadcastSync:
                 stats.tensors = len(names_all)
         except BaseException:
             if me == ctl:
-                try:
-                    self.pool.end_weight_update()
-                except Exception:
-                    pass
+                abort_sync(self.pool)
             raise
         stats.seconds = time.perf_counter() - t0
         return stats

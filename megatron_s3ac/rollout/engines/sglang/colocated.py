@@ -192,7 +192,7 @@ class ColocatedIPCSync:
         Returns this rank's SyncStats: bytes/buckets it broadcast as a stage leader; on the controller ``tensors``
         counts every stage's."""
         from megatron_s3ac.convert.export import export_hf_weights
-        from megatron_s3ac.rollout.engines.sglang.broadcast import leader_arena, leader_flat, start_sync
+        from megatron_s3ac.rollout.engines.sglang.broadcast import abort_sync, leader_arena, leader_flat, start_sync
 
         t0 = time.perf_counter()
         export_group, stats = start_sync(self, info, export_group)
@@ -230,10 +230,7 @@ class ColocatedIPCSync:
                 stats.tensors = len(names_all)
         except BaseException:
             if me == ctl:
-                try:
-                    self.pool.end_weight_update()
-                except Exception:
-                    pass
+                abort_sync(self.pool)
             raise
         finally:
             # the engines have answered (loaded or failed): the buffers behind the handles go back to the trainer
