@@ -27,6 +27,17 @@ class EngineSettings:
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb) << 20
 
+    def separate_gpus_error(self, cluster_gpus, trainer_gpus):
+        """With ``rollout.placement: separate``: why ``num_engines`` x ``gpus_per_engine`` do not fit beside the
+        trainer's GPUs on a cluster of ``cluster_gpus`` (None: they fit, or the cluster size is unknown)."""
+        if cluster_gpus is None:
+            return None
+        need, have = self.num_engines * self.gpus_per_engine, cluster_gpus - (trainer_gpus or 0)
+        if need <= have:
+            return None
+        return (f"{self.num_engines} engines x {self.gpus_per_engine} GPUs = {need} GPUs, but the cluster has "
+                f"{cluster_gpus} GPUs and the trainer uses {trainer_gpus or 0}: {have} left")
+
 
 def check_checkpoint_dir(engine: str, model_dir, *, tiny=None, key: str = "rollout.engine",
                          tokenizer_files=None) -> dict:

@@ -119,11 +119,8 @@ def validate_sglang_settings(s: SGLangSettings, prefix: str = "rollout.sglang", 
         bad("num_engines", f"{s.num_engines} engines x {s.gpus_per_engine} GPUs = {need} GPUs, but colocated engines "
                            f"must cover the trainer's {trainer_gpus} GPUs one-to-one (one engine shard per GPU): "
                            f"{fix}")
-    if placement == "separate" and cluster_gpus is not None:
-        have = cluster_gpus - (trainer_gpus or 0)
-        if need > have:
-            bad("num_engines", f"{s.num_engines} engines x {s.gpus_per_engine} GPUs = {need} GPUs, but the cluster "
-                               f"has {cluster_gpus} GPUs and the trainer uses {trainer_gpus or 0}: {have} left")
+    if placement == "separate" and (err := s.separate_gpus_error(cluster_gpus, trainer_gpus)):
+        bad("num_engines", err)
 
 
 def validate_rollout_engine(engine: str, *, model_dir: Optional[str] = None, tiny: Optional[str] = None,

@@ -119,11 +119,8 @@ def validate_vllm_settings(s: VLLMSettings, prefix: str = "rollout.vllm", *, clu
         bad("num_engines", f"{s.num_engines} engines x {s.gpus_per_engine} GPUs = {need} GPUs, but colocated engines "
                            f"must cover the trainer's {trainer_gpus} GPUs one-to-one (each trainer rank hands its "
                            f"IPC handles to the engine rank on its own GPU)")
-    if placement == "separate" and cluster_gpus is not None:
-        have = cluster_gpus - (trainer_gpus or 0)
-        if need > have:
-            bad("num_engines", f"{s.num_engines} engines x {s.gpus_per_engine} GPUs = {need} GPUs, but the cluster "
-                               f"has {cluster_gpus} GPUs and the trainer uses {trainer_gpus or 0}: {have} left")
+    if placement == "separate" and (err := s.separate_gpus_error(cluster_gpus, trainer_gpus)):
+        bad("num_engines", err)
 
 
 def dtype_setting(dtype) -> str:
