@@ -263,6 +263,31 @@ def copy_backbone(actor, critic, *, same_layout: bool, tmp_dir: str, scope) -> N
     _check_backbone(missing, unexpected, ignore_extra_state=True)
 
 
+@torch.no_grad()
+def copy_tower(actor, critic) -> None:
+    """The critic's (frozen) vision tower := the actor's, after a trainable actor tower has learned (the demo's
+    warm-up). Each tensor is broadcast from global rank 0: it is on the actor's first pipeline stage (megatron's
+    rank order puts pipeline outermost), the only stage whose tower trains (later stages keep an untrained spare),
+    while the critic's first stage may be other ranks at its own layout. Collective; a no-op for a model
+    without a tower (the same on every rank: every stage has a tower or a spare)."""
+    from megatron_s3ac.models.vision import unwrap_gpt, vision_of
+
+    src, dst = vision_of(actor, spare=True), vision_of(critic, spare=True)
+    if src is None or dst is None:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and not unwrap_gpt(actor).pre_process:
+        raise RuntimeError("copy_tower: global rank 0 is not on the actor's first pipeline stage")
+    pairs = list(zip(src.hf_named_parameters(), dst.hf_named_parameters()))
+    if any(n != m or p.shape != q.shape for (n, p), (m, q) in pairs):
+        raise RuntimeError("copy_tower: the actor's and the critic's vision towers differ in their tensors")
+    for (_, p), (_, q) in pairs:
+        t = p.detach().clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(t, 0)
+        q.copy_(t)
+
+
 @dataclasses.dataclass
 class PromptData:
     vocab: object  # CharVocab (arithmetic) or an HF tokenizer

@@ -116,8 +116,12 @@ class Trainer(EngineSide, RolloutPhases):
                         tmp_dir=os.path.join(self.cfg.train.out_dir, ".critic_init_from_actor"))
 
     def init_critic_from_actor(self) -> None:
-        """Critic backbone := actor backbone (e.g. after the demo's warm-up); the value head is kept."""
+        """Critic backbone := actor backbone (e.g. after the demo's warm-up); the value head is kept. With
+        ``train.vision.trainable`` the critic's (frozen) vision tower := the actor's too, so the copied backbone
+        reads the image features it learned with (a frozen actor tower is the critic's already)."""
         self._init_critic_from(self.actor, self.critic)
+        if self.cfg.train.vision.trainable:
+            B.copy_tower(self.actor, self.critic)
 
     def _build_eval(self) -> None:
         """Held-out sets and the periodic evaluator (rank 0; the engine lives there)."""

@@ -171,3 +171,42 @@ def test_kill_and_resume_with_carried_tensors(miniature, tmp_path, trainable):
     assert not all(torch.equal(back[k], src[k]) for k in src if k.startswith("model.language_model."))  # trained
     model = Qwen3_5MoeForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
     assert type(model) is Qwen3_5MoeForConditionalGeneration and model.model.visual is not None
+
+
+def _critic_tower_from_actor(paths, mcore, out_dir):
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from megatron_s3ac.models.vision import unwrap_gpt, vision_of
+    from megatron_s3ac.trainer.loop import Trainer
+
+    cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"), _overrides(paths, mcore, out_dir, True, 1)
+                      + ["actor_layout.ep=1", "actor_layout.pp=2", "critic_layout.tp=2"])
+    tr = Trainer(cfg)
+    noise = lambda n, shape: 0.01 * torch.randn(shape, generator=torch.Generator().manual_seed(sum(map(ord, n))))  # noqa: E731
+    first = unwrap_gpt(tr.actor).pre_process
+    if first:  # the actor's tower as a warm-up leaves it (only the first pipeline stage's tower trains)
+        with torch.no_grad():
+            for n, p in vision_of(tr.actor).hf_named_parameters():
+                p.add_(noise(n, p.shape))
+    tr.init_critic_from_actor()
+    src = {k: v for f in os.listdir(paths["model"]) if f.endswith(".safetensors")
+           for k, v in load_file(os.path.join(paths["model"], f)).items() if k.startswith("model.visual.")}
+    got = dict(vision_of(tr.critic, spare=True).hf_named_parameters())
+    res = {"rank": dist.get_rank(), "actor_first_stage": first, "critic_first_stage": unwrap_gpt(tr.critic).pre_process,
+           "names": sorted(got) == sorted(src),
+           "equal": all(torch.equal(got[n], src[n] + noise(n, src[n].shape)) for n in src)}
+    tr.close()
+    return res
+
+
+@pytest.mark.slow
+def test_critic_takes_the_actors_trained_tower_at_another_layout(miniature, tmp_path):
+    """``train.vision.trainable``: ``init_critic_from_actor`` (the pipeline's step after the warm-up) gives the critic
+    the actor's trained tower with its backbone. Actor PP=2 (rank 1 holds only an untrained spare), critic TP=2 (both
+    ranks are its first stage): every rank's critic tower = the checkpoint's tensors + the perturbation rank 0's actor
+    tower got, recomputed here from the safetensors."""
+    paths, mcore = miniature
+    rs = run_distributed(_critic_tower_from_actor, 2, paths, mcore, str(tmp_path / "run"))
+    assert [(r["actor_first_stage"], r["critic_first_stage"]) for r in rs] == [(True, True), (False, True)]
+    assert all(r["names"] and r["equal"] for r in rs), rs

@@ -161,7 +161,8 @@ class ClusterCfg:
 class VisionCfg:
     """The vision tower of a vision-language checkpoint (Qwen3.5-MoE; models/vision.py)."""
     # false (default): frozen: not in the optimizer, not sent by the weight sync (the engine keeps its copy), saved
-    # unchanged; true: the actor's tower is optimised, saved and synced as model.visual.* (the critic's stays frozen)
+    # unchanged; true: the actor's tower is optimised, saved and synced as model.visual.* (the critic's stays
+    # frozen: the actor's tower as it was when the critic's backbone was copied from it, e.g. after the warm-up)
     trainable: bool = False
 
 
