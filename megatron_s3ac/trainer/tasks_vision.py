@@ -1,5 +1,6 @@
 """The multimodal miniature: "add the numbers in the image" (``task="sum"``) or "which digit is in the image"
-(``task="read"``, the variant the tiny model learns within minutes on CPU; see ``VISION_TASKS``).
+(``task="read"``, the variant the tiny model learns within minutes on CPU, and ``task="read_noisy"``, every drawing
+a noisy picture of its own: what examples/cpu_demo_vl.yaml trains; see ``VISION_TASKS``).
 
 Each prompt is one locally drawn image of two digits side by side (a 3 x 5 bitmap glyph per digit, white on
 black, 8 x 16 pixels: a 1 x 4 x 8 grid of the tiny vision tower's 2 x 2 patches = 32 image tokens) followed by
@@ -73,10 +74,12 @@ class VisionTask:
     patch is 2 x 2, so scale 2 = one glyph pixel per patch), with the 12 glyph offsets (``jitter``) or none.
     ``pictures()`` lists every distinct (digits, jitter)."""
 
-    def __init__(self, name: str, digits: int, max_digit: int = 9, scale: int = 1, jitter: bool = True):
-        if digits not in (1, 2) or not 0 < max_digit <= 9 or scale < 1:
-            raise ValueError(f"task {name!r}: digits must be 1 or 2, max_digit 1-9, scale >= 1")
+    def __init__(self, name: str, digits: int, max_digit: int = 9, scale: int = 1, jitter: bool = True,
+                 noise: int = 0):
+        if digits not in (1, 2) or not 0 < max_digit <= 9 or scale < 1 or not 0 <= noise < 128:
+            raise ValueError(f"task {name!r}: digits must be 1 or 2, max_digit 1-9, scale >= 1, noise 0-127")
         self.name, self.digits, self.max_digit, self.scale, self.jitter = name, digits, max_digit, scale, jitter
+        self.noise = noise
 
     def pictures(self) -> list:
         import itertools
@@ -84,21 +87,35 @@ class VisionTask:
         return [(ds, j) for ds in itertools.product(range(self.max_digit + 1), repeat=self.digits)
                 for j in (JITTERS if self.jitter else [(0, 0)])]
 
-    def image(self, digits, jitter):
-        return draw_digits(digits, jitter, self.scale)
+    def image(self, digits, jitter, variant: int = 0):
+        """The drawing of ``digits`` at ``jitter``; with ``noise``, drawing number ``variant`` of it: every pixel
+        moved towards grey by a seeded uniform 0..noise (background up, glyph down), so each variant is a
+        distinct picture of the same digits (seeded by (digits, jitter, variant): the same on every call)."""
+        img = draw_digits(digits, jitter, self.scale)
+        if not self.noise:
+            return img
+        from PIL import Image
+
+        px = np.asarray(img).astype(np.int16)
+        seed = [int(variant), *map(int, digits), *map(int, jitter)]
+        d = np.random.default_rng(seed).integers(0, self.noise + 1, size=px.shape[:2])[..., None]
+        return Image.fromarray(np.where(px > 0, px - d, px + d).astype(np.uint8))
 
     def answer(self, digits) -> str:
         return str(sum(digits))
 
     def __repr__(self):
         return (f"VisionTask({self.name!r}, digits={self.digits}, max_digit={self.max_digit}, scale={self.scale}, "
-                f"jitter={self.jitter})")
+                f"jitter={self.jitter}, noise={self.noise})")
 
 
 # "sum": the issue's "add the numbers in the image" (8 x 16 px, 32 image tokens, 1,200 pictures); the tiny model
 # stays image-blind on it in plain transformers (docs/data.md). "read": one digit 0-9 (8 x 8 px, 16 image tokens,
 # 120 pictures), which it learns in ~100-300 steps, the held-out pictures (other offsets of the digits) included.
-VISION_TASKS = {"sum": VisionTask("sum", digits=2), "read": VisionTask("read", digits=1)}
+# "read_noisy": "read" with every drawing a distinct noisy picture (``noise`` 96 of 255; ``task_split`` draws fresh
+# variants, so the held-out set can be as large as asked and no held-out picture is a training picture).
+VISION_TASKS = {"sum": VisionTask("sum", digits=2), "read": VisionTask("read", digits=1),
+                "read_noisy": VisionTask("read_noisy", digits=1, noise=96)}
 
 
 def vision_task(task) -> VisionTask:
@@ -113,10 +130,19 @@ def task_split(task, n_train: int, n_eval: int, seed: int = 0):
     """(train draws, held-out draws) of ``task``, each a list of (digits, jitter). Held-out: ``n_eval`` distinct
     pictures, at most a quarter of all pictures (seeded), none of them in train; train: ``n_train`` draws of
     the other pictures, each picture once while they last, then again in a fresh order (a small task's train
-    set repeats pictures)."""
+    set repeats pictures). A task with ``noise``: (digits, jitter, variant) draws, ``n_train`` and ``n_eval`` of
+    them, every one a picture of its own (below)."""
     t = vision_task(task)
     pics = t.pictures()
     rng = np.random.default_rng(seed)
+    if t.noise:
+        # noisy drawings, each a (digits, jitter, variant) of its own: held-out variants are numbered from
+        # 1,000,000 up, train's below, so the two sets share no picture whatever their sizes (they do share the
+        # clean (digits, jitter) under the noise: the held-out set measures reading unseen drawings of them)
+        def draws(n, first):
+            return [(*pics[i], first + k) for k, i in enumerate(rng.integers(0, len(pics), n).tolist())]
+
+        return draws(n_train, 0), draws(n_eval, 1_000_000)
     perm = rng.permutation(len(pics)).tolist()
     nh = min(n_eval, len(pics) // 4)
     held = [pics[i] for i in perm[:nh]]
@@ -158,8 +184,11 @@ def write_vision_set(path: str, pairs, embed: bool = False, task="sum") -> str:
     parquet = path.endswith(".parquet")
     img_dir = os.path.splitext(path)[0] + "_images"
     for i, pair in enumerate(pairs):
-        digits, jitter = (tuple(pair[:2]), pair[2]) if len(pair) == 3 else (tuple(pair[0]), pair[1])
-        img = t.image(digits, tuple(jitter))
+        if isinstance(pair[0], (tuple, list)):  # task_split: (digits, jitter[, variant])
+            digits, jitter, variant = tuple(pair[0]), pair[1], (pair[2] if len(pair) > 2 else 0)
+        else:  # digit_pairs: (a, b, jitter)
+            digits, jitter, variant = tuple(pair[:2]), pair[2], 0
+        img = t.image(digits, tuple(jitter), variant)
         if parquet or embed:
             entry = {"bytes": _png(img), "path": None}
         else:
@@ -244,7 +273,8 @@ def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: i
     ``VISION_CHARS``: digits, '+', '=' at ids 3-14; the image token ids 90-93 of the tiny config), ``train.jsonl`` and
     ``heldout.jsonl`` (disjoint pictures). ``task``: ``"sum"`` (two digits, their sum; held-out = ``eval_prompts``
     random drawings, train = ``num_prompts`` others) or ``"read"`` (one digit; ``task_split``: the held-out set
-    is at most a quarter of the 120 pictures, 30). ``convert``: also ``mcore/``, the checkpoint through hf_to_mcore (what
+    is at most a quarter of the 120 pictures, 30) or ``"read_noisy"`` (one digit, every drawing a noisy picture of
+    its own: ``num_prompts`` / ``eval_prompts`` of them as asked). ``convert``: also ``mcore/``, the checkpoint through hf_to_mcore (what
     ``model.actor_init`` of examples/cpu_demo_vl.yaml names: the actor's vision tower comes from its carried
     ``model.visual.*``). Returns the paths."""
     from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full

@@ -22,7 +22,7 @@ def test_demo_config_data_and_engine(tmp_path):
     from megatron_s3ac.eval.benchmarks import prompt_inputs
     from megatron_s3ac.trainer.data import VisionProcessor
 
-    paths = save_vision_miniature(str(tmp_path / "data"), num_prompts=8, eval_prompts=4, convert=True, task="read")
+    paths = save_vision_miniature(str(tmp_path / "data"), num_prompts=8, eval_prompts=4, convert=True, task="read_noisy")
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"),
                       [f"model.hf_config={paths['model']}", f"model.engine_hf_dir={paths['model']}",
                        f"model.actor_init={paths['mcore']}", f"data.path={paths['train']}",

@@ -117,3 +117,34 @@ def test_read_task_split_and_drawings(tmp_path):
         write_vision_set(str(tmp_path / "x.jsonl"), held[:1], task="nope")
     with pytest.raises(ValueError, match="digits must be 1 or 2"):
         VisionTask("x", digits=3)
+
+
+def test_read_noisy_variants(tmp_path):
+    """The "read_noisy" difficulty: every drawing its own picture. Each pixel of variant v lies within ``noise`` of
+    the clean drawing, towards grey (glyph 255 -> [159, 255], background 0 -> [0, 96]); a variant is the same on
+    every call and differs from the others; task_split returns the sizes asked, held-out variants none of train's
+    (as pictures: no held-out array equals a training one); the written PNGs decode to those arrays."""
+    import numpy as np
+    from PIL import Image
+
+    from megatron_s3ac.trainer.tasks_vision import VISION_TASKS, draw_digits, task_split
+
+    t = VISION_TASKS["read_noisy"]
+    assert t.noise == 96 and t.digits == 1
+    clean = np.asarray(draw_digits((4,), (2, 1))).astype(int)
+    a, b = (np.asarray(t.image((4,), (2, 1), v)).astype(int) for v in (0, 1))
+    assert np.array_equal(a, np.asarray(t.image((4,), (2, 1), 0)))
+    assert not np.array_equal(a, b)
+    lit = clean > 0
+    assert ((a[lit] >= 255 - 96) & (a[lit] <= 255)).all() and ((a[~lit] >= 0) & (a[~lit] <= 96)).all()
+    assert (a[..., 0] == a[..., 1]).all() and (a != clean).mean() > 0.9  # grey noise on (nearly) every pixel
+    train, held = task_split(t, 300, 200, seed=0)
+    assert len(train) == 300 and len(held) == 200
+    assert max(v for *_, v in train) < 1_000_000 <= min(v for *_, v in held)
+    pics = lambda draws: {np.asarray(t.image(d, j, v)).tobytes() for d, j, v in draws}  # noqa: E731
+    assert len(pics(held)) == 200 and not pics(held) & pics(train)
+    path = write_vision_set(str(tmp_path / "n.jsonl"), held[:3], task="read_noisy")
+    rows = [json.loads(line) for line in open(path)]
+    for r, (d, j, v) in zip(rows, held[:3]):
+        got = np.asarray(Image.open(tmp_path / r["images"][0]).convert("RGB"))
+        assert r["answer"] == str(d[0]) and np.array_equal(got, np.asarray(t.image(d, j, v)))
