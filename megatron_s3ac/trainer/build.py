@@ -340,13 +340,24 @@ def image_prompts(prompts) -> bool:
     return any(getattr(p, "images", None) is not None for p in prompts)
 
 
+def image_eval_sets(cfg: Config) -> list[str]:
+    """The ``eval.benchmarks`` sets that are image benchmarks (their ``eval.schema_for`` entry, else their name, is a
+    MathVista / MathVision / MMMU-Pro layout: ``eval.benchmarks.vision_schema_for``). Evaluating them needs the
+    rollout engine to load the checkpoint multimodal, also in a run whose training prompts are text (the paper trains
+    Intern-S2 on text and reports MMMU-Pro, MathVision and MathVista-mini)."""
+    from megatron_s3ac.eval.benchmarks import vision_schema_for
+
+    return [n for n in cfg.eval.benchmarks if vision_schema_for(cfg.eval.schema_for.get(n) or n) is not None]
+
+
 def build_engine(cfg: Config, info, multimodal: bool = False):
     """Rank 0's rollout engine, chosen by ``rollout.engine`` through ``rollout.factory`` (the one factory of
     training, evaluation and coverage data). cpu: in this process (colocated) or its own Ray actor (separate:
     ``RemoteEngine``; same engine code, so the same samples for the same seed). sglang: ``rollout.sglang.num_engines``
     engines (an ``EnginePool`` of Ray actors; one colocated engine runs in this process).
     ``multimodal``: load a vision-language checkpoint as the full model (vision tower included) to serve image
-    prompts; the trainer derives it from its data (``image_prompts``), not from the engine's name.
+    prompts; the trainer derives it from its data and evaluation sets (``image_prompts``, ``image_eval_sets``), not
+    from the engine's name.
     Returns (engine, owns_ray): a Ray started here is shut down by ``Trainer.close``."""
     from megatron_s3ac.rollout.factory import build_rollout_engine, make_engine_factory
     from megatron_s3ac.trainer.config import EngineKind, Placement, engine_model_dir
@@ -383,8 +394,9 @@ def build_engine(cfg: Config, info, multimodal: bool = False):
             dev["resident_prefixes"] = resident
         factory = make_engine_factory(kind, model_dir=cfg.model.engine_hf_dir, torch_threads=threads, **dev)
     elif multimodal:
-        raise ConfigError("image prompts need the rollout engine to load the vision-language checkpoint: set "
-                          "model.engine_hf_dir to its HF directory (the tower's weights are not synced when frozen)")
+        raise ConfigError("image prompts (training data with images, or image sets in eval.benchmarks: "
+                          f"{image_eval_sets(cfg)}) need the rollout engine to load the vision-language checkpoint: "
+                          "set model.engine_hf_dir to its HF directory (the tower's weights are not synced when frozen)")
     else:
         if cfg.model.tiny is None:
             from transformers import AutoConfig

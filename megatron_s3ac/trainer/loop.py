@@ -79,8 +79,9 @@ class Trainer(EngineSide, RolloutPhases):
         if self._offload_colocated():  # the engine sizes its KV cache beside what its phases keep here: nothing
             self._place({}, off=["actor", "critic"])
             dist.barrier()  # every rank's memory is back before rank 0 starts the engines on the node's GPUs
-        # image prompts (data rows with an ``images`` column): the engine loads the VL checkpoint multimodal
-        self.multimodal = B.image_prompts(self.prompts)
+        # image prompts (data rows with an ``images`` column, or image benchmarks among the evaluation sets): the
+        # engine loads the VL checkpoint multimodal
+        self.multimodal = B.image_prompts(self.prompts) or bool(B.image_eval_sets(cfg))
         self.engine, self._owns_ray = (B.build_engine(cfg, self.info, multimodal=self.multimodal) if self.rank == 0
                                        else (None, False))
         self.sync_strategy = sync_strategy_for(cfg, self.engine)  # every rank: the same path, from the config

@@ -2,7 +2,9 @@
 Table 2: avg@16 for Qwen2.5-Math-1.5B, avg@32 for R1-Distill-1.5B; Table 3: avg@16 on AIME, avg@4 on
 GPQA-D and IMO-AnswerBench, avg@1 elsewhere; Minerva by an LLM judge), and every example still passes
 `s3ac-train check FILE` with its paths stood in (model dirs -> examples/hf_configs, data and checkpoints ->
-temporary files, eval sets -> fixtures of their release schema)."""
+temporary files, eval sets -> fixtures of their release schema). The Qwen3.5 examples list the paper's image
+benchmarks (MMMU-Pro, MathVision, MathVista-mini, avg@1) among their evaluation sets, which
+``trainer.build.image_eval_sets`` finds (the rollout engine then serves the VL checkpoint multimodal)."""
 import os
 import shutil
 
@@ -17,7 +19,9 @@ BENCH = os.path.join(ROOT, "examples", "benchmarks")
 FIXTURE = {"aime26": "aime26.jsonl", "hmmt26": "hmmt26.jsonl", "imo_answerbench": "imo_answerbench.csv",
            "gpqa_diamond": "gpqa_diamond.jsonl", "minerva": "minerva.jsonl", "math500": "math500.jsonl",
            "amc23": "amc23.jsonl", "aime24": "aime24.jsonl", "aime25": "aime25.jsonl",
-           "olympiadbench": "olympiadbench.jsonl"}
+           "olympiadbench": "olympiadbench.jsonl", "mmmu_pro": "mmmu_pro.jsonl", "mathvision": "mathvision.jsonl",
+           "mathvista": "mathvista.jsonl"}
+MULTIMODAL = dict.fromkeys(["mmmu_pro", "mathvision", "mathvista"], 1)  # the paper's image benchmarks, avg@1
 # file -> (hf config dir, {set: k} the paper reports, sets judged by an LLM)
 PAPER = {
     "examples/paper/qwen25_math_1p5b_k1.yaml": ("qwen2_5_math_1_5b", dict.fromkeys(
@@ -29,9 +33,10 @@ PAPER = {
     "examples/paper/qwen3_30b_a3b_ep.yaml": ("qwen3_30b_a3b", {"gpqa_diamond": 4, "imo_answerbench": 4, "aime24": 16,
                                                                "aime25": 16}, ["imo_answerbench"]),
     "examples/qwen3_5/qwen3_5_35b_a3b.yaml": ("qwen3_5_35b_a3b", {"gpqa_diamond": 4, "imo_answerbench": 4,
-                                                                  "aime24": 16, "aime25": 16}, ["imo_answerbench"]),
+                                                                  "aime24": 16, "aime25": 16, **MULTIMODAL},
+                                              ["imo_answerbench"]),
     "examples/qwen3_5/qwen3_5_397b_layout.yaml": ("qwen3_5_397b_a17b", {"gpqa_diamond": 4, "imo_answerbench": 4,
-                                                                        "hmmt26": 1}, ["imo_answerbench"]),
+                                                                        "hmmt26": 1, **MULTIMODAL}, ["imo_answerbench"]),
 }
 MODEL_DIRS = ("hf_config", "engine_hf_dir")
 
@@ -56,6 +61,8 @@ def stand_in(cfg: dict, hf: str, tmp) -> dict:
         dst = tmp / f"{name}{os.path.splitext(FIXTURE[name])[1]}"
         shutil.copy(os.path.join(BENCH, FIXTURE[name]), dst)
         cfg["eval"]["benchmarks"][name] = str(dst)
+    if set(cfg["eval"]["benchmarks"]) & set(MULTIMODAL):  # the image sets' pictures, by path relative to the file
+        shutil.copytree(os.path.join(BENCH, "images"), tmp / "images", dirs_exist_ok=True)
     return cfg
 
 
@@ -82,3 +89,7 @@ def test_eval_section_is_the_papers_and_the_example_checks(path, tmp_path, capsy
 
     for name, p in yaml.safe_load(out.read_text())["eval"]["benchmarks"].items():
         assert as_spec(name, p)[1].items
+    from megatron_s3ac.trainer.build import image_eval_sets
+    from megatron_s3ac.trainer.config import load_config
+
+    assert sorted(image_eval_sets(load_config(str(out)))) == sorted(set(MULTIMODAL) & set(ks))

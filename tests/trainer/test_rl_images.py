@@ -210,3 +210,38 @@ def test_critic_takes_the_actors_trained_tower_at_another_layout(miniature, tmp_
     rs = run_distributed(_critic_tower_from_actor, 2, paths, mcore, str(tmp_path / "run"))
     assert [(r["actor_first_stage"], r["critic_first_stage"]) for r in rs] == [(True, True), (False, True)]
     assert all(r["names"] and r["equal"] for r in rs), rs
+
+
+def test_text_rl_evaluates_image_benchmarks(miniature, tmp_path):
+    """Text training prompts with an image benchmark in ``eval.benchmarks`` (the paper's setting: Intern-S2 trained on
+    text, evaluated on MathVista / MathVision / MMMU-Pro): the engine loads the VL checkpoint multimodal for the
+    evaluation, and the periodic eval's avg@k after step 1 equals ``s3ac-eval`` on that step's training checkpoint
+    (converted to HF with its carried tower), the set named as in the run so the sampling seeds agree."""
+    import json
+
+    from megatron_s3ac.eval.cli import main as eval_main
+    from tests.trainer.test_trainer import _torchrun
+
+    paths, mcore = miniature
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (0, 3), (4, 4), (6, 2), (1, 1)]))
+    out = tmp_path / "run"
+    over = _overrides(paths, mcore, str(out), False, 1) + [f"data.path={text}", "train.eval_every=1",
+                                                           "train.save_every=1"]
+    cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"), over)
+    from megatron_s3ac.trainer.build import build_data, image_eval_sets, image_prompts
+
+    assert image_eval_sets(cfg) == ["heldout"] and not image_prompts(build_data(cfg, use_daps=False).prompts)
+    r = _torchrun([os.path.join(ROOT, "examples", "cpu_demo_vl.yaml")] + over, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(rows) == 1 and rows[0]["r3/agreement"] == 1.0
+    got = rows[0]["eval/heldout/avg@4"]
+    report = tmp_path / "report.json"
+    rc = eval_main(["--model", str(out / "checkpoints" / "step_000001"), "--hf-config", paths["model"],
+                    "--bench", f"heldout={paths['heldout_mathvista']}", "--schema", "heldout=mathvista", "--k", "4",
+                    "--temperature", "1.0", "--max-new-tokens", "3", "--template", "raw", "--reward", "arithmetic",
+                    "--out", str(report)])
+    assert rc == 0
+    assert json.load(open(report))["benchmarks"]["heldout"]["avg_at_k"] == got
