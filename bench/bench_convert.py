@@ -16,6 +16,11 @@ written) is printed beside it. Per repeat, each converter run follows a cp run o
 the table also shows the median of those paired ratios, and the 1-minute load average at each step.
 
     .venv/bin/python bench/bench_convert.py --dir /tmp/s3ac_bench --layers 5 14 --experts 32 --repeat 2
+    .venv/bin/python bench/bench_convert.py --arch qwen3_5_vl --dir /tmp/s3ac_bench_vl --layers 4 12 --experts 32
+
+``--arch qwen3_5_vl``: the complete Qwen3.5-35B-A3B VL checkpoint's shapes (its 27-block vision tower and MTP layer,
+which the converter carries as is in row blocks, beside the language model), to show the same streaming and memory
+bound for the carried tensors; the round trip is checked bit for bit.
 """
 from __future__ import annotations
 
@@ -66,12 +71,48 @@ def hub_tensors(cfg: dict):
     yield "lm_head.weight", (v, h)
 
 
-def write_random_hf(out: str, cfg: dict, shard_bytes: int = 1 << 30) -> int:
+QWEN3_5_35B = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "hf_configs", "qwen3_5_35b_a3b")
+
+
+def qwen3_5_vl_config(layers: int, experts: int) -> dict:
+    """Qwen3.5-35B-A3B's complete VL config (examples/hf_configs: the 27-block vision tower, hidden 2048, vocab
+    248320, one MTP layer) with ``layers`` language layers (every 4th full attention) and ``experts`` experts."""
+    with open(os.path.join(QWEN3_5_35B, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["text_config"].update(num_hidden_layers=layers, num_experts=experts)
+    cfg["text_config"].pop("layer_types", None)  # derived from full_attention_interval
+    cfg["dtype"] = "bfloat16"
+    return cfg
+
+
+def qwen3_5_vl_tensors(cfg: dict):
+    """(name, shape) of a complete Qwen3_5MoeForConditionalGeneration hub checkpoint: transformers' model built on
+    the meta device (the language model with fused experts, ``model.visual.*``) + the MTP layer the hub stores
+    (``mtp.fc`` [H, 2H], three norms, a full-attention MoE decoder layer; tests' save_tiny_qwen3_5_vl_full)."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**cfg))
+    sd = model.state_dict()
+    yield from ((n, tuple(t.shape)) for n, t in sd.items())
+    h = cfg["text_config"]["hidden_size"]
+    yield "mtp.fc.weight", (h, 2 * h)
+    for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        yield f"mtp.{n}.weight", (h,)
+    full = cfg["text_config"]["full_attention_interval"] - 1
+    src = f"model.language_model.layers.{full}."
+    yield from (("mtp.layers.0." + n[len(src):], tuple(t.shape)) for n, t in sd.items() if n.startswith(src))
+
+
+ARCHS = {"qwen3_moe": (hf_config, hub_tensors), "qwen3_5_vl": (qwen3_5_vl_config, qwen3_5_vl_tensors)}
+
+
+def write_random_hf(out: str, cfg: dict, shard_bytes: int = 1 << 30, tensors_of=hub_tensors) -> int:
     """Random bf16 weights, one shard at a time, from a 64 MiB random pool (tensors start at
     different pool offsets, so they differ). Returns the total tensor bytes."""
     os.makedirs(out)
     pool = torch.randn(32 << 20, dtype=torch.bfloat16)
-    tensors = [(n, s, torch.bfloat16) for n, s in hub_tensors(cfg)]
+    tensors = [(n, s, torch.bfloat16) for n, s in tensors_of(cfg)]
     shards, cur, size = [], [], 0
     for t in tensors:
         n = 2 * int(torch.Size(t[1]).numel())
@@ -98,6 +139,11 @@ def write_random_hf(out: str, cfg: dict, shard_bytes: int = 1 << 30) -> int:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, open(os.path.join(out, INDEX), "w"))
     json.dump(cfg, open(os.path.join(out, "config.json"), "w"), indent=1)
     return total
+
+
+def carried_bytes(cfg: dict, tensors_of) -> int:
+    """Bytes of the tensors the converter carries as is (Qwen3.5: ``model.visual.*``, ``mtp.*``), bf16."""
+    return sum(2 * int(torch.Size(s).numel()) for n, s in tensors_of(cfg) if n.startswith(("model.visual.", "mtp.")))
 
 
 # Runs the command as its child and reports its wall time and rusage. The converter must not be forked
@@ -133,15 +179,17 @@ def timed(cmd: list[str]) -> tuple[float, int, float, float]:
     return dt, maxrss_kb * 1024, core, load
 
 
-def bench_size(root: str, layers: int, experts: int, workers: int, repeat: int) -> dict:
+def bench_size(root: str, layers: int, experts: int, workers: int, repeat: int, arch: str = "qwen3_moe") -> dict:
     """Best of ``repeat`` for each of the four steps (this machine is shared: best-of filters noise
     from other jobs for cp and converter alike)."""
     base = os.path.join(root, f"L{layers}")
     hf, mc, back, cp1, cp2 = (os.path.join(base, x) for x in ("hf", "mcore", "hf_back", "cp_hf", "cp_mcore"))
     os.makedirs(base)
-    total = write_random_hf(hf, hf_config(layers, experts))
+    config_of, tensors_of = ARCHS[arch]
+    cfg = config_of(layers, experts)
+    total = write_random_hf(hf, cfg, tensors_of=tensors_of)
     cli = [sys.executable, "-m", "checkpoints_convert"]
-    r = {"layers": layers, "experts": experts, "GB": total / 1e9}
+    r = {"layers": layers, "experts": experts, "GB": total / 1e9, "carried_GB": carried_bytes(cfg, tensors_of) / 1e9}
     runs = {k: [] for k in ("cp_hf", "h2m", "cp_mc", "m2h")}
     for _ in range(repeat):
         for d in (mc, back):
@@ -160,8 +208,27 @@ def bench_size(root: str, layers: int, experts: int, workers: int, repeat: int) 
         r[k + "_load"] = [round(x[3], 2) for x in v]
     for cp, conv in (("cp_hf", "h2m"), ("cp_mc", "m2h")):  # ratio of each converter run to the cp before it
         r[conv + "_paired"] = statistics.median(a[0] / b[0] for a, b in zip(runs[cp], runs[conv]))
+    r["round_trip_equal"] = same_tensor_bytes(hf, back)
     shutil.rmtree(base)
     return r
+
+
+def same_tensor_bytes(a: str, b: str) -> bool:
+    """Every tensor of HF dir ``a`` is in ``b`` with the same dtype, shape and bytes (read one at a time)."""
+    from safetensors import safe_open
+
+    def where(d):
+        with open(os.path.join(d, INDEX)) as f:
+            return json.load(f)["weight_map"]
+
+    wa, wb = where(a), where(b)
+    if set(wa) != set(wb):
+        return False
+    for name, fa in wa.items():
+        with safe_open(os.path.join(a, fa), "pt") as x, safe_open(os.path.join(b, wb[name]), "pt") as y:
+            if not torch.equal(x.get_tensor(name), y.get_tensor(name)):
+                return False
+    return True
 
 
 def main() -> None:
@@ -171,6 +238,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2, help="runs per step; the best time is reported")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen3_moe",
+                    help="qwen3_moe: Qwen3-30B-A3B shapes; qwen3_5_vl: Qwen3.5-35B-A3B's complete VL checkpoint "
+                         "(27-block vision tower and MTP layer, carried as is) with --layers language layers")
     args = ap.parse_args()
     if os.path.exists(args.dir):
         sys.exit(f"{args.dir} exists; remove it or pass another --dir")
@@ -179,11 +249,12 @@ def main() -> None:
         free = shutil.disk_usage(args.dir).free
         rows = []
         for L in args.layers:
-            need = 4.5 * (0.62 + L * (0.04 + args.experts * 3 * 768 * 2048 * 2 / 1e9)) * 1e9
+            config_of, tensors_of = ARCHS[args.arch]  # input, mcore, hf back and two cp copies, at most
+            need = 4.5 * sum(2 * int(torch.Size(s).numel()) for _, s in tensors_of(config_of(L, args.experts)))
             if need > free * 0.8:
                 sys.exit(f"not enough disk for {L} layers: need ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-            print(f"== {L} layers x {args.experts} experts")
-            rows.append(bench_size(args.dir, L, args.experts, args.workers, args.repeat))
+            print(f"== {args.arch}: {L} layers x {args.experts} experts")
+            rows.append(bench_size(args.dir, L, args.experts, args.workers, args.repeat, args.arch))
         print(f"\nworkers={args.workers}, best of {args.repeat}; GB/s; ratio = converter throughput / cp -r "
               f"throughput of the same input; ext = wall time of the process as a user sees it, int = the "
               f"converter's own timing (no start-up); paired = median over repeats of cp time / converter "
@@ -198,6 +269,9 @@ def main() -> None:
                   f"{r['h2m_rss'] / 2**20:5.0f}MB | {g / r['cp_mc_s']:7.2f} | {g / r['m2h_s']:13.2f} "
                   f"{r['cp_mc_s'] / r['m2h_s']:5.2f} {g / r['m2h_core_s']:6.2f} {r['cp_mc_s'] / r['m2h_core_s']:5.2f} "
                   f"{r['m2h_paired']:6.2f} {r['m2h_rss'] / 2**20:5.0f}MB")
+        for r in rows:
+            print(f"{r['GB']:7.2f}G: carried (vision tower, MTP) {r['carried_GB']:.2f} GB; round trip "
+                  f"{'bit-exact' if r['round_trip_equal'] else 'DIFFERS'}")
         print("load (1 min) at each step:", "; ".join(
             f"{r['GB']:.2f}G " + " ".join(f"{k}={r[k + '_load']}" for k in ("cp_hf", "h2m", "cp_mc", "m2h"))
             for r in rows))
