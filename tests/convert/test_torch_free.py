@@ -103,18 +103,41 @@ _NO_TORCH = textwrap.dedent("""
 """)
 
 
+def round_trip_without_torch(hf: str, tmp_path) -> tuple[str, str]:
+    """hf-to-mcore then mcore-to-hf of ``hf`` through the CLI, each in a fresh process that must not import torch /
+    numpy / megatron / safetensors / transformers. Returns (mcore dir, HF dir written back)."""
+    m, back = str(tmp_path / "m"), str(tmp_path / "hf")
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    for src, dst, cmd in ((hf, m, "hf-to-mcore"), (m, back, "mcore-to-hf")):
+        r = subprocess.run([sys.executable, "-c", _NO_TORCH, src, dst, cmd], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "HEAVY []" in r.stdout, (cmd, r.stdout)
+        assert "GB/s" in r.stdout
+    return m, back
+
+
+def assert_tiny_buffer_is_default(hf: str, tmp_path, monkeypatch) -> None:
+    """hf-to-mcore of ``hf`` through a 97-byte buffer (no kernel copies) is byte for byte the default conversion."""
+    from megatron_s3ac.convert import hf_to_mcore
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    hf_to_mcore(hf, a, workers=1, progress=False)
+    monkeypatch.setattr(dcp_io, "COPY_BUFFER", 97)
+    monkeypatch.setattr(dcp_io, "SPLICE_MIN_BYTES", 1 << 62)
+    hf_to_mcore(hf, b, workers=1, progress=False)
+    files = sorted(f for f in os.listdir(a) if f.endswith(".distcp") or f in (".metadata", "common.pt"))
+    assert files == sorted(f for f in os.listdir(b) if f.endswith(".distcp") or f in (".metadata", "common.pt"))
+    for f in files:
+        if f != ".metadata":  # holds the directory name
+            assert open(os.path.join(a, f), "rb").read() == open(os.path.join(b, f), "rb").read(), f
+
+
 def test_cli_both_directions_import_no_torch(hf_dirs, tmp_path):
     """Both CLI commands on our own checkpoints, start to finish, without torch / numpy / megatron /
     safetensors / transformers (start-up ~0.1 s instead of ~1.5 s); the round trip stays bit-exact."""
     from safetensors.torch import load_file
 
-    m, back = str(tmp_path / "m"), str(tmp_path / "hf")
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    for src, dst, cmd in ((hf_dirs["qwen3_moe"], m, "hf-to-mcore"), (m, back, "mcore-to-hf")):
-        r = subprocess.run([sys.executable, "-c", _NO_TORCH, src, dst, cmd], capture_output=True, text=True, env=env)
-        assert r.returncode == 0, r.stderr
-        assert "HEAVY []" in r.stdout, (cmd, r.stdout)
-        assert "GB/s" in r.stdout
+    m, back = round_trip_without_torch(hf_dirs["qwen3_moe"], tmp_path)
     assert os.path.exists(os.path.join(m, ".metadata"))
     files = lambda d: {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")  # noqa: E731
                        for k, v in load_file(os.path.join(d, f)).items()}
@@ -289,19 +312,7 @@ def test_metadata_streamed_to_file_equals_in_memory(mcore_dirs, tmp_path):
 def test_tiny_copy_buffer_splits_everything(hf_dirs, tmp_path, monkeypatch):
     """Everything through a 97-byte buffer (no kernel copies) cuts zip records, tensor bytes and QKV
     pieces at odd places: the checkpoint is still byte for byte the default one."""
-    from megatron_s3ac.convert import hf_to_mcore
-
-    hf = hf_dirs["qwen3_moe"]
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    hf_to_mcore(hf, a, workers=1, progress=False)
-    monkeypatch.setattr(dcp_io, "COPY_BUFFER", 97)
-    monkeypatch.setattr(dcp_io, "SPLICE_MIN_BYTES", 1 << 62)
-    hf_to_mcore(hf, b, workers=1, progress=False)
-    files = sorted(f for f in os.listdir(a) if f.endswith(".distcp") or f in (".metadata", "common.pt"))
-    assert files == sorted(f for f in os.listdir(b) if f.endswith(".distcp") or f in (".metadata", "common.pt"))
-    for f in files:
-        if f != ".metadata":  # holds the directory name
-            assert open(os.path.join(a, f), "rb").read() == open(os.path.join(b, f), "rb").read(), f
+    assert_tiny_buffer_is_default(hf_dirs["qwen3_moe"], tmp_path, monkeypatch)
 
 
 def test_kernel_copied_chunks_keep_the_source_page_phase(hf_dirs, tmp_path, monkeypatch):

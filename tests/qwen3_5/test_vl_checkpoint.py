@@ -175,30 +175,12 @@ def test_complete_checkpoint_streams_like_the_text_model(vl_full, tmp_path, monk
     transformers and round-trip bit-exact with the side files; through a 97-byte copy buffer (no kernel copies;
     carried rows cut at odd places in 2 KiB blocks) the checkpoint is byte for byte the default one. (Peak RSS on
     the 35B's real vision tower and MTP shapes: bench/bench_convert.py --arch qwen3_5_vl.)"""
-    import subprocess
-    import sys
-
-    from megatron_s3ac.convert import dcp_io
-    from tests.convert.test_torch_free import _NO_TORCH
+    from tests.convert.test_torch_free import assert_tiny_buffer_is_default, round_trip_without_torch
 
     hf, _ = vl_full
-    m, back = str(tmp_path / "m"), str(tmp_path / "hf")
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    for src, dst, cmd in ((hf, m, "hf-to-mcore"), (m, back, "mcore-to-hf")):
-        r = subprocess.run([sys.executable, "-c", _NO_TORCH, src, dst, cmd], capture_output=True, text=True, env=env)
-        assert r.returncode == 0, r.stderr
-        assert "HEAVY []" in r.stdout, (cmd, r.stdout)
+    _, back = round_trip_without_torch(hf, tmp_path)
     src = _assert_same_tensors(hf, back)
     assert any(k.startswith("model.visual.") for k in src) and any(k.startswith("mtp.") for k in src)
     assert _side_files(back) == _side_files(hf)
     assert all(filecmp.cmp(os.path.join(hf, f), os.path.join(back, f), shallow=False) for f in _side_files(hf))
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    hf_to_mcore(hf, a, workers=1, progress=False)
-    monkeypatch.setattr(dcp_io, "COPY_BUFFER", 97)
-    monkeypatch.setattr(dcp_io, "SPLICE_MIN_BYTES", 1 << 62)
-    hf_to_mcore(hf, b, workers=1, progress=False)
-    files = sorted(f for f in os.listdir(a) if f.endswith(".distcp") or f in (".metadata", "common.pt"))
-    assert files == sorted(f for f in os.listdir(b) if f.endswith(".distcp") or f in (".metadata", "common.pt"))
-    for f in files:
-        if f != ".metadata":  # holds the directory name
-            assert open(os.path.join(a, f), "rb").read() == open(os.path.join(b, f), "rb").read(), f
+    assert_tiny_buffer_is_default(hf, tmp_path / "buf", monkeypatch)
