@@ -191,9 +191,10 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
 
     import torch.distributed as dist
 
-    from megatron_s3ac.models import cpu_compat
+    from megatron_s3ac.models import cpu_compat, save_queue
 
     cpu_compat.enable()
+    save_queue.install()  # megatron's checkpoint writer's helper process ends with this one, killed or not
     if dist.is_initialized():
         return
     if backend is None:
