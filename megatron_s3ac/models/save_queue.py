@@ -40,6 +40,8 @@ def write_results_queue():
 
         manager = SyncManager(ctx=mp.get_context("spawn"))
         manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
+        # the Manager object is kept: its finaliser (util.Finalize on the object) shuts the server down once it is
+        # garbage-collected, and the queue proxy alone does not keep it alive
         _STATE["manager"], _STATE["queue"] = manager, manager.Queue()
     return _STATE["queue"]
 
