@@ -202,5 +202,8 @@ class Qwen35Moe(Arch):
                 "qwen3_5_moe MTP layers are not supported (mtp_num_layers must be unset): the converter "
                 "drops the mtp.* tensors and the model is built without the MTP head")
         from megatron_s3ac.models.qwen3_5_spec import qwen3_5_block_spec
+        from megatron_s3ac.models.specs import have_transformer_engine
 
+        if use_te is None:  # as every other architecture: TE's kernels wherever TE and CUDA are (what s3ac-plan costs)
+            use_te = have_transformer_engine()
         return qwen3_5_block_spec(config, use_te=bool(use_te), pp_rank=pp_rank)

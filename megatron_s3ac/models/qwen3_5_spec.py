@@ -248,7 +248,8 @@ def _gdn_layer_spec(config, moe_spec):
 
 def _te_block_spec(config, pp_rank):
     """megatron's TE hybrid spec, with the GDN output norm made plain (see module docstring).
-    Not exercised on this project's CPU machines (no Transformer Engine): use_te=True is opt-in."""
+    Chosen wherever Transformer Engine and CUDA are (``use_te=None``, models/qwen3_5.py); not exercised on this
+    project's CPU machines (no TE): the GPU device checks build it."""
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_block_with_experimental_attention_variant_spec)
 
