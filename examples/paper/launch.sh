@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Multi-node launcher for the paper settings. Node count / addresses / GPUs come from SLURM or env:
-#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE (defaults: SLURM_* or 1 node, all GPUs).
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE (defaults: SLURM_* or 1 node, all GPUs),
+#   TRAINER_GPUS_PER_NODE (rollout.placement: separate; default GPUS_PER_NODE, see below).
 #   S3AC_ROOT: the checkout (default: this script's, or SLURM_SUBMIT_DIR under sbatch: submit from the repo root).
 #   sbatch -N 4 --gpus-per-node 8 examples/paper/launch.sh [SUBCOMMAND] examples/paper/qwen25_math_1p5b_k16.yaml [key=value ...]
 # SUBCOMMAND: an s3ac-train subcommand, default `pipeline` (coverage data -> value pretraining -> RL, each stage
@@ -41,11 +42,26 @@ if [ -z "${GPUS_PER_NODE:-}" ]; then  # count "GPU i: ..." lines; no nvidia-smi 
     exit 2
   fi
 fi
+# rollout.placement: separate (the engines on GPUs of their own): TRAINER_GPUS_PER_NODE of each node's GPUs run the
+# trainer's ranks (torchrun; rank r uses cuda:LOCAL_RANK, the first ones), the rest go to Ray for the engine actors
+# (`ray start` under CUDA_VISIBLE_DEVICES of those GPUs: Ray maps its slots through the raylet's list,
+# ray/_private/worker.py get_accelerator_ids_for_accelerator_resource) and to vLLM's servers (rollout/engines/vllm:
+# engine_devices, after LOCAL_WORLD_SIZE). Default: every GPU to both (colocated: the engines sleep while it trains).
+TRAINER_GPUS_PER_NODE=${TRAINER_GPUS_PER_NODE:-$GPUS_PER_NODE}
+if ! [ "$TRAINER_GPUS_PER_NODE" -ge 1 ] 2>/dev/null || [ "$TRAINER_GPUS_PER_NODE" -gt "$GPUS_PER_NODE" ]; then
+  echo "launch.sh: TRAINER_GPUS_PER_NODE=$TRAINER_GPUS_PER_NODE must be 1..GPUS_PER_NODE ($GPUS_PER_NODE)" >&2
+  exit 2
+fi
+NODE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS_PER_NODE - 1)))}
+ENGINE_DEVICES=$(echo "$NODE_DEVICES" | cut -d, -f$((TRAINER_GPUS_PER_NODE + 1))- -s)
+[ "$TRAINER_GPUS_PER_NODE" -lt "$GPUS_PER_NODE" ] || ENGINE_DEVICES=$NODE_DEVICES
+RAY_GPUS=$GPUS_PER_NODE
+[ "$TRAINER_GPUS_PER_NODE" -eq "$GPUS_PER_NODE" ] || RAY_GPUS=$((GPUS_PER_NODE - TRAINER_GPUS_PER_NODE))
 MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n1 || echo localhost)}
 MASTER_PORT=${MASTER_PORT:-29500}
 RAY_PORT=${RAY_PORT:-6379}
 RAY_JOIN_TIMEOUT=${RAY_JOIN_TIMEOUT:-300}
-export NNODES GPUS_PER_NODE MASTER_ADDR MASTER_PORT RAY_PORT RAY_JOIN_TIMEOUT
+export NNODES GPUS_PER_NODE TRAINER_GPUS_PER_NODE MASTER_ADDR MASTER_PORT RAY_PORT RAY_JOIN_TIMEOUT
 # The Qwen2.5-Math examples serve 2,048 + 16,384 tokens (rollout.sglang.context_length 18432) on a model whose
 # config says 4,096 positions; sglang 0.5.23 accepts a longer context only with this set in the engines'
 # environment (sglang/srt/configs/model_config.py:1303-1315). Ray actors inherit it from the driver.
@@ -70,10 +86,12 @@ ray_up() {  # start (node 0) or join (others) the job's Ray cluster; stop it at 
     export RAY_AUTH_MODE
   fi
   if [ "$NODE_RANK" = 0 ]; then
-    ray start --head --port "$RAY_PORT" --num-gpus "$GPUS_PER_NODE" --disable-usage-stats --include-dashboard false
+    CUDA_VISIBLE_DEVICES=$ENGINE_DEVICES ray start --head --port "$RAY_PORT" --num-gpus "$RAY_GPUS" \
+      --disable-usage-stats --include-dashboard false
   else
     local deadline=$((SECONDS + RAY_JOIN_TIMEOUT))
-    until ray start --address "$MASTER_ADDR:$RAY_PORT" --num-gpus "$GPUS_PER_NODE" --disable-usage-stats; do
+    until CUDA_VISIBLE_DEVICES=$ENGINE_DEVICES ray start --address "$MASTER_ADDR:$RAY_PORT" --num-gpus "$RAY_GPUS" \
+        --disable-usage-stats; do
       [ $SECONDS -lt $deadline ] || { echo "launch.sh: node $NODE_RANK could not join Ray at $MASTER_ADDR:$RAY_PORT" \
         "within ${RAY_JOIN_TIMEOUT}s" >&2; exit 1; }
       sleep 5
@@ -84,5 +102,5 @@ ray_up() {  # start (node 0) or join (others) the job's Ray cluster; stop it at 
 
 ray_up
 # not exec: the EXIT trap must run after torchrun to stop this node's Ray
-torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
+torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$TRAINER_GPUS_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" -m megatron_s3ac.trainer.cli "$CMD" "$CFG" "$@"

@@ -591,6 +591,16 @@ def visible_devices() -> dict:
     return {"host": socket.gethostname(), "cuda": [ipc.device_key(i) for i in range(n)]}
 
 
+def shared_devices(trainer_keys: Sequence[Optional[str]], engine_keys: Sequence[Sequence[str]]) -> list[str]:
+    """Separate placement: the trainer ranks' ``ipc.device_key()`` (None: not on a GPU) against every engine TP
+    rank's (``EnginePool.device_keys()``) -> one line per GPU both use ("rank 3 and engine 0 TP rank 1 on GPU-..");
+    empty when they are disjoint. Two NCCL ranks on one device are refused ("Duplicate GPU detected") or run out of
+    memory, so the sync refuses it first, naming who."""
+    mine = {k: r for r, k in enumerate(trainer_keys) if k is not None}
+    return [f"trainer rank {mine[k]} and engine {e} TP rank {t} on GPU {k}"
+            for e, keys in enumerate(engine_keys) for t, k in enumerate(keys) if k in mine]
+
+
 def tp_device_keys(bundles: Sequence[dict], tp_size: int, base_gpu_id: int = 0, gpu_id_step: int = 1,
                    what: str = "the engine") -> list[str]:
     """Device key of each TP rank of an engine spanning len(bundles) nodes (one bundle, one node_rank each): sglang

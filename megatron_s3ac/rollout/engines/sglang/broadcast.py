@@ -25,6 +25,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_s3ac.rollout.engines.sglang import ipc
 from megatron_s3ac.rollout.sync.messages import recv_obj, send_obj
 from megatron_s3ac.rollout.sync.planned import planned_weights
 from megatron_s3ac.rollout.sync.rendezvous import free_port, rendezvous_address
@@ -301,9 +302,11 @@ class StageBroadcastSync:
             addr = self.master_address or rendezvous_address()
             mine = (stage, addr, free_port(addr))
         rows = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, (mine, list(self.pool.tp_sizes) if me == ctl else None))
-        tp_sizes = next(t for _, t in rows if t is not None)
-        addrs = {m[0]: (m[1], m[2]) for m, _ in rows if m is not None}
+        key = ipc.device_key() if torch.cuda.is_available() else None  # CPU slots are not devices: nothing to share
+        dist.all_gather_object(rows, (mine, list(self.pool.tp_sizes) if me == ctl else None, key))
+        tp_sizes = next(t for _, t, _ in rows if t is not None)
+        addrs = {m[0]: (m[1], m[2]) for m, _, _ in rows if m is not None}
+        self._check_disjoint(ctl, [k for _, _, k in rows])
         world = 1 + sum(tp_sizes)
         self.roles = dict(controller=ctl, leaders=leaders, stage=stage, leader=leader, tp_sizes=tp_sizes,
                           device=_comm_device(), backend=backend)
@@ -321,6 +324,23 @@ class StageBroadcastSync:
         if refs:
             self.pool.wait(refs, "init_weights_update_group", self.timeout_s)
         dist.barrier()
+
+    def _check_disjoint(self, ctl: int, trainer_keys) -> None:
+        """Collective: every rank raises when an engine shares a GPU with a trainer rank (``shared_devices``)."""
+        from megatron_s3ac.rollout.engines.pool import shared_devices
+
+        box = [None]
+        if dist.get_rank() == ctl and any(k is not None for k in trainer_keys):
+            try:
+                box[0] = shared_devices(trainer_keys, self.pool.device_keys())
+            except Exception as err:  # every rank raises it, none waits forever
+                box[0] = [f"{type(err).__name__}: {err}"]
+        dist.broadcast_object_list(box, src=ctl)
+        if box[0]:
+            raise ValueError(
+                f"rank {dist.get_rank()}: rollout.placement: separate, but the engines share GPUs with the trainer: "
+                f"{'; '.join(box[0][:4])}{' ...' if len(box[0]) > 4 else ''}. Give the engines GPUs of their own "
+                f"(examples/paper/launch.sh: TRAINER_GPUS_PER_NODE < GPUS_PER_NODE; Ray then gets the rest)")
 
     # -- one sync -------------------------------------------------------------------------------
     def _serve(self, stage: int, header, broadcast) -> None:
