@@ -115,9 +115,13 @@ def read_rows(path: str) -> tuple[list[Any], dict[str, int]]:
         return pq.read_table(path).to_pylist(), {}
     if ext == ".json":
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as err:
+                raise EvalInputError(f"{path}: not JSON ({err.msg} at line {err.lineno}, column {err.colno})") \
+                    from None
         if not isinstance(data, list):
-            raise ValueError(f"{path}: a .json benchmark must hold a list of rows")
+            raise EvalInputError(f"{path}: a .json benchmark must hold a list of rows, got {type(data).__name__}")
         return data, {}
     if ext == ".csv":  # IMO-AnswerBench's release format; quoted cells may span lines
         with open(path, encoding="utf-8", newline="") as f:
@@ -468,8 +472,26 @@ def load_benchmark(name: str, source: Union[str, Iterable[Any]], schema: Optiona
             counts[reason] += 1
         else:
             items.append(item)
+    if path is not None and not items:  # a table of n/a would read as a result: refuse, naming the file
+        why = "; skipped: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) if counts else ""
+        raise EvalInputError(f"{path}: benchmark {name!r} has no usable row ({len(rows)} parsed{why}"
+                             f"{_first_bad_line(path)})")
     return Benchmark(name=name, items=items, skipped=dict(counts), reward=declared_reward(rows, path),
                      source=path or "<rows>")
+
+
+def _first_bad_line(path: str) -> str:
+    """"; line N is not JSON: ..." for the first undecodable line of a .jsonl file, else "" (error messages)."""
+    if not path.endswith(".jsonl"):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as err:
+                    return f"; line {n} is not JSON: {err.msg} at column {err.colno}"
+    return ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -616,9 +638,13 @@ def prompt_ids(item: Item, tokenizer, template: str = "auto") -> list[int]:
     if item.token_ids:
         return list(item.token_ids)
     text = render_prompt(item, tokenizer, template)
-    if not callable(tokenizer):
-        return list(tokenizer.encode(text))
-    return list(tokenizer(text, add_special_tokens=not uses_chat_template(tokenizer, template))["input_ids"])
+    try:
+        if not callable(tokenizer):
+            return list(tokenizer.encode(text))
+        return list(tokenizer(text, add_special_tokens=not uses_chat_template(tokenizer, template))["input_ids"])
+    except Exception as err:  # tokenizers raises its own Exception ("WordLevel error: Missing [UNK] token")
+        raise EvalInputError(f"the tokenizer cannot encode the prompt {item.prompt[:60]!r} "
+                             f"({type(err).__name__}: {err})") from None
 
 
 def prompt_inputs(item: Item, tokenizer, template: str = "auto", vision=None):

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 from megatron_s3ac.eval.benchmarks import EvalInputError
 from megatron_s3ac.eval.report import format_table, write_report
-from megatron_s3ac.eval.runner import BenchmarkSpec, as_spec, evaluate, resolve_reward
+from megatron_s3ac.eval.runner import BenchmarkSpec, as_spec, check_encodable, evaluate, resolve_reward
 from megatron_s3ac.rollout.base import SamplingParams
 
 
@@ -52,6 +52,27 @@ def mcore_checkpoint_dir(path: str):
         if os.path.isfile(os.path.join(candidate, ".metadata")):
             return candidate
     return None
+
+
+def check_weight_files(model_dir: str) -> None:
+    """EvalInputError naming the first *.safetensors file of ``model_dir`` that is truncated or malformed (its
+    header against its size: safetensors' own checks, ``convert.safetensors_io.parse_header``), before a model
+    loads and dies in a raw deserializer traceback."""
+    from megatron_s3ac.convert.safetensors_io import MAX_HEADER, parse_header
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")) if os.path.isdir(model_dir) else []
+    for f in files:
+        path = os.path.join(model_dir, f)
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            raw = head + fh.read(min(n, MAX_HEADER))
+        try:
+            parse_header(raw, size)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise EvalInputError(f"{path}: not a complete safetensors file ({err}); the checkpoint is truncated "
+                                 f"or damaged") from None
 
 
 @contextlib.contextmanager
@@ -188,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         return _run(args)
-    except EvalInputError as e:
+    except (EvalInputError, FileNotFoundError, UnicodeDecodeError) as e:
         print(f"s3ac-eval: {e}", file=sys.stderr)
         return 2
 
@@ -235,7 +256,9 @@ def _run(args: argparse.Namespace) -> int:
             # transformers would build the model type's tokenizer with an empty vocabulary and every
             # response would decode to "" (scored 0): refuse instead
             raise EvalInputError(f"{tok_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass --tokenizer DIR")
+        check_weight_files(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        check_encodable(benches, tokenizer, args.template)  # a row it cannot encode: named now, not mid-run
         from megatron_s3ac.trainer.data import VisionProcessor
 
         # image benchmarks: the checkpoint's image processor, and the cpu / hf engine loads the full VL model

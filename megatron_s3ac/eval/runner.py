@@ -184,6 +184,24 @@ def _check_decodable(name: str, tokenizer, bad: list[int], content: int, empty: 
                          f"(a model directory without tokenizer files gets an empty stand-in)")
 
 
+def encoded_prompt(bench: Benchmark, index: int, item, tokenizer, template: str, vision=None):
+    """``prompt_inputs`` of item ``index`` of ``bench``; an EvalInputError names the file and the item."""
+    try:
+        return prompt_inputs(item, tokenizer, template, vision)
+    except EvalInputError as err:
+        raise EvalInputError(f"{bench.source}: item {index} of {bench.name}: {err}") from None
+
+
+def check_encodable(benches: dict, tokenizer, template: str) -> None:
+    """Every text item of ``{name: BenchmarkSpec}`` through the tokenizer, before an engine starts (image items are
+    expanded at generation: their processor needs the model)."""
+    for spec in benches.values():
+        bench = spec.source
+        for i, it in enumerate(bench.items):
+            if not it.images:
+                encoded_prompt(bench, i, it, tokenizer, template)
+
+
 def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: int, params: SamplingParams,
                   seed: int, template: str, pool, batch_size: int, keep_samples: bool, judge=None, vision=None) -> dict:
     if k < 1:
@@ -196,7 +214,7 @@ def _evaluate_one(engine, tokenizer, bench: Benchmark, spec: BenchmarkSpec, k: i
     bad, content, empty, example = [], 0, 0, ()
     for b, start in enumerate(range(0, len(items), batch_size)):
         batch = items[start:start + batch_size]
-        inputs = [prompt_inputs(it, tokenizer, template, vision) for it in batch]
+        inputs = [encoded_prompt(bench, start + j, it, tokenizer, template, vision) for j, it in enumerate(batch)]
         ids, images = [i for i, _ in inputs], [im for _, im in inputs]
         p = dataclasses.replace(params, seed=batch_seed(seed, bench.name, b))
         if any(im is not None for im in images):
