@@ -340,16 +340,6 @@ def image_prompts(prompts) -> bool:
     return any(getattr(p, "images", None) is not None for p in prompts)
 
 
-def check_partial_rollout_prompts(cfg: Config, prompts) -> None:
-    """ConfigError when ``rollout.partial_rollout`` meets image prompts in the training data: an interrupted
-    response is resumed from its token ids alone (``rollout.partial.continuation_requests``), without its images;
-    sglang then skips its multimodal processor (managers/io_struct.py:399-404) and writes the rest image-blind."""
-    if cfg.rollout.partial_rollout and image_prompts(prompts):
-        raise ConfigError("rollout.partial_rollout=true with image prompts in the training data: an interrupted "
-                          "response is resumed from its token ids alone, without its images, so the engine would "
-                          "generate the rest image-blind; set rollout.partial_rollout=false")
-
-
 def image_eval_sets(cfg: Config) -> list[str]:
     """The ``eval.benchmarks`` sets that are image benchmarks (their ``eval.schema_for`` entry, else their name, is a
     MathVista / MathVision / MMMU-Pro layout: ``eval.benchmarks.vision_schema_for``). Evaluating them needs the

@@ -82,7 +82,6 @@ class Trainer(EngineSide, RolloutPhases):
         # image prompts (data rows with an ``images`` column, or image benchmarks among the evaluation sets): the
         # engine loads the VL checkpoint multimodal
         self.multimodal = B.image_prompts(self.prompts) or bool(B.image_eval_sets(cfg))
-        B.check_partial_rollout_prompts(cfg, self.prompts)  # before any engine starts
         self.engine, self._owns_ray = (B.build_engine(cfg, self.info, multimodal=self.multimodal) if self.rank == 0
                                        else (None, False))
         self.sync_strategy = sync_strategy_for(cfg, self.engine)  # every rank: the same path, from the config

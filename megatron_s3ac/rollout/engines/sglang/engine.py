@@ -383,8 +383,6 @@ class SGLangEngine(RolloutEngine):
         if hf is not None:
             check_servable(hf, f"{config.model_path}")
         text = (hf or {}).get("text_config") or (hf or {})
-        # a VL checkpoint's image placeholder: continuations holding it are refused (generate_continuations)
-        self.image_token_id = (hf or {}).get("image_token_id") if (hf or {}).get("vision_config") else None
         self.num_layers = num_layers or text.get("num_hidden_layers")
         self.top_k = top_k or text.get("num_experts_per_tok")
         self.num_experts = (num_experts or text.get("num_experts") or text.get("num_local_experts")
@@ -545,15 +543,7 @@ class SGLangEngine(RolloutEngine):
         """One request per (prefix = prompt + partial response, budget): sglang prefills the prefix with the weights
         of this moment and samples up to ``budget`` tokens (request k seeded ``params.seed + k``); the sample's
         prompt_ids are the prefix, its response / log-probs the new tokens, its routes every row (the prefix's
-        recomputed now), as CPUEngine.generate_continuations. Text prefixes only: a continuation goes as input_ids
-        with no image_data, and sglang then skips the multimodal processor (managers/io_struct.py:399-404), so an
-        image prompt's tail would be generated image-blind; a prefix holding the image placeholder is refused."""
-        if self.image_token_id is not None:
-            for i, (p, _) in enumerate(requests):
-                if any(int(t) == int(self.image_token_id) for t in p):
-                    raise ValueError(f"{self.name}: continuation {i} holds image tokens ({self.image_token_id}): "
-                                     f"partial rollout of image prompts is not supported (sglang would generate "
-                                     f"the rest without the image; set rollout.partial_rollout=false)")
+        recomputed now), as CPUEngine.generate_continuations."""
         if return_routed_experts and not self.config.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs SGLangConfig(enable_return_routed_experts=True)")
         self._check_awake("generate_continuations")
