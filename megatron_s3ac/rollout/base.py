@@ -247,17 +247,20 @@ class RolloutEngine(abc.ABC):
         raise PartialRolloutUnsupported(f"{type(self).__name__} cannot pause generation (rollout.partial_rollout)")
 
     def generate_continuations(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
-                               return_routed_experts: bool = False) -> list[Sample]:
-        """One sample per (prefix ids, max new tokens) request; ``params.max_new_tokens`` is ignored."""
+                               return_routed_experts: bool = False, images=None) -> list[Sample]:
+        """One sample per (prefix ids, max new tokens) request; ``params.max_new_tokens`` is ignored. ``images``:
+        one ImageInputs or None per request, the images of the prompt the prefix starts with (an image prompt's
+        continuation is generated seeing them, as its first piece was)."""
         raise PartialRolloutUnsupported(f"{type(self).__name__} cannot continue partial responses")
 
     def continue_async(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
-                       return_routed_experts: bool = False) -> PendingGeneration:
+                       return_routed_experts: bool = False, images=None) -> PendingGeneration:
         """``generate_continuations`` submitted as ``generate_async`` is (in-process: run now)."""
         import time
 
         t0 = time.time()
-        out = self.generate_continuations(requests, params, return_routed_experts)
+        kw = {} if images is None else {"images": images}  # engines written before image prompts: three arguments
+        out = self.generate_continuations(requests, params, return_routed_experts, **kw)
         return PendingGeneration(lambda: (out, t0, time.time()))
 
     def generate_groups(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,

@@ -82,8 +82,12 @@ class PartialRollout:
 
                 # a seed of its own per (batch, version): the continuation draws differ from the first piece's
                 p = dataclasses.replace(p, seed=p.seed + 104_729 * (version + 1))
+                # an image prompt's continuation needs its images again (the engine would prefill the image pad
+                # tokens as text otherwise: sglang/engine.py generate_continuations); text-only batches pass none
+                images = [groups[gi][ki].images for gi, ki, _, _ in reqs]
+                kw = {"images": images} if any(im is not None for im in images) else {}
                 pend = tr.engine.continue_async([(pre, b) for _, _, pre, b in reqs], p,
-                                                return_routed_experts=tr.r3_on)
+                                                return_routed_experts=tr.r3_on, **kw)
             e.pending = PartialPending(groups, reqs, pend, version)
             if reqs:  # streaming rewards scored the pieces: the merged responses are scored at collection instead
                 e.rewards = None

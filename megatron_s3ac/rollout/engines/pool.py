@@ -140,8 +140,10 @@ class EngineWorker:
     def continue_generation(self):
         return self.engine.continue_generation()
 
-    def continuations(self, requests, params, return_routed_experts):
-        return self.engine.generate_continuations(requests, params, return_routed_experts)
+    def continuations(self, requests, params, return_routed_experts, images=None):
+        if images is None:  # engines without image prompts keep their three-argument generate_continuations
+            return self.engine.generate_continuations(requests, params, return_routed_experts)
+        return self.engine.generate_continuations(requests, params, return_routed_experts, images=images)
 
     def call(self, method: str, args, kwargs):
         """engine.<method>(*args, **kwargs); method may be a dotted path (e.g. "engine.debug_...")."""
@@ -431,24 +433,29 @@ class EnginePool(RolloutEngine):
         """In each actor's default group: after the calls sent before it (the weight update)."""
         self._all("continue_generation")
 
-    def generate_continuations(self, requests, params: SamplingParams, return_routed_experts: bool = False):
-        return self.continue_async(requests, params, return_routed_experts).result()
+    def generate_continuations(self, requests, params: SamplingParams, return_routed_experts: bool = False,
+                               images=None):
+        return self.continue_async(requests, params, return_routed_experts, images).result()
 
-    def continue_async(self, requests, params: SamplingParams, return_routed_experts: bool = False
+    def continue_async(self, requests, params: SamplingParams, return_routed_experts: bool = False, images=None
                        ) -> PendingGeneration:
         """The continuations split into balanced contiguous chunks, one per engine (request k seeded
         ``params.seed + k`` on whichever engine runs it, as ``generate``); the samples in request order and the
-        call's (start, end) wall-clock span."""
+        call's (start, end) wall-clock span. ``images`` (one ImageInputs or None per request) go with their
+        requests' chunk."""
         import time
 
         import ray
 
         self._check()
         reqs = [([int(t) for t in p], int(b)) for p, b in requests]
+        images = check_images([p for p, _ in reqs], images)
         t0 = time.time()
         refs = []
         for e, lo, hi, p in split_generation(len(reqs), params, 1, self.num_engines):
-            refs.append((e, self.actors[e].continuations.remote(reqs[lo:hi], p, bool(return_routed_experts))))
+            chunk = None if images is None else check_images(reqs[lo:hi], images[lo:hi])
+            refs.append((e, self.actors[e].continuations.remote(reqs[lo:hi], p, bool(return_routed_experts),
+                                                                chunk)))
 
         def wait():
             out = [s for chunk in self.wait(refs, "generate_continuations()") for s in chunk]

@@ -589,20 +589,22 @@ class CPUEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate_continuations(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
-                               return_routed_experts: bool = False) -> list[Sample]:
+                               return_routed_experts: bool = False, images=None) -> list[Sample]:
         """One sample per (prefix ids, budget) request: the prefix (prompt + partial response) is prefilled with the
         current weights and up to ``budget`` new tokens sampled; the sample's prompt_ids are the prefix, its
         response / log-probs / routes the new tokens only (routes: rows of the prefix too, recomputed now).
-        Text prefixes only: an image prompt's continuation would need its images (not carried yet), so a prefix
-        holding image placeholders is refused rather than served as text."""
+        ``images`` (one ImageInputs or None per request): the prompt's images, prefilled with the prefix as
+        ``generate`` prefills an image prompt; a prefix holding image placeholders without its images is refused
+        rather than served as text."""
+        prefixes = [list(map(int, p)) for p, _ in requests]
+        images = check_images(prefixes, images)
         if self._vision_model() is not None:
             image_id = int(self.model.config.image_token_id)
-            for i, (p, _) in enumerate(requests):
-                if any(int(t) == image_id for t in p):
-                    raise ValueError(f"continuation {i} holds image tokens ({image_id}): partial rollout of image "
-                                     f"prompts is not supported (set rollout.partial_rollout=false)")
-        return self._generate_rows([list(map(int, p)) for p, _ in requests], params, [int(b) for _, b in requests],
-                                   return_routed_experts)
+            for i, p in enumerate(prefixes):
+                if (images is None or images[i] is None) and any(t == image_id for t in p):
+                    raise ValueError(f"continuation {i} holds image tokens ({image_id}) but no images: partial "
+                                     f"rollout of image prompts needs the prompt's images with the continuation")
+        return self._generate_rows(prefixes, params, [int(b) for _, b in requests], return_routed_experts, images)
 
     def _generate_rows(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
                        return_routed_experts: bool, row_images=None) -> list[Sample]:

@@ -139,10 +139,11 @@ class EngineHost:
     def continue_generation(self):
         return self.engine.continue_generation()
 
-    def continuations_timed(self, requests, params, return_routed_experts):
+    def continuations_timed(self, requests, params, return_routed_experts, images=None):
         """generate_continuations + its (start, end) wall-clock seconds."""
         t0 = time.time()
-        out = self.engine.generate_continuations(requests, params, return_routed_experts)
+        kw = {} if images is None else {"images": images}  # engines without image prompts: three arguments
+        out = self.engine.generate_continuations(requests, params, return_routed_experts, **kw)
         return out, t0, time.time()
 
     def generate(self, prompt_ids, params, n_samples, return_routed_experts, images=None):
@@ -391,16 +392,18 @@ class RemoteEngine(RolloutEngine):
         """In the default group: after the calls sent before it (the weight update)."""
         self._call("continue_generation", what="continue_generation()")
 
-    def generate_continuations(self, requests, params: SamplingParams, return_routed_experts: bool = False):
-        return self.continue_async(requests, params, return_routed_experts).result()
+    def generate_continuations(self, requests, params: SamplingParams, return_routed_experts: bool = False,
+                               images=None):
+        return self.continue_async(requests, params, return_routed_experts, images).result()
 
-    def continue_async(self, requests, params: SamplingParams, return_routed_experts: bool = False
+    def continue_async(self, requests, params: SamplingParams, return_routed_experts: bool = False, images=None
                        ) -> PendingGeneration:
         import ray
 
         self._check()
         reqs = [([int(t) for t in p], int(b)) for p, b in requests]
-        ref = self._actor.continuations_timed.remote(reqs, params, bool(return_routed_experts))
+        images = check_images([p for p, _ in reqs], images)
+        ref = self._actor.continuations_timed.remote(reqs, params, bool(return_routed_experts), images)
         return PendingGeneration(lambda: self._get(ref, "generate_continuations()"),
                                  ready=lambda: bool(ray.wait([ref], timeout=0)[0]))
 

@@ -539,15 +539,25 @@ class SGLangEngine(RolloutEngine):
             self._paused = False
 
     def generate_continuations(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
-                               return_routed_experts: bool = False) -> list[Sample]:
+                               return_routed_experts: bool = False, images=None) -> list[Sample]:
         """One request per (prefix = prompt + partial response, budget): sglang prefills the prefix with the weights
         of this moment and samples up to ``budget`` tokens (request k seeded ``params.seed + k``); the sample's
         prompt_ids are the prefix, its response / log-probs the new tokens, its routes every row (the prefix's
-        recomputed now), as CPUEngine.generate_continuations."""
+        recomputed now), as CPUEngine.generate_continuations.
+
+        ``images`` (one ImageInputs or None per request): an image prompt's continuation carries the prompt's
+        processor_output dict again, as its first piece did. Without it sglang skips the multimodal processor
+        (``contains_mm_input``, managers/io_struct.py:399-404; tokenizer_manager.py:1159-1163) and prefills the
+        image pad tokens as text, with text positions: the tail is generated image-blind. With it the ids are kept
+        as given (base_processor.py:1293-1304), the image items are placed at the pad tokens found in them
+        (1997-2004: the prefix starts with the expanded prompt) and the mRoPE positions are computed over the
+        whole prefix (processors/qwen_vl.py:1005-1140), so the response tokens sit after the image as in the
+        first piece."""
         if return_routed_experts and not self.config.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs SGLangConfig(enable_return_routed_experts=True)")
         self._check_awake("generate_continuations")
         prefixes = [list(map(int, p)) for p, _ in requests]
+        images = check_images(prefixes, images)
         budgets = [int(b) for _, b in requests]
         if any(b < 1 for b in budgets):
             raise ValueError(f"every continuation needs a token budget >= 1, got {min(budgets)}")
@@ -559,12 +569,16 @@ class SGLangEngine(RolloutEngine):
         base = self._seed_base + self._calls * 1_000_000 if params.seed is None else None
         sampling = [to_sglang_sampling_params(dataclasses.replace(params, max_new_tokens=b), seed_offset=k,
                                               base_seed=base) for k, b in enumerate(budgets)]
-        outputs = self._engine_generate(prefixes, sampling, return_routed_experts, None)
+        image_data = None if images is None else [None if im is None else [processor_output(im)] for im in images]
+        outputs = self._engine_generate(prefixes, sampling, return_routed_experts, image_data)
         if outputs is None:
             outputs = [{"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}} for _ in prefixes]
         if len(outputs) != len(prefixes):
             raise SGLangError(f"{self.name}: {len(outputs)} outputs for {len(prefixes)} continuations")
-        return [self._to_sample(p, out, return_routed_experts) for p, out in zip(prefixes, outputs)]
+        samples = [self._to_sample(p, out, return_routed_experts) for p, out in zip(prefixes, outputs)]
+        for s, im in zip(samples, images or ()):
+            s.images = im
+        return samples
 
     def _check_lengths(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Refuse before sglang is called: sglang raises ValueError if any prompt + max_new_tokens > context
