@@ -90,3 +90,30 @@ def test_resume_sends_each_continuation_its_prompts_images():
                                    _params=lambda step: SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
         PartialRollout(ar, max_versions=4).resume(1)
         assert calls[-1].get("images") == want
+
+
+def test_cpu_engine_continuation_of_an_image_prompt_sees_the_image(vl_ckpt):
+    """The CPU engine (rollout.engine: cpu / hf) takes the images too and continues exactly; without them it still
+    refuses a prefix holding image tokens rather than serve it as text."""
+    from megatron_s3ac.models.multimodal import ImageInputs
+    from megatron_s3ac.rollout.base import SamplingParams
+    from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
+    from megatron_s3ac.rollout.partial import merge
+    from megatron_s3ac.testing.tiny_qwen3_5 import tiny_image_prompt
+
+    eng = CPUEngine.from_pretrained(vl_ckpt, multimodal=True, tokenizer=None)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, seed=0)
+    for seed in range(8):
+        ids, pv, grid = tiny_image_prompt(seed)
+        prompt, image = ids[0].tolist(), ImageInputs(pv, grid)
+        (full,), = eng.generate([prompt], greedy, images=[image])
+        if max(full.response_ids) < 90:
+            break
+    (first,), = eng.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True, seed=0),
+                             images=[image])
+    (cont,) = eng.generate_continuations([(prompt + first.response_ids, 4)], greedy, images=[image])
+    merged = merge(first, cont, 1)
+    assert merged.response_ids == full.response_ids
+    np.testing.assert_allclose(merged.logprobs, full.logprobs, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="needs the prompt's images"):
+        eng.generate_continuations([(prompt + first.response_ids, 4)], greedy)
