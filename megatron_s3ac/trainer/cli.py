@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli pipeline examples/cpu_demo.yaml
     torchrun --nproc-per-node 2 -m megatron_s3ac.trainer.cli demo   examples/cpu_demo.yaml
     s3ac-train check cfg.yaml [key=value ...] [--strict] [--for train|pipeline]   # validate + plan memory
+    s3ac-train rehearse cfg.yaml [key=value ...] [--report FILE]   # the cluster job's start-up, on CPU
 
 ``pipeline`` runs the paper's recipe as resumable stages in one job (trainer.pipeline; docs/trainer.md
 "Pipeline"): warm-up (model.tiny) -> coverage data -> value pretraining -> RL; a stage whose DONE.json
@@ -17,6 +18,11 @@ would not pretrain the critic either), which ``--strict`` refuses.
 layout rule (world-size rules when WORLD_SIZE or a ``cluster:`` section gives the world size) and, with a
 ``cluster:`` section, the memory fit per phase and pipeline stage. Layout errors exit 2; memory misfits are
 warnings (stderr), or exit 2 with ``--strict``.
+
+``rehearse`` (not under torchrun; trainer.rehearse, docs/rehearse.md) runs the job's start-up at the cluster's
+size on this machine: config checks and the planner at the cluster's world size, the engines' launch (devices per
+process, the engine's own argument rules; Ray placing SGLang's pool on fake GPUs), the layer spec on a GPU with
+TE. Exit 1 naming the first defect, 2 for a config it cannot read.
 
 ``train`` / ``value-pretrain`` / ``demo`` on a machine with CUDA first check the installed GPU stack
 (``megatron_s3ac.env.check_environment(require_gpu=True)``): a known-bad combination (e.g. an sglang
@@ -44,6 +50,9 @@ _USAGE = {
     "check": ("s3ac-train check CONFIG.yaml [key=value ...] [--strict] [--for train|pipeline]",
               "validate the config and run the planner's pre-flight (layout rules; memory fit with a cluster: "
               "section). Layout errors exit 2; memory misfits are warnings, or exit 2 with --strict."),
+    "rehearse": ("s3ac-train rehearse CONFIG.yaml [key=value ...] [--report FILE]   (not under torchrun)",
+                 "the cluster job's start-up rehearsed on CPU at the cluster's size (docs/rehearse.md): exit 1 "
+                 "naming the first defect; TRAINER_GPUS_PER_NODE as launch.sh takes it."),
 }
 _HELP = ("-h", "--help")
 
@@ -83,12 +92,21 @@ def main(argv=None) -> int:
         if check_for not in ("train", "pipeline"):
             print(f"s3ac-train check: --for {check_for!r} must be train or pipeline", file=sys.stderr)
             return 2
+    report = None
+    if "--report" in args:
+        i = args.index("--report")
+        report = args[i + 1] if i + 1 < len(args) else None
+        del args[i:i + 2]
     cmd, path, overrides = _parse(args)
-    if cmd not in ("train", "value-pretrain", "pipeline", "demo", "check"):
-        print(f"unknown command {cmd!r}; use train | value-pretrain | pipeline | demo | check", file=sys.stderr)
+    if cmd not in _USAGE:
+        print(f"unknown command {cmd!r}; use {' | '.join(_USAGE)}", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_config(path, overrides, check=cmd != "rehearse")  # a rehearsal's files live on the cluster
+        if cmd == "rehearse":
+            from megatron_s3ac.trainer.rehearse import rehearse
+
+            return rehearse(cfg, report=report)
         if cmd in ("pipeline", "demo"):
             from megatron_s3ac.trainer.pipeline import pipeline_errors
 

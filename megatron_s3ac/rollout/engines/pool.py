@@ -114,7 +114,11 @@ class EngineWorker:
     def ready(self) -> dict:
         config = getattr(self.engine, "config", None)
         ctx = getattr(self.engine, "context_length", None)  # tokens (prompt + response); None: unknown
+        import ray
+
         return {"pid": os.getpid(), "node": socket.gethostname(), "engine": type(self.engine).__name__,
+                # Ray's GPUs for this actor (its CUDA_VISIBLE_DEVICES); none outside Ray
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else [],
                 "tp_size": int(getattr(config, "tp_size", 1) or 1),
                 "base_gpu_id": int(getattr(config, "base_gpu_id", 0) or 0),
                 "gpu_id_step": int((getattr(config, "extra", None) or {}).get("gpu_id_step", 1)),

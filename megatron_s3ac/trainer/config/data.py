@@ -1,10 +1,9 @@
 """The ``data`` section."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
-from megatron_s3ac.trainer.config.enums import Task
+from megatron_s3ac.trainer.config.enums import Task, path_missing
 
 
 @dataclass
@@ -27,7 +26,7 @@ class DataCfg:
     seed: int = 1
 
     def errors(self) -> list[str]:
-        if self.task == Task.math and (self.path is None or not os.path.exists(self.path)):
+        if self.task == Task.math and (self.path is None or path_missing(self.path)):
             return [f"data.path={self.path!r} does not exist (task=math needs a jsonl/parquet prompt set)"]
         if self.task == Task.multistep:
             from megatron_s3ac.trainer.tasks_multistep import spec_of

@@ -1,8 +1,30 @@
 """The config's choice enums and its error (``trainer.config`` re-exports them)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import os
+
+_CHECK_PATHS = contextvars.ContextVar("s3ac_config_check_paths", default=True)
+
+
+@contextlib.contextmanager
+def paths_elsewhere():
+    """Within: the config checks do not ask whether its files exist (a config whose files live on the cluster,
+    checked here for everything else: ``s3ac-train rehearse``)."""
+    token = _CHECK_PATHS.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_PATHS.reset(token)
+
+
+def path_missing(path, directory: bool = False) -> bool:
+    """True when ``path`` (not None) should exist here and does not (a directory when ``directory``)."""
+    if path is None or not _CHECK_PATHS.get():
+        return False
+    return not (os.path.isdir(path) if directory else os.path.exists(path))
 
 
 class ConfigError(ValueError):
@@ -56,7 +78,7 @@ class Recompute(str, enum.Enum):
 
 def _missing_paths(section: str, obj, keys) -> list[str]:
     return [f"{section}.{k}={getattr(obj, k)!r} does not exist" for k in keys
-            if getattr(obj, k) is not None and not os.path.exists(getattr(obj, k))]
+            if path_missing(getattr(obj, k))]
 
 
 class Stage(str, enum.Enum):  # trainer.pipeline's stages, in order

@@ -1,10 +1,9 @@
 """The ``demo``, ``pipeline``, ``eval``, ``cluster`` and ``train`` sections."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
-from megatron_s3ac.trainer.config.enums import R3_MODES, Recompute, Stage
+from megatron_s3ac.trainer.config.enums import R3_MODES, Recompute, Stage, path_missing
 
 
 @dataclass
@@ -60,7 +59,7 @@ class PipelineCfg:
                 out.append(f"pipeline.policies[{i}]={p!r} must be an HF dir or a warm-up step number")
             elif isinstance(p, int) and p < 1:
                 out.append(f"pipeline.policies[{i}]={p} must be a warm-up step number >= 1")
-            elif isinstance(p, str) and not os.path.isdir(p):
+            elif isinstance(p, str) and path_missing(p, directory=True):
                 out.append(f"pipeline.policies[{i}]={p!r} is not a directory (an HF policy checkpoint)")
         if self.policies is not None and not self.policies:
             out.append("pipeline.policies is empty (null: the warm-up's snapshots)")
@@ -123,7 +122,7 @@ class EvalCfg:
     judge: JudgeCfg = field(default_factory=JudgeCfg)  # free-form answers: math_verify | llm (eval.judge)
 
     def errors(self) -> list[str]:
-        out = [f"eval.benchmarks.{n}={p!r} does not exist" for n, p in self.benchmarks.items() if not os.path.exists(p)]
+        out = [f"eval.benchmarks.{n}={p!r} does not exist" for n, p in self.benchmarks.items() if path_missing(p)]
         out += self.judge.errors()
         unknown = set(self.judge.sets) - set(self.benchmarks) - ({"heldout"} if self.heldout else set())
         if unknown:

@@ -148,13 +148,9 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         kw.update(s.extra)
         return kw
 
-    def _start(self, seed: int, env: dict) -> None:
+    def server_env(self, env: dict) -> dict:
+        """The server process's environment: rank 0's, this package on its path, its own GPUs, then ``env``."""
         s = self.settings
-        self._port_file = os.path.join(self._tmp, "port")
-        spec = {"llm": self._llm_kwargs(seed), "port_file": self._port_file}
-        spec_path = os.path.join(self._tmp, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
         penv = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
         penv["PYTHONPATH"] = REPO_ROOT  # this package (import-light modules only) for the server and its workers
         penv.setdefault("VLLM_CONFIGURE_LOGGING", "1")
@@ -169,6 +165,16 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
                 trainer_local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                 visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
         penv.update(env)
+        return penv
+
+    def _start(self, seed: int, env: dict) -> None:
+        s = self.settings
+        self._port_file = os.path.join(self._tmp, "port")
+        spec = {"llm": self._llm_kwargs(seed), "port_file": self._port_file}
+        spec_path = os.path.join(self._tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        penv = self.server_env(env)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([self.python, "-m", "megatron_s3ac.rollout.engines.vllm.server", "--spec",
                                       spec_path],

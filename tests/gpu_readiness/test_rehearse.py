@@ -1,0 +1,156 @@
+"""``s3ac-train rehearse`` (issue 41): the example configs rehearse clean, and the rehearsal names the defect when a
+fix of the second GPU-path review is undone (each undone in this process the way the code read before its fix):
+
+* finding 2 (vLLM servers started without their own devices): every engine on the node's first GPUs;
+* finding 4 (``vllm.LLM(data_parallel_size > 1)``): vLLM's own rule on the keywords the server gets;
+* finding 5 (Qwen3.5 built from torch modules on a GPU with TE): the layer spec against the planner's TE kernels;
+* finding 7 (routed experts turned prefix caching off): the keywords again;
+* finding 1's class (engines on the trainer's GPUs): the launch script's split, read from the script itself.
+
+Independent references: the GPU indices follow from the launch script's variables and vLLM's / SGLang's device
+rules by hand (engine e of g GPUs after T trainer ranks: T + e*g ..); Ray places the SGLang pool for real.
+"""
+import os
+import shutil
+
+import pytest
+
+from tests._examples import EXAMPLES, ROOT
+
+VLLM_SEPARATE = ["rollout.engine=vllm", "rollout.placement=separate", "rollout.vllm.num_engines=2",
+                 "rollout.vllm.gpus_per_engine=2", "rollout.vllm.tp_size=2", "actor_layout.tp=1"]
+MOE = ["examples/paper/qwen3_30b_a3b_ep.yaml", "model.hf_config=examples/hf_configs/qwen3_30b_a3b"]
+
+
+def _rehearse(capsys, monkeypatch, args, trainer_gpus=None):
+    from megatron_s3ac.trainer.cli import main
+
+    monkeypatch.chdir(ROOT)
+    if trainer_gpus is None:
+        monkeypatch.delenv("TRAINER_GPUS_PER_NODE", raising=False)
+    else:
+        monkeypatch.setenv("TRAINER_GPUS_PER_NODE", str(trainer_gpus))
+    rc = main(["rehearse", *args])
+    cap = capsys.readouterr()
+    _rehearse.err = cap.err
+    return rc, cap.out
+
+
+def _engine_lines(out):
+    return [line.strip() for line in out.splitlines() if line.strip().startswith(("vllm engine", "sglang engine"))]
+
+
+@pytest.mark.parametrize("example,hf", EXAMPLES[3:4] + [pytest.param(*e, marks=pytest.mark.slow) for e in
+                                                         EXAMPLES[:3] + EXAMPLES[4:6]] + EXAMPLES[6:])
+def test_example_configs_rehearse_clean(capsys, monkeypatch, example, hf):
+    rc, out = _rehearse(capsys, monkeypatch, [example, f"model.hf_config=examples/hf_configs/{hf}"])
+    assert rc == 0, out
+    assert "rehearsal: no defect found" in out
+    assert "[ok] config" in out and "[ok] engines" in out and "[ok] kernels" in out
+
+
+def test_vllm_separate_engines_after_the_trainer_ranks(capsys, monkeypatch):
+    rc, out = _rehearse(capsys, monkeypatch, MOE + VLLM_SEPARATE, trainer_gpus=4)
+    assert rc == 0, out
+    # by hand: 4 trainer ranks take GPUs 0..3; engine e of 2 GPUs takes 4 + 2e, 5 + 2e
+    assert _engine_lines(out) == ["vllm engine 0: node 0 GPUs [4, 5] (CUDA_VISIBLE_DEVICES=4,5)",
+                                  "vllm engine 1: node 0 GPUs [6, 7] (CUDA_VISIBLE_DEVICES=6,7)"]
+
+
+def test_finding_2_undone_engines_without_devices(capsys, monkeypatch):
+    from megatron_s3ac.rollout.engines.vllm.engine import VLLMEngine
+
+    fixed = VLLMEngine.server_env
+    monkeypatch.setattr(VLLMEngine, "server_env", lambda self, env: {
+        k: v for k, v in fixed(self, env).items() if k != "CUDA_VISIBLE_DEVICES"})  # the server env before 910d2fe
+    rc, out = _rehearse(capsys, monkeypatch, MOE + VLLM_SEPARATE, trainer_gpus=4)
+    assert rc == 1
+    assert "DEFECT: vllm engine 0 worker 0 on node 0 GPU 0 is trainer local rank 0's GPU" in out
+    assert "DEFECT: vllm engine 1 worker 0 on node 0 GPU 0 and vllm engine 0 worker 0 on node 0 GPU 0: two engine " \
+           "workers on one GPU" in out
+    assert "gpu_worker.py:498" in out  # why: vLLM's own rule for a server that sees every GPU
+
+
+def test_finding_4_undone_data_parallel_engine(capsys, monkeypatch):
+    import megatron_s3ac.rollout.engines.vllm.settings as vs
+
+    real = vs.validate_vllm_settings
+
+    def before_3cca24a(s, **kw):  # dp_size accepted as long as the GPUs add up
+        import dataclasses
+        return real(dataclasses.replace(s, dp_size=1, gpus_per_engine=s.tp_size), **kw)
+
+    monkeypatch.setattr(vs, "validate_vllm_settings", before_3cca24a)
+    rc, out = _rehearse(capsys, monkeypatch, MOE + VLLM_SEPARATE + ["rollout.vllm.num_engines=1",
+                                                                     "rollout.vllm.dp_size=2",
+                                                                     "rollout.vllm.gpus_per_engine=4"], trainer_gpus=4)
+    assert rc == 1
+    assert "vllm engine 0: vllm.LLM(data_parallel_size=2) raises in vLLM itself (entrypoints/llm.py:282-294)" in out
+    # the same defect through a pass-through keyword, with every fix in place
+    monkeypatch.undo()
+    rc, out = _rehearse(capsys, monkeypatch, MOE + VLLM_SEPARATE + ["rollout.vllm.extra.data_parallel_size=2"],
+                        trainer_gpus=4)
+    assert rc == 1 and "vllm.LLM(data_parallel_size=2) raises in vLLM itself" in out
+
+
+def test_finding_7_undone_prefix_caching_off(capsys, monkeypatch):
+    import megatron_s3ac.rollout.engines.vllm.gpu as gpu
+
+    fixed = gpu.gpu_llm_kwargs
+
+    def before_4070531(s, return_routed_experts, *a, **k):
+        kw = fixed(s, return_routed_experts, *a, **k)
+        if return_routed_experts:
+            kw["enable_prefix_caching"] = False
+        return kw
+
+    monkeypatch.setattr(gpu, "gpu_llm_kwargs", before_4070531)
+    rc, out = _rehearse(capsys, monkeypatch, MOE + VLLM_SEPARATE, trainer_gpus=4)
+    assert rc == 1
+    assert "vllm engine 0: routed-expert capture with enable_prefix_caching=False" in out
+
+
+def test_finding_5_undone_qwen3_5_torch_spec_on_gpu(capsys, monkeypatch):
+    from megatron_s3ac.models import qwen3_5
+    from megatron_s3ac.models.qwen3_5_spec import qwen3_5_block_spec
+
+    monkeypatch.setattr(qwen3_5.Qwen35Moe, "block_spec",  # before d4449a5: None read as False
+                        lambda self, config, info, use_te, pp_rank=None: qwen3_5_block_spec(
+                            config, use_te=bool(use_te), pp_rank=pp_rank))
+    rc, out = _rehearse(capsys, monkeypatch, ["examples/qwen3_5/qwen3_5_35b_a3b.yaml",
+                                              "model.hf_config=examples/hf_configs/qwen3_5_35b_a3b"])
+    assert rc == 1
+    assert "[FAIL] kernels" in out and "qwen3_5_moe: on a GPU with Transformer Engine the layers are built from " \
+                                      "torch modules" in out
+
+
+def test_finding_1_class_launch_script_gives_ray_the_trainers_gpus(capsys, monkeypatch, tmp_path):
+    """launch.sh as it read before 7911234 (Ray and torchrun both given every GPU): SGLang's separate engines are
+    placed by Ray on GPUs the trainer's ranks use."""
+    import megatron_s3ac.trainer.rehearse as rh
+
+    src = open(os.path.join(ROOT, "examples/paper/launch.sh")).read()
+    old = src.replace('CUDA_VISIBLE_DEVICES=$ENGINE_DEVICES ray start', 'ray start').replace(
+        '--num-gpus "$RAY_GPUS"', '--num-gpus "$GPUS_PER_NODE"').replace(
+        '--nproc-per-node "$TRAINER_GPUS_PER_NODE"', '--nproc-per-node "$GPUS_PER_NODE"')
+    assert old != src
+    script = tmp_path / "launch.sh"
+    script.write_text(old)
+    monkeypatch.setattr(rh, "LAUNCH", str(script))
+    rc, out = _rehearse(capsys, monkeypatch, MOE + ["rollout.placement=separate", "rollout.sglang.num_engines=2",
+                                                    "actor_layout.tp=1", "actor_layout.ep=4", "cluster.gpus=8"],
+                        trainer_gpus=4)
+    assert rc == 1
+    assert "DEFECT: sglang engine 0 worker 0 on node 0 GPU 0 is trainer local rank 0's GPU" in out
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("args,trainer_gpus,message", [
+    (MOE[:1] + ["model.hf_config=/nonexistent"], None, "model.hf_config: /nonexistent does not exist here"),
+    (MOE + ["cluster.gpus=12"], None, "cluster.gpus: 12 is not a whole number of nodes of 8 GPUs"),
+    (MOE + ["cluster.gpus=0"], None, "cluster.gpus: not set"),
+    (MOE, 9, "TRAINER_GPUS_PER_NODE=9 must be 1..GPUS_PER_NODE (8)"),
+])
+def test_bad_input_exits_2_naming_it(capsys, monkeypatch, args, trainer_gpus, message):
+    rc, out = _rehearse(capsys, monkeypatch, args, trainer_gpus=trainer_gpus)
+    assert rc == 2 and message in _rehearse.err and "Traceback" not in _rehearse.err
