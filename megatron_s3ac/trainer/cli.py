@@ -50,7 +50,8 @@ _USAGE = {
     "check": ("s3ac-train check CONFIG.yaml [key=value ...] [--strict] [--for train|pipeline]",
               "validate the config and run the planner's pre-flight (layout rules; memory fit with a cluster: "
               "section). Layout errors exit 2; memory misfits are warnings, or exit 2 with --strict."),
-    "rehearse": ("s3ac-train rehearse CONFIG.yaml [key=value ...] [--report FILE]   (not under torchrun)",
+    "rehearse": ("s3ac-train rehearse CONFIG.yaml [key=value ...] [--report FILE] [--max-ranks N] [--no-run]   "
+                 "(not under torchrun)",
                  "the cluster job's start-up rehearsed on CPU at the cluster's size (docs/rehearse.md): exit 1 "
                  "naming the first defect; TRAINER_GPUS_PER_NODE as launch.sh takes it."),
 }
@@ -92,11 +93,23 @@ def main(argv=None) -> int:
         if check_for not in ("train", "pipeline"):
             print(f"s3ac-train check: --for {check_for!r} must be train or pipeline", file=sys.stderr)
             return 2
-    report = None
-    if "--report" in args:
-        i = args.index("--report")
-        report = args[i + 1] if i + 1 < len(args) else None
-        del args[i:i + 2]
+    report, max_ranks, run_job = None, 8, "--no-run" not in args
+    args = [a for a in args if a != "--no-run"]
+    for flag in ("--report", "--max-ranks"):
+        if flag in args:
+            i = args.index(flag)
+            if i + 1 >= len(args):
+                print(f"s3ac-train: {flag} needs a value", file=sys.stderr)
+                return 2
+            value = args[i + 1]
+            del args[i:i + 2]
+            if flag == "--report":
+                report = value
+            elif not value.isdigit() or int(value) < 1:
+                print(f"s3ac-train: --max-ranks {value!r} must be a positive integer", file=sys.stderr)
+                return 2
+            else:
+                max_ranks = int(value)
     cmd, path, overrides = _parse(args)
     if cmd not in _USAGE:
         print(f"unknown command {cmd!r}; use {' | '.join(_USAGE)}", file=sys.stderr)
@@ -106,7 +119,7 @@ def main(argv=None) -> int:
         if cmd == "rehearse":
             from megatron_s3ac.trainer.rehearse import rehearse
 
-            return rehearse(cfg, report=report)
+            return rehearse(cfg, report=report, max_ranks=max_ranks, run=run_job)
         if cmd in ("pipeline", "demo"):
             from megatron_s3ac.trainer.pipeline import pipeline_errors
 

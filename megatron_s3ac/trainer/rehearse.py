@@ -37,6 +37,7 @@ class Phase:
     ran: list = dataclasses.field(default_factory=list)  # one line per thing checked
     defects: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    tracebacks: list = dataclasses.field(default_factory=list)  # in --report only
 
 
 class RehearsalInputError(ConfigError):
@@ -119,8 +120,8 @@ def served_dir(cfg: Config, out: str) -> str:
 class Rehearsal:
     """One rehearsal of ``cfg``; ``run()`` -> the phases in order (a phase's exception is its defect)."""
 
-    def __init__(self, cfg: Config, log: Callable[[str], None] = print):
-        self.cfg, self.log = cfg, log
+    def __init__(self, cfg: Config, log: Callable[[str], None] = print, max_ranks: int = 8, run: bool = True):
+        self.cfg, self.log, self.max_ranks, self.run_job = cfg, log, max_ranks, run
         self.shape = cluster_shape(cfg)
         self.world = self.shape.nodes * self.shape.trainer_per_node
         self.phases: list[Phase] = []
@@ -128,7 +129,8 @@ class Rehearsal:
     def run(self) -> list[Phase]:
         with tempfile.TemporaryDirectory(prefix="s3ac-rehearse-") as tmp:
             self.tmp = tmp
-            for name, fn in (("config", self.config), ("engines", self.engines), ("kernels", self.kernels)):
+            phases = [("config", self.config), ("engines", self.engines), ("kernels", self.kernels)]
+            for name, fn in phases + ([("run", self.run_shrunk)] if self.run_job else []):
                 p = Phase(name)
                 t0 = time.monotonic()
                 try:
@@ -186,6 +188,13 @@ class Rehearsal:
             p.ran.append(f"{proc.name}: node {proc.node} GPUs {proc.devices} ({proc.how})")
         p.defects += device_defects(procs, self.shape)
         p.defects += engine_rules(f.kind, procs, self.shape)
+
+    def run_shrunk(self, p: Phase) -> None:
+        import copy
+
+        from megatron_s3ac.trainer.rehearse_run import run_phase
+
+        run_phase(copy.deepcopy(self.cfg), os.path.join(self.tmp, "job"), self.max_ranks, p)
 
     def kernels(self, p: Phase) -> None:
         from megatron_s3ac.models.actor_critic import build_transformer_config
@@ -257,9 +266,11 @@ def format_phase(p: Phase) -> str:
     return "\n".join([head] + [f"    {r}" for r in p.ran] + [f"    DEFECT: {d}" for d in p.defects])
 
 
-def rehearse(cfg: Config, log: Callable[[str], None] = print, report: Optional[str] = None) -> int:
-    """Run the rehearsal; 0 when no phase found a defect, else 1 (the first defect printed last)."""
-    phases = Rehearsal(cfg, log).run()
+def rehearse(cfg: Config, log: Callable[[str], None] = print, report: Optional[str] = None, max_ranks: int = 8,
+             run: bool = True) -> int:
+    """Run the rehearsal; 0 when no phase found a defect, else 1 (the first defect printed last). ``run``: the
+    shrunk job too (``--no-run``: the start-up phases only, seconds)."""
+    phases = Rehearsal(cfg, log, max_ranks, run).run()
     if report:
         with open(report, "w") as f:
             json.dump([dataclasses.asdict(p) for p in phases], f, indent=1)

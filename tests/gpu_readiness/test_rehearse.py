@@ -22,7 +22,7 @@ VLLM_SEPARATE = ["rollout.engine=vllm", "rollout.placement=separate", "rollout.v
 MOE = ["examples/paper/qwen3_30b_a3b_ep.yaml", "model.hf_config=examples/hf_configs/qwen3_30b_a3b"]
 
 
-def _rehearse(capsys, monkeypatch, args, trainer_gpus=None):
+def _rehearse(capsys, monkeypatch, args, trainer_gpus=None, run=False):
     from megatron_s3ac.trainer.cli import main
 
     monkeypatch.chdir(ROOT)
@@ -30,7 +30,7 @@ def _rehearse(capsys, monkeypatch, args, trainer_gpus=None):
         monkeypatch.delenv("TRAINER_GPUS_PER_NODE", raising=False)
     else:
         monkeypatch.setenv("TRAINER_GPUS_PER_NODE", str(trainer_gpus))
-    rc = main(["rehearse", *args])
+    rc = main(["rehearse", *args] + ([] if run else ["--no-run"]))
     cap = capsys.readouterr()
     _rehearse.err = cap.err
     return rc, cap.out
