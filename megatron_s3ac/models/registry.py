@@ -82,21 +82,27 @@ def get_arch(model_type: str) -> "Arch":
     return _REGISTRY[model_type]
 
 
+def read_config_json(path: str) -> dict:
+    """config.json as a dict: FileNotFoundError if absent, HFConfigError naming ``path`` if it is not a JSON object."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no HF config at {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise HFConfigError(f"{path}: not a JSON config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise HFConfigError(f"{path}: the config must be a JSON object, got a {type(cfg).__name__}")
+    return cfg
+
+
 def load_hf_config(src: str | os.PathLike | dict) -> dict:
     """Read an HF config (directory, config.json path or dict). Multimodal configs yield their text part."""
     if isinstance(src, dict):
         cfg = dict(src)
     else:
         path = os.path.join(src, "config.json") if os.path.isdir(src) else str(src)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no HF config at {path}")
-        try:
-            with open(path, encoding="utf-8") as f:
-                cfg = json.load(f)
-        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-            raise HFConfigError(f"{path}: not a JSON config ({e})") from None
-        if not isinstance(cfg, dict):
-            raise HFConfigError(f"{path}: the config must be a JSON object, got a {type(cfg).__name__}")
+        cfg = read_config_json(path)
     check_config_types(cfg, path if not isinstance(src, dict) else "config")
     if not isinstance(src, dict) and os.path.isdir(src):
         cfg = get_arch(cfg["model_type"]).from_checkpoint(cfg, str(src))
