@@ -29,10 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     a = ap.parse_args(argv)
     from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_rollout_engine
+    from megatron_s3ac.trainer.build import build_data
     from megatron_s3ac.trainer.config import ConfigError, EngineKind, load_config
     from megatron_s3ac.trainer.coverage import resolve_policies
-
-    from megatron_s3ac.trainer.build import build_data
 
     try:  # refuse before any rollout: no partial output
         try:

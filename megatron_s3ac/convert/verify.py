@@ -106,10 +106,9 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
            batch: int = 2, seq: int = 16, seed: int = 0, cp: int = 1) -> VerifyResult:
-    from megatron_s3ac.models.registry import load_hf_config, model_info
-
     from megatron_s3ac.convert.dcp_io import DistcpCheckpoint
     from megatron_s3ac.convert.safetensors_io import HFCheckpoint
+    from megatron_s3ac.models.registry import load_hf_config, model_info
 
     cfg = load_hf_config(hf_dir)
     info = model_info(cfg)  # vocab_size etc. from the text config (VL checkpoints nest it)
