@@ -29,11 +29,15 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     a = ap.parse_args(argv)
     from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_rollout_engine
+    from megatron_s3ac.trainer.build import build_data
     from megatron_s3ac.trainer.config import ConfigError, EngineKind, load_config
     from megatron_s3ac.trainer.coverage import resolve_policies
 
     try:  # refuse before any rollout: no partial output
-        cfg = load_config(a.config, a.overrides)
+        try:
+            cfg = load_config(a.config, a.overrides)
+        except ConfigError as err:  # the loader names the key; the file is named here
+            raise ConfigError(f"--config {a.config}: {err}") from None
         if a.checkpoints is not None:
             cfg.pipeline.policies = list(a.checkpoints)
         from megatron_s3ac.trainer.pipeline import stage_dirs
@@ -41,14 +45,13 @@ def main(argv=None) -> int:
         policies = resolve_policies(cfg, a.warmup_dir or stage_dirs(cfg)["warmup"])
         for ck in policies:
             validate_rollout_engine(EngineKind(cfg.rollout.engine).value, model_dir=ck, key="rollout.engine")
-    except (ConfigError, EngineConfigError, ValueError) as err:
+        data = build_data(cfg, use_daps=False)  # the prompt file: a bad row is named here, not mid-run
+    except (ConfigError, EngineConfigError, ValueError, FileNotFoundError) as err:
         print(f"build_coverage_data: {err}", file=sys.stderr)
         return 2
     from megatron_s3ac.rollout.rewards import RewardPool, get_reward, score_answers
-    from megatron_s3ac.trainer.build import build_data
     from megatron_s3ac.trainer.coverage import build_coverage
 
-    data = build_data(cfg, use_daps=False)
     r = cfg.rollout
     with RewardPool(num_workers=r.reward_workers, timeout_s=r.reward_timeout_s) as pool:
         def score(texts, refs):

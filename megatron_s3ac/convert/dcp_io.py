@@ -527,19 +527,41 @@ class DistcpCheckpoint:
         if not os.path.exists(os.path.join(ckpt_dir, ".metadata")):
             raise ConversionError(f"{ckpt_dir} is not a torch_dist checkpoint (no .metadata)")
         self.dir = ckpt_dir
-        self.md = load_metadata(os.path.join(ckpt_dir, ".metadata"))
-        if self.md is None:  # metadata with more than DCP's plain classes: DCP's own reader
-            from torch.distributed.checkpoint.filesystem import FileSystemReader
+        path = os.path.join(ckpt_dir, ".metadata")
+        try:
+            self.md = load_metadata(path)
+            if self.md is None:  # metadata with more than DCP's plain classes: DCP's own reader
+                from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-            self.md = FileSystemReader(ckpt_dir).read_metadata()
-        # (key, chunk offsets or None) -> (relative path, byte offset, length)
-        self.storage = {(i.fqn, None if getattr(i, "offset", None) is None else tuple(int(x) for x in i.offset)):
-                        (s.relative_path, s.offset, s.length) for i, s in self.md.storage_data.items()}
+                self.md = FileSystemReader(ckpt_dir).read_metadata()
+            # (key, chunk offsets or None) -> (relative path, byte offset, length)
+            self.storage = {(i.fqn, None if getattr(i, "offset", None) is None else tuple(int(x) for x in i.offset)):
+                            (s.relative_path, s.offset, s.length) for i, s in self.md.storage_data.items()}
+        except Exception as e:  # noqa: BLE001  (pickle, EOF, attribute errors alike: a damaged file)
+            raise ConversionError(f"{path}: not a readable torch_dist metadata file ({type(e).__name__}: {e}); "
+                                  f"the checkpoint is truncated or damaged") from None
+        self._check_files()
         self.files: dict[str, object] = {}
         self.cache: OrderedDict = OrderedDict()
         self.cache_chunks = cache_chunks
         self.contiguous_chunks = contiguous_chunks
         self.data_starts: dict[tuple, tuple[int, int]] = {}
+
+    def _check_files(self) -> None:
+        """Every file ``.metadata`` names exists and holds the byte ranges it places there: a truncated or
+        incomplete checkpoint is named here, before any output is written."""
+        ends: dict[str, tuple[int, str]] = {}
+        for (key, _), (rel, off, length) in self.storage.items():
+            if off + length > ends.get(rel, (-1, ""))[0]:
+                ends[rel] = (off + length, key)
+        for rel, (end, key) in sorted(ends.items()):
+            path = os.path.join(self.dir, rel)
+            if not os.path.isfile(path):
+                raise ConversionError(f"{path} is missing (.metadata stores {key} in it): the checkpoint is incomplete")
+            size = os.path.getsize(path)
+            if size < end:
+                raise ConversionError(f"{path} has {size} bytes, .metadata places {key} up to byte {end}: the "
+                                      f"checkpoint is truncated")
 
     def byte_range(self, key: str, offset: tuple, shape: tuple):
         """(fd, byte offset, nbytes) of the region when it is one contiguous byte range of a stored
@@ -571,8 +593,12 @@ class DistcpCheckpoint:
         import zipfile
 
         f = self._file(path)
-        z = zipfile.ZipFile(_FileView(f, off, length))
-        zi = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+        try:
+            z = zipfile.ZipFile(_FileView(f, off, length))
+            zi = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+        except (zipfile.BadZipFile, StopIteration, ValueError) as e:
+            raise ConversionError(f"{os.path.join(self.dir, path)}: chunk of {key} at byte {off} is not a torch.save "
+                                  f"blob ({e or 'no data/0 record'}); the checkpoint is damaged") from None
         if zi.compress_type != zipfile.ZIP_STORED or zi.file_size != nbytes:
             raise ConversionError(f"{key}: chunk at {chunk_offsets} is not a plain stored tensor of {nbytes} bytes")
         head = os.pread(f.fileno(), 30, off + zi.header_offset)  # zip local file header
@@ -608,7 +634,12 @@ class DistcpCheckpoint:
         import torch
 
         path, off, length = self.storage[(key, tuple(offsets))]
-        t = torch.load(_FileView(self._file(path), off, length), map_location="cpu", weights_only=True)
+        try:
+            t = torch.load(_FileView(self._file(path), off, length), map_location="cpu", weights_only=True)
+        except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
+            raise ConversionError(f"{os.path.join(self.dir, path)}: chunk of {key} at byte {off} cannot be read "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the checkpoint "
+                                  f"is damaged") from None
         self.cache[ck] = t
         while len(self.cache) > self.cache_chunks:
             self.cache.popitem(last=False)

@@ -141,6 +141,10 @@ def dump_metadata(tensors: dict, objects: list[str], storage: dict, checkpoint_i
 
 
 # ---------------------------------------------------------------------------------------------- reading
+class _Foreign(pickle.UnpicklingError):
+    """The metadata holds more than DCP's plain classes (not a defect: DCP's own reader is used then)."""
+
+
 class Record:
     """Stand-in for a DCP metadata dataclass: the pickled state becomes attributes."""
 
@@ -152,7 +156,7 @@ class Record:
         elif self._name == "TensorProperties":  # (dtype, layout, requires_grad, mem format, pin)
             self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
         else:
-            raise pickle.UnpicklingError(f"unexpected state of {self._name}")
+            raise _Foreign(f"unexpected state of {self._name}")
 
     def __repr__(self):
         return f"{self._name}({self.__dict__})"
@@ -193,14 +197,15 @@ class _Unpickler(pickle.Unpickler):
             return str
         if module in ("builtins", "collections") and name in ("list", "dict", "tuple", "set", "OrderedDict"):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _Foreign(f"{module}.{name}")
 
 
 def load_metadata(path: str):
-    """The metadata with plain records in place of DCP's classes, or None if the file holds anything else."""
+    """The metadata with plain records in place of DCP's classes, or None if the file holds anything else.
+    A truncated or damaged file raises (pickle.UnpicklingError, EOFError, ...): it is not "anything else"."""
     with open(path, "rb") as f:
         try:
             md = _Unpickler(f).load()
-        except pickle.UnpicklingError:
+        except _Foreign:
             return None
     return md if isinstance(md, _RECORDS["Metadata"]) else None

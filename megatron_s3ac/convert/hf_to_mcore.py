@@ -60,15 +60,16 @@ def validate_hf(plan: Plan, ckpt: HFCheckpoint) -> None:
     """Every tensor the plan needs exists with the expected shape; nothing unknown is dropped silently."""
     for name, shape in plan.hf_shapes.items():
         if name not in ckpt.where:
-            raise ConversionError(f"missing tensor {name} (expected shape {list(shape)}) in the HF checkpoint")
+            raise ConversionError(f"missing tensor {name} (expected shape {list(shape)}) in the HF checkpoint "
+                                  f"{ckpt.dir}")
         if ckpt.shape(name) != shape:
-            raise ConversionError(f"tensor {name} has shape {list(ckpt.shape(name))}, expected {list(shape)} "
-                                  f"from config.json")
+            raise ConversionError(f"{ckpt.where[name].path}: tensor {name} has shape {list(ckpt.shape(name))}, "
+                                  f"expected {list(shape)} from config.json")
     unknown = sorted(set(ckpt.where) - set(plan.hf_shapes) - plan.ignorable_hf)
     if unknown:
         more = f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""
-        raise ConversionError(f"HF checkpoint has tensors the {plan.info.model_type} mapping does not know: "
-                              f"{', '.join(unknown[:5])}{more}")
+        raise ConversionError(f"HF checkpoint {ckpt.dir} has tensors the {plan.info.model_type} mapping does not "
+                              f"know: {', '.join(unknown[:5])}{more}")
 
 
 def key_dtypes(plan: Plan, ckpt: HFCheckpoint) -> dict[str, DType]:

@@ -31,7 +31,7 @@ from megatron_s3ac.convert.outdir import check_absent, copy_side_files, staged_o
 from megatron_s3ac.convert.plan import (CARRIED_KEY_PREFIX, ConversionError, Plan, build_plan, is_carried_key,
                                         part_region, with_carried)
 from megatron_s3ac.convert.safetensors_io import INDEX, ShardWriter
-from megatron_s3ac.models.registry import ModelInfo, load_hf_config, model_info
+from megatron_s3ac.models.registry import ModelInfo, check_config_types, load_hf_config, model_info
 
 # ModelInfo fields that decide tensor names and shapes; a config that differs in any is another model.
 ARCH_FIELDS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads",
@@ -40,11 +40,20 @@ ARCH_FIELDS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size", "nu
 
 
 def stored_config(mcore_dir: str) -> dict | None:
+    """The HF config ``hf-to-mcore`` recorded in ``mcore_dir``, None if it recorded none."""
     path = os.path.join(mcore_dir, META_FILE)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)["hf_config"]
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ConversionError(f"{path}: not JSON ({e}); the checkpoint is damaged") from None
+    cfg = cfg.get("hf_config") if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict):
+        raise ConversionError(f"{path}: no hf_config object (not written by hf-to-mcore?)")
+    check_config_types(cfg, f"{path} (hf_config)")
+    return cfg
 
 
 def resolve_config(mcore_dir: str, hf_config: str | None) -> tuple[dict, ModelInfo]:

@@ -116,7 +116,8 @@ class SafetensorsFile:
             self.data_start, self.entries = parse_header(raw, size)
         except Exception as e:  # noqa: BLE001  (json, struct, unicode, value errors alike)
             os.close(fd)
-            raise ConversionError(f"corrupted safetensors header in {path}: {e}") from e
+            raise ConversionError(f"corrupted safetensors header in {path}: {e}; the file is truncated or "
+                                  f"damaged") from e
         self.fd = fd
 
     def row_range(self, name: str, start: int, stop: int) -> tuple[int, int, int]:
@@ -129,18 +130,41 @@ class SafetensorsFile:
         os.close(self.fd)
 
 
+def read_index(path: str) -> list[str]:
+    """The shard file names a ``model.safetensors.index.json`` maps tensors to (sorted, unique)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            idx = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ConversionError(f"{path}: not JSON ({e})") from None
+    wm = idx.get("weight_map") if isinstance(idx, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) and v for v in wm.values()):
+        raise ConversionError(f"{path}: not a safetensors index (a JSON object whose weight_map maps tensor names "
+                              f"to shard file names)")
+    return sorted(set(wm.values()))
+
+
+def safetensors_names(model_dir: str) -> list[str]:
+    """The ``*.safetensors`` files of a directory, sorted ([] if it is not a directory)."""
+    return sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")) if os.path.isdir(model_dir) else []
+
+
+def check_weight_files(model_dir: str) -> None:
+    """ConversionError naming the first ``*.safetensors`` file of ``model_dir`` that is truncated or malformed
+    (``parse_header``: the header against the file size), before a loader dies in a raw deserializer traceback."""
+    for f in safetensors_names(model_dir):
+        SafetensorsFile(os.path.join(model_dir, f)).close()
+
+
 class HFCheckpoint:
     """All safetensors of an HF model directory, addressed by tensor name."""
 
     def __init__(self, hf_dir: str):
         if not os.path.isdir(hf_dir):
             raise ConversionError(f"HF directory {hf_dir} does not exist")
+        self.dir = hf_dir
         index = os.path.join(hf_dir, INDEX)
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+        files = read_index(index) if os.path.exists(index) else safetensors_names(hf_dir)
         if not files:
             raise ConversionError(f"no .safetensors files in {hf_dir}")
         self.files: dict[str, SafetensorsFile] = {}

@@ -106,10 +106,15 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 def verify(hf_dir: str, mcore_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
            batch: int = 2, seq: int = 16, seed: int = 0, cp: int = 1) -> VerifyResult:
+    from megatron_s3ac.convert.dcp_io import DistcpCheckpoint
+    from megatron_s3ac.convert.safetensors_io import HFCheckpoint
     from megatron_s3ac.models.registry import load_hf_config, model_info
 
     cfg = load_hf_config(hf_dir)
     info = model_info(cfg)  # vocab_size etc. from the text config (VL checkpoints nest it)
+    # both checkpoints' files are complete (named if not) before transformers and N megatron ranks load them
+    HFCheckpoint(hf_dir).close()
+    DistcpCheckpoint(mcore_dir).close()
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, info.vocab_size, (batch, seq), generator=g)
     ref = hf_logits(hf_dir, tokens)

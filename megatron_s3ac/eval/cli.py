@@ -55,24 +55,15 @@ def mcore_checkpoint_dir(path: str):
 
 
 def check_weight_files(model_dir: str) -> None:
-    """EvalInputError naming the first *.safetensors file of ``model_dir`` that is truncated or malformed (its
-    header against its size: safetensors' own checks, ``convert.safetensors_io.parse_header``), before a model
-    loads and dies in a raw deserializer traceback."""
-    from megatron_s3ac.convert.safetensors_io import MAX_HEADER, parse_header
+    """EvalInputError naming the first *.safetensors file of ``model_dir`` that is truncated or malformed
+    (``convert.safetensors_io.check_weight_files``), before a model loads and dies in a raw deserializer traceback."""
+    from megatron_s3ac.convert.plan import ConversionError
+    from megatron_s3ac.convert.safetensors_io import check_weight_files as check
 
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")) if os.path.isdir(model_dir) else []
-    for f in files:
-        path = os.path.join(model_dir, f)
-        size = os.path.getsize(path)
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            raw = head + fh.read(min(n, MAX_HEADER))
-        try:
-            parse_header(raw, size)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise EvalInputError(f"{path}: not a complete safetensors file ({err}); the checkpoint is truncated "
-                                 f"or damaged") from None
+    try:
+        check(model_dir)
+    except ConversionError as err:
+        raise EvalInputError(str(err)) from None
 
 
 @contextlib.contextmanager

@@ -112,6 +112,7 @@ class Qwen35Moe(Arch):
     """Qwen3.5-MoE language model: GDN + gated attention hybrid, MoE with a gated shared expert."""
 
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
+    required_keys = ()  # every size has a default (the released model's)
     qk_norm = True
     # megatron-core's TransformerConfig refuses cp > 1 with a GDN; this project's GDN implements it
     own_context_parallel = True

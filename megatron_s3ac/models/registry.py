@@ -17,6 +17,12 @@ class UnsupportedModelError(ValueError):
     """The HF config names an architecture or a feature this project does not implement."""
 
 
+class HFConfigError(UnsupportedModelError):
+    """config.json is not a readable JSON object, or a field the architecture reads is missing or of the wrong
+    type; the message names the file and the key. A subclass so that every caller refusing an unusable config
+    (``except UnsupportedModelError``) refuses this one too."""
+
+
 VOCAB_DIVISOR = 128  # padded vocab is a multiple of this, independent of TP, so checkpoints reshard freely
 
 
@@ -76,30 +82,87 @@ def get_arch(model_type: str) -> "Arch":
     return _REGISTRY[model_type]
 
 
+def read_config_json(path: str) -> dict:
+    """config.json as a dict: FileNotFoundError if absent, HFConfigError naming ``path`` if it is not a JSON object."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no HF config at {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise HFConfigError(f"{path}: not a JSON config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise HFConfigError(f"{path}: the config must be a JSON object, got a {type(cfg).__name__}")
+    return cfg
+
+
 def load_hf_config(src: str | os.PathLike | dict) -> dict:
     """Read an HF config (directory, config.json path or dict). Multimodal configs yield their text part."""
     if isinstance(src, dict):
         cfg = dict(src)
     else:
         path = os.path.join(src, "config.json") if os.path.isdir(src) else str(src)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no HF config at {path}")
-        with open(path) as f:
-            cfg = json.load(f)
-    if "model_type" not in cfg:
-        raise UnsupportedModelError(f"config has no model_type: {src}")
-    arch = _REGISTRY.get(cfg["model_type"])
-    if arch is not None and not isinstance(src, dict) and os.path.isdir(src):
-        cfg = arch.from_checkpoint(cfg, str(src))
+        cfg = read_config_json(path)
+    check_config_types(cfg, path if not isinstance(src, dict) else "config")
+    if not isinstance(src, dict) and os.path.isdir(src):
+        cfg = get_arch(cfg["model_type"]).from_checkpoint(cfg, str(src))
     return cfg
+
+
+# JSON types of the config keys the architectures read; a value of another type (e.g. "hidden_size": "64") would
+# fail deep inside with a TypeError, or build another model. None is accepted only where the reader means "absent".
+_POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_INTS = _POSITIVE + ("intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts",
+                     "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                     "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads")
+_FLOATS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "initializer_range")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob", "use_sliding_window")
+_DICTS = ("rope_parameters", "rope_scaling")
+_NULLABLE = frozenset(("head_dim", "decoder_sparse_step", "shared_expert_intermediate_size", "mlp_only_layers",
+                       "tie_word_embeddings", "attention_bias", "use_sliding_window") + _DICTS)
+
+
+def check_config_types(cfg: dict, where: str) -> None:
+    """HFConfigError naming ``where`` (the file) and the key: ``model_type`` missing or not a string, a key the
+    architecture requires (``Arch.required_keys``) missing, or a size / flag of the wrong JSON type (also in a
+    ``text_config``), or the model_type is not supported."""
+    mt = cfg.get("model_type")
+    if mt is None:
+        raise HFConfigError(f"{where}: the config has no model_type")
+    if not isinstance(mt, str):
+        raise HFConfigError(f"{where}: model_type must be a string, got {mt!r}")
+    try:
+        arch = get_arch(mt)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{where}: {e}") from None
+    missing = [k for k in arch.required_keys if k not in cfg]
+    if missing:
+        raise HFConfigError(f"{where}: the {mt} config has no {', '.join(missing)}")
+    tc = cfg.get("text_config")
+    for prefix, c in [("", cfg)] + ([("text_config.", tc)] if isinstance(tc, dict) else []):
+        for key, v in c.items():
+            if v is None and key in _NULLABLE:
+                continue
+            want = ("a positive integer" if key in _POSITIVE and not (type(v) is int and v > 0) else
+                    "a non-negative integer" if key in _INTS and not (type(v) is int and v >= 0) else
+                    "a number" if key in _FLOATS and type(v) not in (int, float) else
+                    "true or false" if key in _BOOLS and type(v) is not bool else
+                    "an object" if key in _DICTS and not isinstance(v, dict) else
+                    "a list of layer indices" if key == "mlp_only_layers" and not (
+                        isinstance(v, list) and all(type(i) is int for i in v)) else None)
+            if want:
+                raise HFConfigError(f"{where}: {prefix}{key} must be {want}, got {v!r} ({type(v).__name__})")
 
 
 def checkpoint_tensor_names(hf_dir: str) -> list[str]:
     """Tensor names of an HF safetensors checkpoint, from its index or the files' headers (no data read)."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            return list(json.load(f).get("weight_map", {}))
+        try:
+            with open(index, encoding="utf-8") as f:
+                return list(json.load(f).get("weight_map", {}))
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            return []  # a broken index is reported by the reader that needs it (convert.safetensors_io)
     names = []
     for fn in sorted(os.listdir(hf_dir)):
         if fn.endswith(".safetensors"):
@@ -139,6 +202,9 @@ class Arch:
     """One HF architecture. Subclasses set the class flags and may override any step."""
 
     model_types: ClassVar[tuple[str, ...]] = ()
+    # config keys ``info`` reads without a default (checked by ``check_config_types``, naming the file)
+    required_keys: ClassVar[tuple[str, ...]] = ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                "vocab_size")
     qk_norm: ClassVar[bool] = False
     # True: megatron-core's TransformerConfig asserts cp == 1 for this architecture but the project's
     # modules implement CP (the config is built at cp = 1 and given the real cp afterwards)
@@ -256,6 +322,7 @@ class Qwen3Moe(Qwen3):
     """Qwen3-MoE: Qwen3 attention, top-k softmax router, no shared expert, optional dense layers."""
 
     model_types = ("qwen3_moe",)
+    required_keys = Arch.required_keys + ("num_experts_per_tok", "moe_intermediate_size")
 
     def moe_fields(self, cfg: dict) -> dict:
         n = cfg.get("num_experts", cfg.get("num_local_experts", 0))

@@ -78,7 +78,7 @@ def build_coverage(cfg, policies: Sequence[str], prompts: Sequence, vocab, score
 def resolve_policies(cfg, warmup_dir: str) -> list[str]:
     """HF dirs to roll out: ``pipeline.policies`` (ints = step numbers of the warm-up snapshots in
     ``warmup_dir/policies/step_N``), else the warm-up's last ``demo.coverage_checkpoints`` snapshots.
-    A missing dir raises ValueError naming it."""
+    A missing or unloadable dir raises ValueError naming it (``check_policy_dir``)."""
     snap_root = os.path.join(warmup_dir, "policies")
     pol = cfg.pipeline.policies
     if pol is None:
@@ -93,8 +93,26 @@ def resolve_policies(cfg, warmup_dir: str) -> list[str]:
         if not os.path.isdir(path):
             raise ValueError(f"pipeline.policies: {p!r} -> {path} does not exist"
                              + (" (the warm-up saved no snapshot at that step)" if isinstance(p, int) else ""))
+        check_policy_dir(path)
         out.append(path)
     return out
+
+
+def check_policy_dir(path: str) -> None:
+    """ValueError naming the file unless ``path`` is an HF model directory an engine can load: config.json a JSON
+    object with a model_type, and weights (*.safetensors complete, or *.bin) — before any rollout starts."""
+    from megatron_s3ac.convert.safetensors_io import check_weight_files
+    from megatron_s3ac.models.registry import HFConfigError, read_config_json
+
+    try:
+        cfg = read_config_json(os.path.join(path, "config.json"))
+    except FileNotFoundError:
+        raise ValueError(f"pipeline.policies: {path} has no config.json (not an HF model directory)") from None
+    if not isinstance(cfg.get("model_type"), str):
+        raise HFConfigError(f"{os.path.join(path, 'config.json')}: the config has no model_type")
+    if not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
+        raise ValueError(f"pipeline.policies: {path} has no weights (*.safetensors)")
+    check_weight_files(path)  # ConversionError (a ValueError) naming a truncated file
 
 
 def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: CoverageSettings, *,
@@ -126,45 +144,52 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
     tmp = out_path + ".tmp"
     if os.path.exists(tmp):
         os.remove(tmp)
-    per, total, passed = [], 0, 0
-    for i, policy in enumerate(policies):
-        t0 = time.time()
-        seed = settings.seed + i if seeds is None else int(seeds[i])
-        kind = settings.engine
-        dev = {} if kind in ("sglang", "vllm") else {
-            "dtype": settings.dtype, "device": "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu",
-            "multimodal": multimodal}  # sglang serves a VL checkpoint multimodal as it is
-        section = settings.vllm if kind == "vllm" else settings.sglang
-        # building a model draws from torch's global generator: the caller's (the trainer's) stream is kept
-        with torch.random.fork_rng(devices=[]):
-            eng = build_rollout_engine(make_engine_factory(kind, model_dir=policy, settings=section,
-                                                           seed=seed, return_routed_experts=False, **dev))
-            try:
-                outs = eng.generate([list(p.ids) for p in prompts],
-                                    SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
-                                                   max_new_tokens=settings.max_new_tokens, seed=seed),
-                                    n_samples=settings.k, **({"images": images} if multimodal else {}))
-            finally:
-                getattr(eng, "close", eng.shutdown)()
-        flat = [(j, p, s) for j, (p, grp) in enumerate(zip(prompts, outs)) for s in grp if s.finish_reason != "abort"]
-        rewards = [float(r) for r in score([decode(s.response_ids) for _, _, s in flat],
-                                           [p.reference for _, p, _ in flat])]
-        # an empty response (EOS never sampled, nothing generated) still is a state: one pad token
-        write_coverage(tmp, [{"prompt_ids": list(p.ids), "response_ids": list(s.response_ids) or [0], "reward": r,
-                              "source": str(policy), **({"prompt_index": index[j]} if images[j] is not None else {})}
-                             for (j, p, s), r in zip(flat, rewards)])
-        n_pass = sum(r > 0 for r in rewards)
-        st = {"source": str(policy), "trajectories": len(flat), "pass_rate": n_pass / max(1, len(flat)),
-              "mean_response_len": sum(len(s.response_ids) for _, _, s in flat) / max(1, len(flat)),
-              "truncated_frac": sum(s.finish_reason == "length" for _, _, s in flat) / max(1, len(flat)),
-              "wall_s": time.time() - t0}
-        per.append(st)
-        total, passed = total + len(flat), passed + n_pass
-        if log is not None:
-            log(st)
-        if after_policy is not None:
-            after_policy(i)
-    if total == 0:
-        raise RuntimeError(f"coverage: no trajectories from {list(policies)} (every sample aborted?)")
-    os.replace(tmp, out_path)
+    try:
+        per, total, passed = [], 0, 0
+        for i, policy in enumerate(policies):
+            t0 = time.time()
+            seed = settings.seed + i if seeds is None else int(seeds[i])
+            kind = settings.engine
+            dev = {} if kind in ("sglang", "vllm") else {
+                "dtype": settings.dtype, "device": "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu",
+                "multimodal": multimodal}  # sglang serves a VL checkpoint multimodal as it is
+            section = settings.vllm if kind == "vllm" else settings.sglang
+            # building a model draws from torch's global generator: the caller's (the trainer's) stream is kept
+            with torch.random.fork_rng(devices=[]):
+                eng = build_rollout_engine(make_engine_factory(kind, model_dir=policy, settings=section,
+                                                               seed=seed, return_routed_experts=False, **dev))
+                try:
+                    outs = eng.generate([list(p.ids) for p in prompts],
+                                        SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
+                                                       max_new_tokens=settings.max_new_tokens, seed=seed),
+                                        n_samples=settings.k, **({"images": images} if multimodal else {}))
+                finally:
+                    getattr(eng, "close", eng.shutdown)()
+            flat = [(j, p, s) for j, (p, grp) in enumerate(zip(prompts, outs)) for s in grp
+                    if s.finish_reason != "abort"]
+            rewards = [float(r) for r in score([decode(s.response_ids) for _, _, s in flat],
+                                               [p.reference for _, p, _ in flat])]
+            # an empty response (EOS never sampled, nothing generated) still is a state: one pad token
+            write_coverage(tmp, [{"prompt_ids": list(p.ids), "response_ids": list(s.response_ids) or [0],
+                                  "reward": r, "source": str(policy),
+                                  **({"prompt_index": index[j]} if images[j] is not None else {})}
+                                 for (j, p, s), r in zip(flat, rewards)])
+            n_pass = sum(r > 0 for r in rewards)
+            st = {"source": str(policy), "trajectories": len(flat), "pass_rate": n_pass / max(1, len(flat)),
+                  "mean_response_len": sum(len(s.response_ids) for _, _, s in flat) / max(1, len(flat)),
+                  "truncated_frac": sum(s.finish_reason == "length" for _, _, s in flat) / max(1, len(flat)),
+                  "wall_s": time.time() - t0}
+            per.append(st)
+            total, passed = total + len(flat), passed + n_pass
+            if log is not None:
+                log(st)
+            if after_policy is not None:
+                after_policy(i)
+        if total == 0:
+            raise RuntimeError(f"coverage: no trajectories from {list(policies)} (every sample aborted?)")
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):  # a failed run leaves no partial file
+            os.remove(tmp)
+        raise
     return {"trajectories": total, "pass_rate": passed / total, "policies": per}

@@ -86,14 +86,22 @@ def arithmetic_prompts(n: int, max_operand: int, seed: int, vocab: CharVocab | N
 
 # ---- math prompt sets (DAPO-Math-17k, MATH-1460) -----------------------------------------------
 def _read_rows(path: str) -> list[dict]:
+    """The rows of a jsonl or parquet file; a jsonl line that is not JSON becomes None (counted as malformed).
+    ValueError naming the file (and line) when the file itself cannot be read: not parquet, not UTF-8 text."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001  (pyarrow raises ArrowInvalid, OSError, ... for a damaged file)
+            raise ValueError(f"{path}: not a readable parquet file ({e})") from None
     rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path} line {n}: not UTF-8 text ({e})") from None
             if not line:
                 continue
             try:
@@ -121,7 +129,8 @@ def _extract(row) -> tuple[object, str] | None:
         ok = len(prompt) > 0 and all(isinstance(m, dict) and _is_content(m.get("content")) for m in prompt)
     else:
         ok = False
-    if not ok or ref is None or str(ref).strip() == "":
+    # a reference is text or a number; str() of a list or object would be scored as if it were the answer
+    if not ok or type(ref) not in (str, int, float) or str(ref).strip() == "":
         return None
     return prompt, str(ref)
 
@@ -134,22 +143,27 @@ def _is_content(c) -> bool:
 
 def load_math_prompts(path: str, tokenizer, max_prompt_tokens: int, apply_chat_template: bool = True,
                       vision: Optional["VisionProcessor"] = None) -> tuple[list[Prompt], dict]:
-    """Prompts from a local jsonl/parquet file; malformed or too-long rows are skipped and counted.
+    """Prompts from a local jsonl/parquet file; malformed or too-long rows are skipped and counted, but a file
+    with no usable row, or a row the tokenizer cannot encode, raises ValueError naming the file (and row).
 
     A row with an ``images`` column (a list of images) needs ``vision`` (the model's ``VisionProcessor``): each
     image stands where its placeholder is (``<image>`` in the text, or a ``{"type": "image"}`` chat content entry),
     expanded to vision_start, n x image_token, vision_end. A missing or unreadable image file, a placeholder count
     that does not match the images, or images for a text-only model (``vision`` None) raise ``ValueError`` naming
     the row: bad data is an error, not a skipped row."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such prompt file" + (" (a directory)" if os.path.isdir(path) else ""))
     rows = _read_rows(path)
     base_dir = os.path.dirname(os.path.abspath(path))
     prompts, stats = [], {"rows": len(rows), "malformed": 0, "too_long": 0, "with_images": 0}
+    first_bad = None
     for i, row in enumerate(rows):
         got = _extract(row)
         if got is None:
             stats["malformed"] += 1
+            if first_bad is None:
+                first_bad = f"row {i} is not JSON" if row is None else (
+                    f"row {i} has no prompt text and answer of the DAPO / MATH schema")
             continue
         prompt, ref = got
         images = row.get("images") if isinstance(row, dict) else None
@@ -173,12 +187,19 @@ def load_math_prompts(path: str, tokenizer, max_prompt_tokens: int, apply_chat_t
             ids, image_inputs = vision.expand(text, pil, tokenizer, where)
             stats["with_images"] += 1
         else:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            try:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            except Exception as e:  # noqa: BLE001  (tokenizers raises its own Exception: "Missing [UNK] token")
+                raise ValueError(f"{where}: the tokenizer cannot encode the prompt {text[:60]!r} ({e})") from None
         if len(ids) > max_prompt_tokens:
             stats["too_long"] += 1
             continue
         prompts.append(Prompt(list(ids), text, ref, image_inputs))
     stats["kept"] = len(prompts)
+    if not prompts:
+        why = f"; {first_bad}" if first_bad else ""
+        raise ValueError(f"{path}: no usable prompt in {stats['rows']} row(s) ({stats['malformed']} malformed, "
+                         f"{stats['too_long']} longer than max_prompt_tokens={max_prompt_tokens}){why}")
     return prompts, stats
 
 
