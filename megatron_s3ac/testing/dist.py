@@ -97,16 +97,33 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, **kwargs
 
 def collect_results(procs: list, queue, world_size: int, timeout: float) -> list:
     """The started rank processes' ``(rank, ok, payload)`` answers from ``queue``, ordered by rank; the first failing
-    rank's traceback raises ``DistributedTestError`` (the others, maybe stuck in a collective, are killed)."""
+    rank's traceback raises ``DistributedTestError`` (the others, maybe stuck in a collective, are killed). A rank
+    whose process died without answering (killed, ``os._exit``, a crash in native code) fails at once, naming its
+    exit code, instead of after ``timeout``."""
     import queue as _q
+    import time
 
     results, errors = {}, {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(results) + len(errors) < world_size:
             try:
-                rank, ok, payload = queue.get(timeout=timeout)
+                rank, ok, payload = queue.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
             except _q.Empty:
-                raise DistributedTestError(f"timed out after {timeout}s waiting for {world_size - len(results) - len(errors)} rank(s)")
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                if dead:  # an answer sent before the exit is in the pipe: read it first
+                    try:
+                        rank, ok, payload = queue.get(timeout=2.0)
+                    except _q.Empty:
+                        r, code = dead[0]
+                        errors[r] = f"rank {r}'s process exited with code {code} without answering"
+                        break
+                elif time.monotonic() >= deadline:
+                    raise DistributedTestError(f"timed out after {timeout}s waiting for "
+                                               f"{world_size - len(results) - len(errors)} rank(s)")
+                else:
+                    continue
             if ok:
                 results[rank] = pickle.loads(payload)
             else:

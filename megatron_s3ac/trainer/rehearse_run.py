@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import math
 import os
+
 from megatron_s3ac.rollout.rewards import register_reward
+from megatron_s3ac.testing.dist import DistributedTestError, run_distributed
 
 REWARD = "rehearsal_length_parity"
 register_reward(REWARD, isolate=False)(lambda response, reference: float(len(response) % 2))
@@ -191,7 +193,6 @@ def _tail(path: str, n: int = 8) -> list[str]:
 def run_phase(cfg, tmp: str, max_ranks: int, p) -> None:
     """Add to phase ``p`` what the shrunk job did and its defects."""
     from megatron_s3ac.testing.collective_audit import CollectiveDivergence, check_consistent
-    from megatron_s3ac.testing.dist import DistributedTestError, run_distributed
     from megatron_s3ac.trainer.config import layout_of
 
     layouts = [layout_of(cfg.actor_layout)] + ([layout_of(cfg.critic_layout)] if cfg.critic_layout else [])

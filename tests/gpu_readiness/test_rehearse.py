@@ -49,6 +49,64 @@ def test_example_configs_rehearse_clean(capsys, monkeypatch, example, hf):
     assert "[ok] config" in out and "[ok] engines" in out and "[ok] kernels" in out
 
 
+@pytest.mark.parametrize("example,hf", [EXAMPLES[0]] + [pytest.param(*e, marks=pytest.mark.slow) for e in
+                                                          (EXAMPLES[3], EXAMPLES[5])])
+def test_example_configs_shrunk_job_runs_clean(capsys, monkeypatch, example, hf):
+    """The run phase: the shrunk job through pipeline + resume on CPU ranks (1.5B: 2 ranks; the MoE examples: 8)."""
+    rc, out = _rehearse(capsys, monkeypatch, [example, f"model.hf_config=examples/hf_configs/{hf}"], run=True)
+    assert rc == 0, out
+    assert "[ok] run" in out
+    assert "pipeline: coverage -> value pretraining -> RL, eval + checkpoint each step: steps [0, 1]" in out
+    assert "resume: the RL stage one more step from its checkpoint: steps [0, 1, 2]" in out
+
+
+def test_smallest_world_keeping_the_degrees():
+    """By hand: lcm(tp*pp*cp, etp*ep*pp), doubled once for a dense DP of 2 where it fits."""
+    from megatron_s3ac.models.parallel import ParallelLayout
+    from megatron_s3ac.trainer.rehearse_run import min_world
+
+    assert min_world([ParallelLayout()], 8) == 2  # 1.5B: DP 2
+    assert min_world([ParallelLayout(tp=2, ep=8, etp=1)], 8) == 8  # 30B / 35B: dense DP 4 already
+    assert min_world([ParallelLayout(tp=2, pp=4, ep=32, etp=1)], 8) == 128  # the 397B: beyond --max-ranks
+    assert min_world([ParallelLayout(tp=2, pp=2)], 8) == 8
+    assert min_world([ParallelLayout(tp=2, pp=2)], 4) == 4  # 2 x 4 does not fit 4 ranks: DP 1
+
+
+def test_run_phase_names_the_failing_rank_and_where(monkeypatch, tmp_path):
+    import megatron_s3ac.trainer.rehearse_run as rr
+    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.trainer.rehearse import Phase
+
+    tb = ('Traceback (most recent call last):\n  File "/x/site-packages/torch/a.py", line 1, in f\n'
+          '  File "/r/megatron_s3ac/trainer/pipeline.py", line 502, in _run_value_pretrain\n'
+          '  File "/x/site-packages/torch/b.py", line 9, in g\nRuntimeError: boom\n')
+    monkeypatch.setattr(rr, "run_distributed", lambda fn, world, *a, **k: [
+        {"result": None, "records": [], "error": tb}, {"result": None, "records": [], "error": None}])
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(MOE[0], MOE[1:], check=False)
+    p = Phase("run")
+    rr.run_phase(cfg, str(tmp_path / "job"), 8, p)
+    assert p.defects == ["pipeline: coverage -> value pretraining -> RL, eval + checkpoint each step: rank 0: "
+                         "RuntimeError: boom (at trainer/pipeline.py:502 in _run_value_pretrain)"]
+    assert p.tracebacks == [tb]
+
+
+def _exit_on_rank_1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(7)
+    return "ok"
+
+
+def test_a_rank_dying_without_an_answer_is_named_at_once():
+    """A rank killed mid-job (OOM killer, a native crash): named with its exit code, not after the timeout."""
+    from megatron_s3ac.testing.dist import DistributedTestError, run_distributed
+
+    with pytest.raises(DistributedTestError, match="rank 1's process exited with code 7 without answering"):
+        run_distributed(_exit_on_rank_1, 2, timeout=120.0)
+
+
 def test_vllm_separate_engines_after_the_trainer_ranks(capsys, monkeypatch):
     rc, out = _rehearse(capsys, monkeypatch, MOE + VLLM_SEPARATE, trainer_gpus=4)
     assert rc == 0, out
