@@ -7,6 +7,7 @@ value, so its actor starts without importing torch) and cheap factories.
 """
 import functools
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -115,6 +116,59 @@ def test_pack_roundtrip_any_dtype_and_layout():
     for (n, t), (m, u) in zip(src, out):
         t = torch.as_tensor(t)
         assert n == m and u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
+
+
+def _flat_params(named):
+    """Parameters that view one flat buffer, as megatron's DDP keeps them: (module, the buffer)."""
+    flat = torch.cat([t.detach().reshape(-1).float() for _, t in named])
+    mod, at = torch.nn.Module(), 0
+    for i, (_, t) in enumerate(named):
+        mod.register_parameter(f"p{i}", torch.nn.Parameter(flat[at:at + t.numel()].view(t.shape), requires_grad=False))
+        at += t.numel()
+    return mod, flat
+
+
+def test_pack_leaves_the_source_storage_offloadable():
+    """Rehearsal finding 1 (separate placement + train.offload_idle): pack_bucket took its zero-copy view with
+    Tensor.numpy(), which clears the resizable flag of the tensor's whole storage for good, so the trainer's DDP
+    buffer, once synced, could not be offloaded (HostOffload's resize_(0): 'Trying to resize storage that is not
+    resizable'). The records must still carry the exact bytes (pickled as Ray does) and the offload round trip
+    must be bit-exact."""
+    from megatron_s3ac.models.offload import HostOffload
+
+    g = torch.Generator().manual_seed(0)
+    named = [(n, torch.randn(*shape, generator=g)) for n, shape in (("a", (4, 6)), ("b", (3,)), ("c", (2, 5)))]
+    mod, flat = _flat_params(named)
+    want = [t.clone() for _, t in named]
+    bucket = [(n, p.data) for (n, _), p in zip(named, mod.parameters())]
+    out, _ = unpack_bucket(pickle.loads(pickle.dumps(pack_bucket(bucket), protocol=5)))  # as Ray sends them
+    assert all(torch.equal(u, w) for (_, u), w in zip(out, want))
+    assert flat.untyped_storage().resizable()
+    h = HostOffload([mod])
+    h.offload(("params",))
+    assert flat.untyped_storage().nbytes() == 0
+    h.onload(("params",))
+    assert all(torch.equal(p, w) for p, w in zip(mod.parameters(), want))
+
+
+def test_update_from_ddp_like_params_leaves_them_offloadable(engines):
+    """The same through the actor: the weights sent from views of one flat buffer (as sync_weights feeds a trainer's
+    params), offloaded and onloaded, sent again: the remote engine samples as the local one."""
+    from megatron_s3ac.models.offload import HostOffload
+
+    remote, local = engines
+    named = list(hf_state(seed=4).items())
+    assert all(t.dtype == torch.float32 for _, t in named)
+    mod, flat = _flat_params(named)
+    bucket = [(n, p.data) for (n, _), p in zip(named, mod.parameters())]
+    remote.update_weights(bucket)
+    h = HostOffload([mod])
+    h.offload(("params",))  # before the fix: RuntimeError, the storage not resizable
+    h.onload(("params",))
+    remote.update_weights(bucket)
+    local.update_weights(named)
+    assert_same(remote.generate(PROMPTS, SAMPLED, n_samples=2, return_routed_experts=True),
+                local.generate(PROMPTS, SAMPLED, n_samples=2, return_routed_experts=True))
 
 
 def test_generate_equals_local(engines):

@@ -77,7 +77,13 @@ class UpdateStats:
 # ----------------------------------------------------------------------------------------------
 def pack_bucket(bucket: Sequence[tuple[str, Any]]) -> list[tuple[str, str, tuple[int, ...], Any]]:
     """(name, tensor) pairs -> raw-byte records. No copy for contiguous CPU tensors (the copy into the
-    object store happens when Ray serialises the call); GPU tensors are copied to host, one bucket at a time."""
+    object store happens when Ray serialises the call); GPU tensors are copied to host, one bucket at a time.
+
+    The uint8 view goes to numpy through DLPack, not ``Tensor.numpy()``: that one clears the resizable flag of the
+    tensor's whole storage for good (torch/csrc/utils/tensor_numpy.cpp, tensor_to_numpy), and on CPU these are views
+    of the trainer's DDP parameter buffer, which idle-model offload frees by ``resize_(0)`` (models.offload). The
+    records must not outlive the call that sends them (``update_weights`` drops them once submitted)."""
+    import numpy as np
     import torch
 
     out = []
@@ -87,7 +93,7 @@ def pack_bucket(bucket: Sequence[tuple[str, Any]]) -> list[tuple[str, str, tuple
         if t.device.type != "cpu":
             t = t.cpu()
         t = t.resolve_conj().resolve_neg().contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy()
+        raw = np.from_dlpack(t.reshape(-1).view(torch.uint8))
         out.append((str(name), str(t.dtype).removeprefix("torch."), tuple(t.shape), raw))
     return out
 
