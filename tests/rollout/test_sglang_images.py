@@ -34,7 +34,8 @@ def test_image_prompts_through_sglang_wrapper(vl_ckpt):
     out = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=5, seed=11), n_samples=2,
                        return_routed_experts=True, images=images)
     data = sent[0]["image_data"]
-    assert [d is None for d in data] == [False, False, True, True]  # per request, prompt-major
+    # per request, prompt-major; a text request is [None] (sglang reads a batch's shape from its first entry)
+    assert [d == [None] for d in data] == [False, False, True, True]
     assert data[0][0]["format"] == "processor_output" and data[0][0]["image_grid_thw"].tolist() == [[1, 4, 4]]
     assert sent[0]["input_ids"][0] == p0  # the expanded ids are sent as they are
     model, routers = eng.engine.cpu.model, eng.engine.cpu.routers

@@ -220,6 +220,18 @@ def to_sglang_sampling_params(params: SamplingParams, seed_offset: int = 0, base
     return out
 
 
+def sglang_image_data(images) -> list | None:
+    """``GenerateReqInput.image_data`` for per-request ``images`` (ImageInputs or None each; None: no image at all):
+    ``[processor_output]`` per image request, ``[None]`` per text request. Not a bare None: sglang 0.5.23 decides the
+    batch's shape from its FIRST entry (managers/io_struct.py:664-684): a bare None there takes the "one image per
+    request" branch, which wraps every entry once more, so each image request reaches the processor as
+    ``[[processor_output]]`` (not preprocessed, base_processor.py:1088-1101) and fails to load as an image (1028-1058).
+    ``[None]`` keeps the list-of-lists branch and counts as no image (io_struct.py:668, mm_utils.py:53-58)."""
+    if images is None:
+        return None
+    return [[None] if im is None else [processor_output(im)] for im in images]
+
+
 def processor_output(images) -> dict:
     """One image prompt's ``models.multimodal.ImageInputs`` as sglang's pre-processed image item
     (``{"format": "processor_output", "pixel_values", "image_grid_thw"}``, multimodal/processors/base_processor.py:
@@ -447,7 +459,7 @@ class SGLangEngine(RolloutEngine):
             return [[] for _ in prompts]
         images = check_images(prompts, images)
         row_images = [im for im in images for _ in range(n_samples)] if images is not None else None
-        image_data = None if images is None else [None if im is None else [processor_output(im)] for im in row_images]
+        image_data = sglang_image_data(row_images)
         self._calls += 1
         base = self._seed_base + self._calls * 1_000_000 if params.seed is None else None
         sampling = [to_sglang_sampling_params(params, seed_offset=k, base_seed=base) for k in range(len(requests))]
@@ -569,7 +581,7 @@ class SGLangEngine(RolloutEngine):
         base = self._seed_base + self._calls * 1_000_000 if params.seed is None else None
         sampling = [to_sglang_sampling_params(dataclasses.replace(params, max_new_tokens=b), seed_offset=k,
                                               base_seed=base) for k, b in enumerate(budgets)]
-        image_data = None if images is None else [None if im is None else [processor_output(im)] for im in images]
+        image_data = sglang_image_data(images)
         outputs = self._engine_generate(prefixes, sampling, return_routed_experts, image_data)
         if outputs is None:
             outputs = [{"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}} for _ in prefixes]
