@@ -85,22 +85,27 @@ def arithmetic_prompts(n: int, max_operand: int, seed: int, vocab: CharVocab | N
 
 
 # ---- math prompt sets (DAPO-Math-17k, MATH-1460) -----------------------------------------------
-def _read_rows(path: str) -> list[dict]:
+def _read_rows(path: str) -> tuple[list, str]:
+    """(rows, why the first bad row is bad or ""): undecodable jsonl lines are None rows, counted as malformed."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with open(path) as f:
-        for line in f:
+        try:
+            return pq.read_table(path).to_pylist(), ""
+        except Exception as err:  # noqa: BLE001 - pyarrow's ArrowInvalid etc.: a file that is not parquet
+            raise ValueError(f"{path}: not a parquet file ({err})") from None
+    rows, first = [], ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError:
+            except json.JSONDecodeError as err:
                 rows.append(None)  # counted as malformed below
-    return rows
+                first = first or f"line {n} is not JSON: {err.msg} at column {err.colno}"
+    return rows, first
 
 
 def _extract(row) -> tuple[object, str] | None:
@@ -133,23 +138,27 @@ def _is_content(c) -> bool:
 
 
 def load_math_prompts(path: str, tokenizer, max_prompt_tokens: int, apply_chat_template: bool = True,
-                      vision: Optional["VisionProcessor"] = None) -> tuple[list[Prompt], dict]:
+                      vision: Optional["VisionProcessor"] = None, expand_images: bool = True) -> tuple[list[Prompt], dict]:
     """Prompts from a local jsonl/parquet file; malformed or too-long rows are skipped and counted.
 
     A row with an ``images`` column (a list of images) needs ``vision`` (the model's ``VisionProcessor``): each
     image stands where its placeholder is (``<image>`` in the text, or a ``{"type": "image"}`` chat content entry),
     expanded to vision_start, n x image_token, vision_end. A missing or unreadable image file, a placeholder count
     that does not match the images, or images for a text-only model (``vision`` None) raise ``ValueError`` naming
-    the row: bad data is an error, not a skipped row."""
+    the row: bad data is an error, not a skipped row; so do a prompt the tokenizer cannot encode and a file with no
+    usable row (naming the file and the first bad row). ``expand_images=False`` (the CLI's input check): image rows
+    are tokenized as text, their images not read."""
     if not os.path.exists(path):
         raise FileNotFoundError(path)
-    rows = _read_rows(path)
+    rows, why = _read_rows(path)
     base_dir = os.path.dirname(os.path.abspath(path))
     prompts, stats = [], {"rows": len(rows), "malformed": 0, "too_long": 0, "with_images": 0}
     for i, row in enumerate(rows):
         got = _extract(row)
         if got is None:
             stats["malformed"] += 1
+            why = why or (f"row {i} has no prompt (text or chat messages) and answer: "
+                          f"{json.dumps(row, default=repr)[:80]}")
             continue
         prompt, ref = got
         images = row.get("images") if isinstance(row, dict) else None
@@ -168,17 +177,25 @@ def load_math_prompts(path: str, tokenizer, max_prompt_tokens: int, apply_chat_t
         else:
             text = "\n".join(_content_text(m["content"]) for m in msgs)
         image_inputs = None
-        if images:
+        if images and expand_images:
             pil = [load_image(im, base_dir, f"{where} image {j}") for j, im in enumerate(images)]
             ids, image_inputs = vision.expand(text, pil, tokenizer, where)
             stats["with_images"] += 1
         else:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            try:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            except Exception as err:  # tokenizers raises its own Exception ("WordLevel error: Missing [UNK] token")
+                raise ValueError(f"{where}: the tokenizer cannot encode the prompt {text[:60]!r} "
+                                 f"({type(err).__name__}: {err})") from None
         if len(ids) > max_prompt_tokens:
             stats["too_long"] += 1
             continue
         prompts.append(Prompt(list(ids), text, ref, image_inputs))
     stats["kept"] = len(prompts)
+    if not prompts:  # an empty prompt stream would fail later, far from the file
+        counts = ", ".join(f"{k} {stats[k]}" for k in ("malformed", "too_long") if stats[k])
+        raise ValueError(f"{path}: no usable prompt row ({len(rows)} read{'; ' + counts if counts else ''}"
+                         f"{'; ' + why if why else ''}{'; data.max_prompt_tokens=%d' % max_prompt_tokens if stats['too_long'] else ''})")
     return prompts, stats
 
 
@@ -340,16 +357,38 @@ def write_coverage(path: str, records: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def _coverage_problem(r) -> str:
+    """Why a coverage row is unusable, or "" (token ids: non-empty lists of ints >= 0; reward: -1 or 1)."""
+    if not isinstance(r, dict):
+        return f"a row must be an object, got {type(r).__name__}"
+    for key in ("prompt_ids", "response_ids"):
+        ids = r.get(key)
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                           for t in ids):
+            return f"{key} must be a non-empty list of token ids, got {json.dumps(ids)[:40]}"
+    if isinstance(r.get("reward"), bool) or r.get("reward") not in (-1, 1):
+        return f"reward must be -1 or 1, got {json.dumps(r.get('reward'))[:20]}"
+    return ""
+
+
 def read_coverage(path: str) -> tuple[list[dict], dict]:
-    rows, bad = [], 0
-    with open(path) as f:
-        for line in f:
+    """The usable rows of a coverage jsonl and {rows, malformed}; malformed rows are skipped and counted. ValueError
+    naming the file and its first bad line when no row is usable (an empty file included)."""
+    rows, bad, first = [], 0, ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
-                r = json.loads(line)
-                if r["prompt_ids"] and r["response_ids"] and r["reward"] in (-1, 1, -1.0, 1.0):
-                    rows.append(r)
-                    continue
-            except (json.JSONDecodeError, KeyError, TypeError):
-                pass
+                why = _coverage_problem(json.loads(line))
+            except json.JSONDecodeError as err:
+                why = f"not JSON: {err.msg} at column {err.colno}"
+            if not why:
+                rows.append(json.loads(line))
+                continue
             bad += 1
+            first = first or f"line {n}: {why}"
+    if not rows:
+        raise ValueError(f"{path}: no usable coverage row ({bad} malformed{'; ' + first if first else ''}); "
+                         f"rows are {{prompt_ids, response_ids, reward: -1 | 1}}")
     return rows, {"rows": len(rows), "malformed": bad}
