@@ -12,6 +12,8 @@ Dtypes are passed in as names (``"bfloat16"``); nothing here imports torch.
 from __future__ import annotations
 
 import io
+import json
+import os
 import pickle
 import struct
 
@@ -209,3 +211,44 @@ def load_metadata(path: str):
         except _Foreign:
             return None
     return md if isinstance(md, _RECORDS["Metadata"]) else None
+
+
+def check_torch_dist(ckpt_dir: str) -> None:
+    """ValueError naming the file when ``ckpt_dir`` is not a complete megatron torch_dist checkpoint: no
+    ``metadata.json`` / ``.metadata``, a ``.metadata`` cut short, or a ``.distcp`` file that is missing or shorter
+    than the byte ranges ``.metadata`` places in it (a copy cut short). Reads headers and sizes only; a
+    ``.metadata`` holding more than DCP's plain classes (``load_metadata`` None) is left to DCP's reader."""
+    if not os.path.isdir(ckpt_dir):
+        raise ValueError(f"{ckpt_dir}: not a directory (a torch_dist checkpoint is one)")
+    cfg = os.path.join(ckpt_dir, "metadata.json")
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            ok = isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{cfg}: missing or not JSON: {ckpt_dir} is not a megatron torch_dist checkpoint")
+    meta = os.path.join(ckpt_dir, ".metadata")
+    if not os.path.isfile(meta):
+        raise ValueError(f"{meta}: missing: {ckpt_dir} is not a complete torch_dist checkpoint")
+    try:
+        with open(meta, "rb") as f:
+            md = _Unpickler(f).load()
+    except pickle.UnpicklingError as err:
+        if "truncated" not in str(err):  # a class beyond DCP's plain ones (find_class): DCP's reader decides
+            return
+        md = err
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as err:
+        md = err
+    if isinstance(md, Exception) or not isinstance(md, _RECORDS["Metadata"]):
+        raise ValueError(f"{meta}: unreadable ({type(md).__name__}: {md}); the checkpoint is truncated or "
+                         f"damaged")
+    need: dict[str, int] = {}
+    for s in getattr(md, "storage_data", {}).values():
+        need[s.relative_path] = max(need.get(s.relative_path, 0), int(s.offset) + int(s.length))
+    for rel, end in sorted(need.items()):
+        path = os.path.join(ckpt_dir, rel)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size is None or size < end:
+            got = "missing" if size is None else f"{size} bytes, .metadata places data up to byte {end}"
+            raise ValueError(f"{path}: {got}; the checkpoint is truncated or damaged")

@@ -177,9 +177,27 @@ def checkpoint_tensor_names(hf_dir: str) -> list[str]:
     return names
 
 
+_POSITIVE_INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
+
+
 def model_info(src: str | os.PathLike | dict) -> ModelInfo:
+    """UnsupportedModelError naming ``src`` (and the key) for a config of the wrong shape: missing or non-integer
+    sizes would otherwise die deep in ``Arch.info`` (TypeError, ZeroDivisionError)."""
     cfg = load_hf_config(src)
-    return get_arch(cfg["model_type"]).info(cfg)
+    where = "config" if isinstance(src, dict) else os.fspath(src)
+    try:
+        arch = get_arch(cfg["model_type"])
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{where}: {err}") from None
+    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg  # a VL config's text part
+    for key in _POSITIVE_INTS + _OPTIONAL_INTS:
+        v = text.get(key)
+        if v is None and key in _OPTIONAL_INTS:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "intermediate_size" else 1):
+            raise UnsupportedModelError(f"{where}: {key}={v!r} must be a positive integer")
+    return arch.info(cfg)
 
 
 def pad_vocab(vocab_size: int, divisor: int = VOCAB_DIVISOR) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -112,7 +113,7 @@ def _info_from(hf_src, cfg: dict | None):
             return model_info(model["hf_config"])
     except FileNotFoundError as e:
         raise PlanInputError(str(e)) from None
-    except (UnsupportedModelError, json.JSONDecodeError, KeyError) as e:
+    except (UnsupportedModelError, KeyError) as e:
         raise PlanInputError(f"cannot read the model config: {e}") from None
     raise PlanInputError("give an HF config (positional) or --config with model.hf_config / model.tiny")
 
@@ -155,8 +156,11 @@ def resolve(args) -> tuple:
     cluster = Cluster(gpus=int(gpus), gpus_per_node=int(pick(args.gpus_per_node, cl.get("gpus_per_node"), default=8)),
                       gpu_mem_gib=float(pick(args.gpu_mem_gib, cl.get("gpu_mem_gib"), default=141.0)),
                       host_mem_gib=float(pick(args.host_mem_gib, cl.get("host_mem_gib"), default=2048.0)))
-    if cluster.gpus < 1 or cluster.gpus_per_node < 1 or cluster.gpu_mem_gib <= 0 or cluster.host_mem_gib <= 0:
-        raise PlanInputError(f"cluster sizes must be positive: {cluster}")
+    for key in ("gpus", "gpus_per_node", "gpu_mem_gib", "host_mem_gib"):
+        v = getattr(cluster, key)
+        if not (v > 0 and math.isfinite(v)):  # nan / inf would pass a plain > 0 and plan nonsense
+            raise PlanInputError(f"cluster sizes must be positive: --{key.replace('_', '-')} {v:g} "
+                                 f"(or cluster.{key})")
     w = Workload(
         prompt_len=int(pick(args.prompt_len, data.get("max_prompt_tokens"), default=2048)),
         response_len=int(pick(args.response_len, ro.get("max_new_tokens"), default=16384)),
@@ -201,7 +205,8 @@ def resolve(args) -> tuple:
     if _cp_only(args) is not None:
         pass  # --cp alone: search the other dimensions at that CP size (run)
     elif any(v is not None for v in flag_layout.values()):
-        fixed = _layout({k: v for k, v in flag_layout.items() if v is not None} | {"tp": flag_layout["tp"] or 1})
+        fixed = _layout({k: v for k, v in flag_layout.items() if v is not None}
+                        | {"tp": 1 if flag_layout["tp"] is None else flag_layout["tp"]})  # --tp 0 is refused, not 1
     elif cfg is not None and not args.search:
         fixed = _layout(cfg.get("actor_layout") or {"tp": 1}, "actor_layout.")
     critic = None
@@ -360,6 +365,8 @@ def run(argv=None) -> int:
     from megatron_s3ac.plan.search import layout_errors, search
 
     args = build_parser().parse_args(argv)
+    if args.top < 1:
+        raise PlanInputError(f"--top {args.top} must be >= 1")
     info, cluster, w, knobs, fixed, critic = resolve(args)
     cp = _cp_only(args)
     if cp is not None and cp < 1:

@@ -126,6 +126,9 @@ def main(argv=None) -> int:
             errs = pipeline_errors(cfg)
             if errs:
                 raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+        from megatron_s3ac.trainer.inputs import check_inputs
+
+        check_inputs(cfg, cmd)  # the input files, before any process group or output: every rank exits 2 alike
         if cmd == "check":
             from megatron_s3ac.trainer.config import validate
 

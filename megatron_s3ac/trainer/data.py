@@ -106,9 +106,10 @@ def _read_rows(path: str) -> list[dict]:
                 continue
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError:
+            except json.JSONDecodeError as err:
                 rows.append(None)  # counted as malformed below
-    return rows
+                first = first or f"line {n} is not JSON: {err.msg} at column {err.colno}"
+    return rows, first
 
 
 def _extract(row) -> tuple[object, str] | None:
@@ -142,9 +143,12 @@ def _is_content(c) -> bool:
 
 
 def load_math_prompts(path: str, tokenizer, max_prompt_tokens: int, apply_chat_template: bool = True,
-                      vision: Optional["VisionProcessor"] = None) -> tuple[list[Prompt], dict]:
+                      vision: Optional["VisionProcessor"] = None, expand_images: bool = True
+                      ) -> tuple[list[Prompt], dict]:
     """Prompts from a local jsonl/parquet file; malformed or too-long rows are skipped and counted, but a file
     with no usable row, or a row the tokenizer cannot encode, raises ValueError naming the file (and row).
+    ``expand_images=False`` (the CLI's input check, trainer.inputs): image rows are tokenized as text, their images
+    not read.
 
     A row with an ``images`` column (a list of images) needs ``vision`` (the model's ``VisionProcessor``): each
     image stands where its placeholder is (``<image>`` in the text, or a ``{"type": "image"}`` chat content entry),
@@ -182,7 +186,7 @@ def load_math_prompts(path: str, tokenizer, max_prompt_tokens: int, apply_chat_t
         else:
             text = "\n".join(_content_text(m["content"]) for m in msgs)
         image_inputs = None
-        if images:
+        if images and expand_images:
             pil = [load_image(im, base_dir, f"{where} image {j}") for j, im in enumerate(images)]
             ids, image_inputs = vision.expand(text, pil, tokenizer, where)
             stats["with_images"] += 1
@@ -361,16 +365,38 @@ def write_coverage(path: str, records: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def _coverage_problem(r) -> str:
+    """Why a coverage row is unusable, or "" (token ids: non-empty lists of ints >= 0; reward: -1 or 1)."""
+    if not isinstance(r, dict):
+        return f"a row must be an object, got {type(r).__name__}"
+    for key in ("prompt_ids", "response_ids"):
+        ids = r.get(key)
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                           for t in ids):
+            return f"{key} must be a non-empty list of token ids, got {json.dumps(ids)[:40]}"
+    if isinstance(r.get("reward"), bool) or r.get("reward") not in (-1, 1):
+        return f"reward must be -1 or 1, got {json.dumps(r.get('reward'))[:20]}"
+    return ""
+
+
 def read_coverage(path: str) -> tuple[list[dict], dict]:
-    rows, bad = [], 0
-    with open(path) as f:
-        for line in f:
+    """The usable rows of a coverage jsonl and {rows, malformed}; malformed rows are skipped and counted. ValueError
+    naming the file and its first bad line when no row is usable (an empty file included)."""
+    rows, bad, first = [], 0, ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
-                r = json.loads(line)
-                if r["prompt_ids"] and r["response_ids"] and r["reward"] in (-1, 1, -1.0, 1.0):
-                    rows.append(r)
-                    continue
-            except (json.JSONDecodeError, KeyError, TypeError):
-                pass
+                why = _coverage_problem(json.loads(line))
+            except json.JSONDecodeError as err:
+                why = f"not JSON: {err.msg} at column {err.colno}"
+            if not why:
+                rows.append(json.loads(line))
+                continue
             bad += 1
+            first = first or f"line {n}: {why}"
+    if not rows:
+        raise ValueError(f"{path}: no usable coverage row ({bad} malformed{'; ' + first if first else ''}); "
+                         f"rows are {{prompt_ids, response_ids, reward: -1 | 1}}")
     return rows, {"rows": len(rows), "malformed": bad}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from megatron_s3ac.rollout.factory import SGLangSettings  # noqa: F401 - kept importable from here
 from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings  # noqa: F401 - kept importable from here
 from megatron_s3ac.trainer.config.enums import (  # noqa: F401 - re-exported
@@ -63,26 +63,39 @@ def load_config(path: Optional[str] = None, overrides: list[str] = (), check: bo
     """YAML file (optional) merged onto the defaults, then ``key=value`` overrides; validated (``check=False``:
     schema only — keys, types, enums — as s3ac-plan reads configs whose model paths live elsewhere)."""
     base = OmegaConf.structured(Config)
-    try:
-        if path is not None:
-            if not os.path.exists(path):
-                raise ConfigError(f"config file not found: {path}")
-            base = OmegaConf.merge(base, OmegaConf.load(path))
-        if overrides:
-            bad = [o for o in overrides if "=" not in o]
-            if bad:
-                raise ConfigError(f"overrides must be key=value, got {bad}")
-            base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
-    except ConfigError:
-        raise
-    except Exception as e:  # OmegaConf names the key and the type it expected
-        raise ConfigError(f"invalid config: {e}") from None
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as e:  # noqa: BLE001 - YAML syntax, undecodable bytes: the parser's reason, one line
+            raise ConfigError(f"invalid config: {path}: not YAML ({' '.join(str(e).split())})") from None
+        if not isinstance(loaded, DictConfig) or not loaded:
+            got = "nothing" if not loaded else f"a {type(loaded).__name__.replace('Config', '').lower()}"
+            raise ConfigError(f"invalid config: {path}: a config is a mapping of sections (model:, data:, "
+                              f"train:, ...), got {got}")
+        base = _merged(base, loaded, path)
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must be key=value, got {bad}")
+        base = _merged(base, lambda: OmegaConf.from_dotlist(list(overrides)), "command-line override")
     cfg: Config = OmegaConf.to_object(base)
     # YAML 1.1 reads a bare on/off as a boolean, which OmegaConf turns into "True"/"False"
     cfg.train.r3 = {"True": "on", "False": "off"}.get(cfg.train.r3, cfg.train.r3)
     if check:
         validate(cfg)
     return cfg
+
+
+def _merged(base, other, where: str):
+    """``OmegaConf.merge(base, other)`` (``other`` may be a thunk); a schema error as one ConfigError line
+    naming ``where`` (the file, or the override) and the dotted key."""
+    try:
+        return OmegaConf.merge(base, other() if callable(other) else other)
+    except Exception as e:  # noqa: BLE001 - OmegaConf names the key and the type it expected
+        key, msg = getattr(e, "full_key", None), (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+        raise ConfigError(f"invalid config: {where}: {key + ': ' if key else ''}{msg}") from None
 
 
 def to_yaml(cfg: Config) -> str:
