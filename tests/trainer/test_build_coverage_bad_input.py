@@ -82,7 +82,7 @@ def K(edit, *needles):
 CASES = {
     "config_missing": lambda t, pol: (["--config", str(t / "nowhere.yaml"), "--checkpoints", pol],
                                       ("config file not found", "nowhere.yaml")),
-    "config_empty": C("", "set exactly one of model.tiny and model.hf_config"),
+    "config_empty": C("", "a config is a mapping of sections"),
     "config_not_yaml": C("model: {hf_config: [\n", "did not find expected node content"),
     "config_not_a_mapping": C("- model\n- data\n", "invalid config"),
     "config_wrong_type": lambda t, pol: (["--config", _config(t, pol, extra="train: {seed: abc}"), "--checkpoints",

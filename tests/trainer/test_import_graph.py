@@ -14,10 +14,13 @@ PKG = "megatron_s3ac"
 # console (warning filters, pure python) sits at the bottom so every CLI and library module may use it.
 FLOORS = {"algorithms": 0, "console": 0, "models": 1, "testing": 1, "convert": 2, "rollout": 3, "r3": 4,
           "eval": 5, "trainer": 5, "plan": 5, "": 6, "env": 5}
-# testing/'s library (tiny models, rank launcher, fault points) is floor 1, used by package code; every other
-# testing module is a test harness (device audits, engine stand-ins) that drives the trainer: the top floor, so it
-# may import anything and no package module may import it.
-TESTING_LIBRARY = {"dist", "faults", "tiny_models", "tiny_qwen3_5"}
+# testing/'s library, used by package code, each module at the floor of what it imports: tiny models, the rank
+# launcher, fault points and the audits ``s3ac-train rehearse`` runs (collectives, fake Ray GPUs: floor 1; SGLang's
+# start-up stand-in and the rank-0 wait harness read rollout/: floor 3). Every other testing module is a test
+# harness (device audits, engine stand-ins) that drives the trainer: the top floor, so it may import anything and no
+# package module may import it.
+TESTING_LIBRARY = {"dist": 1, "faults": 1, "tiny_models": 1, "tiny_qwen3_5": 1, "collective_audit": 1,
+                   "fake_gpus": 1, "sglang_startup": 3, "dist_timeout": 3}
 
 
 def _modules() -> dict[str, str]:
@@ -56,8 +59,8 @@ def import_graph() -> dict[str, set[str]]:
 def _floor(module: str) -> int:
     parts = module.split(".")
     key = parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FLOORS) else ""
-    if key == "testing" and len(parts) > 2 and parts[2] not in TESTING_LIBRARY:
-        return FLOORS[""]
+    if key == "testing" and len(parts) > 2:
+        return TESTING_LIBRARY.get(parts[2], FLOORS[""])
     if key not in FLOORS:
         pytest.fail(f"{module}: package {key!r} has no floor in FLOORS; add it")
     return FLOORS[key]

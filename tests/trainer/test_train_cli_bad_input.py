@@ -66,11 +66,11 @@ CASES = {
     "config_unknown_key": (lambda t, m: ["pipeline", _w(t, "u.yaml", "train: {stepz: 3}\n")],
                            r"{t}/u\.yaml: train\.stepz: Key 'stepz' not in 'TrainCfg'\. Did you mean: 'steps'\?$"),
     "data_empty": (lambda t, m: ["train"] + _math(m, _w(t, "e.jsonl", "")),
-                   r"data\.path: {t}/e\.jsonl: no usable prompt row \(0 read\)"),
+                   r"data\.path: {t}/e\.jsonl: no usable prompt in 0 row\(s\)"),
     "data_not_json": (lambda t, m: ["train"] + _math(m, _w(t, "n.jsonl", ROW.replace("}", ""))),
-                      r"data\.path: {t}/n\.jsonl: no usable prompt row \(1 read; malformed 1; line 1 is not JSON"),
+                      r"data\.path: {t}/n\.jsonl: no usable prompt in 1 row\(s\) \(1 malformed.*row 0 is not JSON"),
     "data_wrong_types": (lambda t, m: ["check"] + _math(m, _w(t, "w.jsonl", json.dumps({"prompt": ["x"], "answer": {}}))),
-                         r"data\.path: {t}/w\.jsonl: no usable prompt row \(1 read; malformed 1; row 0 has no prompt"),
+                         r"data\.path: {t}/w\.jsonl: no usable prompt in 1 row\(s\) \(1 malformed.*row 0 has no prompt"),
     "data_unencodable": (lambda t, m: ["train"] + _math(m, _w(t, "u.jsonl", ROW + ROW.replace("1+1=", "what is 1+1?"))),
                          r"data\.path: {t}/u\.jsonl row 1: the tokenizer cannot encode the prompt 'what is 1\+1\?'"),
     "coverage_unset": (lambda t, m: ["value-pretrain", "model.tiny=arithmetic_moe"] + SMALL,
@@ -89,10 +89,10 @@ CASES = {
                              + SMALL, r"{t}/c\.jsonl: no usable coverage row \(2 malformed; line 1: prompt_ids must be "
                                       r"a non-empty list of token ids, got \"34\""),
     "hf_config_empty": (lambda t, m: ["train", "model.tiny=null", f"model.hf_config={_w(t, 'config.json', '')}"] + SMALL,
-                        r"model\.hf_config: {t}/config\.json: not a JSON HF config"),
+                        r"model\.hf_config: {t}/config\.json: not a JSON config"),
     "hf_config_wrong_types": (lambda t, m: ["train", "model.tiny=null", "model.hf_config=" + _w(t, "c.json", json.dumps(
         {**json.load(open(f"{m}/hf/config.json")), "hidden_size": "64"}))] + SMALL,
-        r"model\.hf_config: {t}/c\.json: hidden_size='64' must be a positive integer"),
+        r"model\.hf_config: {t}/c\.json: hidden_size must be a positive integer, got '64'"),
     "hf_config_unsupported": (lambda t, m: ["check", "model.tiny=null", "model.hf_config="
                                             + _w(t, "c.json", json.dumps({"model_type": "bert"}))] + SMALL,
                               r"model\.hf_config: {t}/c\.json: unsupported model_type 'bert'"),
