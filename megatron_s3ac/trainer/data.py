@@ -106,10 +106,9 @@ def _read_rows(path: str) -> list[dict]:
                 continue
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
+            except json.JSONDecodeError:
                 rows.append(None)  # counted as malformed below
-                first = first or f"line {n} is not JSON: {err.msg} at column {err.colno}"
-    return rows, first
+    return rows
 
 
 def _extract(row) -> tuple[object, str] | None:
