@@ -97,24 +97,6 @@ def parse_header(raw: bytes, file_size: int) -> tuple[int, dict]:
     return base, entries
 
 
-def check_safetensors_files(model_dir: str) -> None:
-    """ValueError naming the first *.safetensors file of ``model_dir`` that is truncated or malformed (its header
-    against its size, ``parse_header``), before a model loads and dies in a raw deserializer traceback. (The check
-    of s3ac-eval's ``check_weight_files``, one floor down for the trainer.)"""
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")) if os.path.isdir(model_dir) else []
-    for f in files:
-        path = os.path.join(model_dir, f)
-        size = os.path.getsize(path)
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            raw = head + fh.read(min(n, MAX_HEADER))
-        try:
-            parse_header(raw, size)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}: not a complete safetensors file ({err}); the checkpoint is truncated "
-                             f"or damaged") from None
-
 class SafetensorsFile:
     """One .safetensors file: header entries {name: (DType, shape, absolute byte offset)}."""
 

@@ -294,6 +294,7 @@ class VisionProcessor:
         if not os.path.isfile(pre):
             raise ValueError(f"{model_dir} is a vision-language checkpoint without preprocessor_config.json: its "
                              f"images cannot be processed as the model was trained to see them")
+        from transformers import AutoConfig
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         with open(pre) as f:
@@ -302,7 +303,8 @@ class VisionProcessor:
                 "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb")
         proc = Qwen2VLImageProcessorPil(**{k: v for k, v in pcfg.items() if k in keep})
         merge = int(cfg["vision_config"].get("spatial_merge_size", pcfg.get("merge_size", 2)))
-        return cls(proc, cfg["image_token_id"], cfg["vision_start_token_id"], cfg["vision_end_token_id"], merge)
+        ids = AutoConfig.from_pretrained(model_dir)  # the token ids as the model reads them: its class's defaults
+        return cls(proc, ids.image_token_id, ids.vision_start_token_id, ids.vision_end_token_id, merge)
 
     def expand(self, text: str, images: list, tokenizer, where: str = "prompt"):
         """(ids, ImageInputs): ``text`` split at its image placeholders, each text part tokenized

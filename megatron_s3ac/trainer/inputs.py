@@ -14,7 +14,7 @@ from megatron_s3ac.trainer.config import Config, ConfigError, engine_model_dir
 def check_inputs(cfg: Config, cmd: str) -> None:
     """ConfigError ``"<key>: <file>[ row N]: <why>"`` for the first unusable input of ``cmd``'s run."""
     from megatron_s3ac.convert.dcp_meta import check_torch_dist
-    from megatron_s3ac.convert.safetensors_io import check_safetensors_files
+    from megatron_s3ac.convert.safetensors_io import check_weight_files
     from megatron_s3ac.models.registry import model_info
 
     m = cfg.model
@@ -25,7 +25,7 @@ def check_inputs(cfg: Config, cmd: str) -> None:
         hf_dir = engine_model_dir(cfg)
         if hf_dir and os.path.isdir(hf_dir):
             key = "model.engine_hf_dir" if m.engine_hf_dir else "model.hf_config"
-            check_safetensors_files(hf_dir)
+            check_weight_files(hf_dir)
         for key in ("model.actor_init", "model.critic_init"):
             if getattr(m, key.split(".")[1]):
                 check_torch_dist(getattr(m, key.split(".")[1]))

@@ -22,7 +22,13 @@ import math
 import os
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.dist import DistributedTestError, run_distributed
+from megatron_s3ac.testing.dist import DistributedTestError
+from megatron_s3ac.testing.dist_timeout import run_with_pg_timeout
+
+# the resume job's waits: the default group times out after PG_TIMEOUT_S (NCCL's watchdog, shortened) while rank 0's
+# engine takes SLOW_S longer to start and to answer each generation; the other ranks must wait on the gloo wait
+# group (train.dist_timeout_s), never inside a default-group collective
+PG_TIMEOUT_S, SLOW_S = 15.0, 16.0
 
 REWARD = "rehearsal_length_parity"
 register_reward(REWARD, isolate=False)(lambda response, reference: float(len(response) % 2))
@@ -129,7 +135,7 @@ def write_run_config(cfg, settings: dict, path: str) -> str:
     return path
 
 
-def _rank(config_path: str, overrides: list, command: str) -> dict:
+def _rank(config_path: str, overrides: list, command: str, slow_s: float = 0.0) -> dict:
     """Rank body (testing.dist.run_distributed): the job's ``command`` under the collective audit; the rank's
     output goes to ``<command>.rank<r>.log`` beside the config (the rehearsal's console stays its report)."""
     import sys
@@ -167,7 +173,13 @@ def _rank(config_path: str, overrides: list, command: str) -> dict:
         rows = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
         return {"steps": [r.get("step") for r in rows]}
 
-    return audited(run)
+    if not slow_s:
+        return audited(run)
+    from megatron_s3ac.testing.dist_timeout import slow_rank0_engine
+    from megatron_s3ac.trainer import build
+
+    with slow_rank0_engine(build, slow_s, slow_s):
+        return audited(run)
 
 
 def _where(tb: str) -> str:
@@ -212,12 +224,13 @@ def run_phase(cfg, tmp: str, max_ranks: int, p) -> None:
         kind = json.load(f)["model_type"]
     p.ran.append(f"a shrunk {kind} on {world} CPU ranks (data parallel {dp}), the CPU engine at rollout.placement: "
                  f"{Placement(cfg.rollout.placement).value}")
-    for what, command, extra in (("pipeline: coverage -> value pretraining -> RL, eval + checkpoint each step",
-                                  "pipeline", []),
-                                 ("resume: the RL stage one more step from its checkpoint", "train",
-                                  ["train.steps=3"])):
+    jobs = (("pipeline: coverage -> value pretraining -> RL, eval + checkpoint each step", "pipeline", [], 1800.0, 0.0),
+            (f"resume: the RL stage one more step from its checkpoint (default group timeout {PG_TIMEOUT_S:g} s, "
+             f"rank 0's engine {SLOW_S:g} s slower to start and per generation)", "train", ["train.steps=3"],
+             PG_TIMEOUT_S, SLOW_S))
+    for what, command, extra, pg_timeout, slow in jobs:
         try:
-            res = run_distributed(_rank, world, config_path, extra, command, timeout=900.0)
+            res = run_with_pg_timeout(_rank, world, pg_timeout, config_path, extra, command, slow, timeout=900.0)
         except DistributedTestError as e:
             p.defects.append(f"{what}: {str(e).strip().splitlines()[-1]}")
             return

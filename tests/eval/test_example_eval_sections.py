@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from megatron_s3ac.trainer import cli as train_cli
-from tests._examples import hf_stand_in, stand_in_policies
+from tests._examples import hf_stand_in, stand_in_policies, torch_dist_stand_in
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 BENCH = os.path.join(ROOT, "examples", "benchmarks")
@@ -48,15 +48,14 @@ def stand_in(cfg: dict, hf: str, tmp) -> dict:
         if key in MODEL_DIRS and value:
             cfg["model"][key] = hf_dir
         elif key.endswith("_init") and value:
-            os.makedirs(tmp / key, exist_ok=True)
-            cfg["model"][key] = str(tmp / key)
+            cfg["model"][key] = torch_dist_stand_in(str(tmp / key))
     stand_in_policies(cfg, hf_dir)
-    for section, key in (("data", "path"), ("value_pretrain", "coverage_path")):
-        value = cfg.get(section, {}).get(key)
-        if value:
-            f = tmp / f"{section}{os.path.splitext(value)[1]}"
-            f.write_text("")
-            cfg[section][key] = str(f)
+    if cfg.get("data", {}).get("path"):  # the check reads and tokenizes every prompt row
+        cfg["data"]["path"] = os.path.join(BENCH, "math500.jsonl")
+    if cfg.get("value_pretrain", {}).get("coverage_path"):  # read by value-pretrain only
+        f = tmp / "coverage.jsonl"
+        f.write_text("")
+        cfg["value_pretrain"]["coverage_path"] = str(f)
     for name in cfg["eval"]["benchmarks"]:
         dst = tmp / f"{name}{os.path.splitext(FIXTURE[name])[1]}"
         shutil.copy(os.path.join(BENCH, FIXTURE[name]), dst)

@@ -57,7 +57,8 @@ def test_example_configs_shrunk_job_runs_clean(capsys, monkeypatch, example, hf)
     assert rc == 0, out
     assert "[ok] run" in out
     assert "pipeline: coverage -> value pretraining -> RL, eval + checkpoint each step: steps [0, 1]" in out
-    assert "resume: the RL stage one more step from its checkpoint: steps [0, 1, 2]" in out
+    assert "resume: the RL stage one more step from its checkpoint (default group timeout 15 s, rank 0's engine 16 s " \
+           "slower to start and per generation): steps [0, 1, 2]" in out
 
 
 def test_smallest_world_keeping_the_degrees():
@@ -80,7 +81,7 @@ def test_run_phase_names_the_failing_rank_and_where(monkeypatch, tmp_path):
     tb = ('Traceback (most recent call last):\n  File "/x/site-packages/torch/a.py", line 1, in f\n'
           '  File "/r/megatron_s3ac/trainer/pipeline.py", line 502, in _run_value_pretrain\n'
           '  File "/x/site-packages/torch/b.py", line 9, in g\nRuntimeError: boom\n')
-    monkeypatch.setattr(rr, "run_distributed", lambda fn, world, *a, **k: [
+    monkeypatch.setattr(rr, "run_with_pg_timeout", lambda fn, world, pg_timeout, *a, **k: [
         {"result": None, "records": [], "error": tb}, {"result": None, "records": [], "error": None}])
     monkeypatch.chdir(ROOT)
     cfg = load_config(MOE[0], MOE[1:], check=False)

@@ -97,7 +97,7 @@ CASES = {
                                             + _w(t, "c.json", json.dumps({"model_type": "bert"}))] + SMALL,
                               r"model\.hf_config: {t}/c\.json: unsupported model_type 'bert'"),
     "hf_weights_truncated": (lambda t, m: ["train", "model.tiny=null", f"model.hf_config={_cut(f'{m}/hf', t / 'cut', '.safetensors')[0]}"]
-                             + SMALL, r"model\.hf_config: {t}/cut/model\.safetensors: not a complete safetensors file"),
+                             + SMALL, r"model\.hf_config: corrupted safetensors header in {t}/cut/model\.safetensors"),
     "actor_init_not_a_checkpoint": (lambda t, m: ["train", "model.tiny=arithmetic_moe", f"model.actor_init={m}/hf"] + SMALL,
                                     r"model\.actor_init: {m}/hf/metadata\.json: missing or not JSON"),
     "actor_init_truncated": (lambda t, m: ["train", "model.tiny=arithmetic_moe",
