@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens-per-micro-batch", type=int, help="token budget per packed micro-batch")
     g.add_argument("--image-tokens", type=int,
                    help="image placeholder tokens per prompt on top of --prompt-len (vision-language models)")
+    g.add_argument("--critic-block-tokens", type=int,
+                   help="the critic's privileged block per sequence (default: the config's "
+                        "model.critic_privileged_max_tokens when model.critic_privileged is set, else 0)")
     g = p.add_argument_group("trainer knobs")
     g.add_argument("--dtype", choices=sorted(C.DTYPE_BYTES))
     g.add_argument("--recompute", choices=("none", "selective", "full"))
@@ -134,6 +137,7 @@ def _layout(d: dict | None, prefix: str = ""):
 def resolve(args) -> tuple:
     """(info, cluster, workload, knobs, fixed layout or None, critic layout or None) from flags + YAML."""
     from megatron_s3ac.plan.memory import Cluster, Knobs, Workload
+    from megatron_s3ac.plan.preflight import critic_block_tokens
 
     if args.hf_config is None and args.config is None:
         raise PlanInputError("give an HF config (positional) or --config TRAINER.yaml")
@@ -172,12 +176,15 @@ def resolve(args) -> tuple:
         micro_batch_size=int(pick(args.micro_batch_size, algo.get("micro_batch_size"), default=1)),
         max_tokens_per_micro_batch=int(pick(args.max_tokens_per_micro_batch, algo.get("max_tokens_per_micro_batch"),
                                             default=0)),
-        image_tokens=int(pick(args.image_tokens, default=0)))
+        image_tokens=int(pick(args.image_tokens, default=0)),
+        critic_extra_tokens=int(pick(args.critic_block_tokens, default=critic_block_tokens(cfg))))
     for key in ("prompt_len", "response_len", "prompts_per_step", "k", "actor_minibatches", "critic_minibatches"):
         if getattr(w, key) < 1:
             raise PlanInputError(f"{key.replace('_', '-')}={getattr(w, key)} must be >= 1")
     if w.image_tokens < 0:
         raise PlanInputError(f"image-tokens={w.image_tokens} must be >= 0")
+    if w.critic_extra_tokens < 0:
+        raise PlanInputError(f"critic-block-tokens={w.critic_extra_tokens} must be >= 0")
     if w.image_tokens and not info.hf.get("vision_config"):
         raise PlanInputError(f"--image-tokens {w.image_tokens}: {info.model_type} is a text-only model (no "
                              f"vision_config)")

@@ -8,7 +8,7 @@ weight sync), the engine's capacity and the host memory per node. Every formula 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_s3ac.models.registry import ModelInfo
 from megatron_s3ac.plan import constants as C
@@ -40,6 +40,8 @@ class Workload:
     micro_batch_size: int = 1  # rows per micro-batch (0 = the whole mini-batch of the rank)
     max_tokens_per_micro_batch: int = 0  # > 0: packed micro-batches of at most this many tokens
     image_tokens: int = 0  # image placeholder tokens per prompt, on top of prompt_len (vision-language models)
+    # the critic's privileged block per sequence (model.critic_privileged_max_tokens): the critic's sequences only
+    critic_extra_tokens: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -593,15 +595,16 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
     dp = train_gpus // (layout.tp * layout.cp * layout.pp)
     tokens, n_micro = _micro_tokens(w, dp, w.actor_minibatches)
     c_dp = train_gpus // (critic_layout.tp * critic_layout.cp * critic_layout.pp)
-    c_tokens, c_micro = _micro_tokens(w, c_dp, w.critic_minibatches)
+    cw = replace(w, prompt_len=w.prompt_len + w.critic_extra_tokens)  # the critic reads its block too
+    c_tokens, c_micro = _micro_tokens(cw, c_dp, w.critic_minibatches)
     # context parallel: each CP rank holds 1/cp of every micro-batch's tokens (its activations, logits and
     # log-prob / entropy buffers); the per-token outputs gathered over CP are a few bytes per token
     tokens_micro, c_tokens_micro = tokens, c_tokens
     tokens, c_tokens = -(-tokens // layout.cp), -(-c_tokens // critic_layout.cp)
     vis = vision_activation(info.hf, knobs) if w.image_tokens else None
 
-    def patches(micro_tokens: int) -> int:  # the vision tower's patches in a micro-batch (its rows' images)
-        return (micro_tokens // w.seq_len) * w.image_tokens * vis.patches_per_token if vis is not None else 0
+    def patches(micro_tokens: int, seq_len: int = w.seq_len) -> int:  # the tower's patches in a micro-batch
+        return (micro_tokens // seq_len) * w.image_tokens * vis.patches_per_token if vis is not None else 0
 
     fixed = (C.CUDA_CONTEXT_GIB + C.NCCL_GIB) * gib
     vocab_local = info.padded_vocab_size / layout.tp
@@ -632,7 +635,8 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
             held, rebuild, work_c = activation_bytes(info, cp.layers, critic_layout, knobs, c_tokens, c_in, kinds)
             st.act_critic = held + rebuild
             if p == 0:
-                work_c = max(work_c, vision_activation_bytes(vis, knobs, False, patches(c_tokens_micro), c_in)[1])
+                work_c = max(work_c, vision_activation_bytes(vis, knobs, False, patches(c_tokens_micro, cw.seq_len),
+                                                                     c_in)[1])
         st.working = max(work_a, work_c) + C.WORKSPACE_GIB * gib
         if p == len(a_params) - 1:
             _, st.logits_train, st.logits_forward = logits_bytes(tokens, vocab_local, knobs, chunk)

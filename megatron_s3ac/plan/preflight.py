@@ -44,6 +44,13 @@ class PreflightReport:
         return [f"error: {m}" for m in self.errors] + [f"warning: {m}" for m in self.warnings]
 
 
+
+def critic_block_tokens(cfg) -> int:
+    """The critic's privileged block bound (``model.critic_privileged_max_tokens``; 0 without one): the trainer
+    refuses a longer block, so the planner's critic sequences are an upper bound."""
+    mode = _get(cfg, "model.critic_privileged", "none")
+    return 0 if getattr(mode, "value", mode) == "none" else int(_get(cfg, "model.critic_privileged_max_tokens", 64))
+
 def _get(cfg: Any, path: str, default=None):
     import enum
 
@@ -131,7 +138,8 @@ def preflight(cfg: Any, world_size: int | None = None, knobs=None) -> PreflightR
                  actor_epochs=int(_get(cfg, "algo.actor_epochs", 1)),
                  critic_epochs=int(_get(cfg, "algo.critic_epochs", 2)),
                  micro_batch_size=int(_get(cfg, "algo.micro_batch_size", 1)),
-                 max_tokens_per_micro_batch=int(_get(cfg, "algo.max_tokens_per_micro_batch", 0)))
+                 max_tokens_per_micro_batch=int(_get(cfg, "algo.max_tokens_per_micro_batch", 0)),
+                 critic_extra_tokens=critic_block_tokens(cfg))
     if knobs is None:
         knobs = trainer_knobs(cfg)
     errs = knobs.validate()

@@ -327,12 +327,30 @@ def build_data(cfg: Config, use_daps: bool) -> PromptData:
         prompts, stats = D.load_math_prompts(cfg.data.path, vocab, cfg.data.max_prompt_tokens,
                                              cfg.data.apply_chat_template, vision=vision)
         eval_prompts = []
-    daps = None
-    if use_daps:
-        d = cfg.daps
-        daps = A.DAPSSampler(num_prompts=len(prompts), n_c=d.n_c, a_min=d.a_min, warmup_steps=d.warmup_steps,
-                             rampup_steps=d.rampup_steps, half_life_steps=d.half_life_steps, seed=cfg.train.seed)
-    return PromptData(vocab, prompts, eval_prompts, stats, D.PromptStream(len(prompts), cfg.data.seed), daps)
+    return PromptData(vocab, prompts, eval_prompts, stats, D.PromptStream(len(prompts), cfg.data.seed),
+                      make_daps(cfg, len(prompts)) if use_daps else None)
+
+
+def make_daps(cfg: Config, num_prompts: int) -> A.DAPSSampler:
+    d = cfg.daps
+    return A.DAPSSampler(num_prompts=num_prompts, n_c=d.n_c, a_min=d.a_min, warmup_steps=d.warmup_steps,
+                         rampup_steps=d.rampup_steps, half_life_steps=d.half_life_steps, seed=cfg.train.seed)
+
+
+def read_prompt_subset(path: str) -> set:
+    """The prompt id sequences of a ``data.prompt_subset`` file ({"prompt_ids": [[id, ...], ...]}) as tuples;
+    ValueError naming the file when it is not that."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f).get("prompt_ids")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f"data.prompt_subset: {path}: not a JSON object with prompt_ids ({err})") from None
+    if not isinstance(rows, list) or not rows or not all(
+            isinstance(r, list) and r and all(isinstance(t, int) for t in r) for r in rows):
+        raise ValueError(f"data.prompt_subset: {path}: prompt_ids must be a non-empty list of token id lists")
+    return {tuple(r) for r in rows}
 
 
 def image_prompts(prompts) -> bool:

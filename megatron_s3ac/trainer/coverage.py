@@ -171,7 +171,8 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
                                                [p.reference for _, p, _ in flat])]
             # an empty response (EOS never sampled, nothing generated) still is a state: one pad token
             write_coverage(tmp, [{"prompt_ids": list(p.ids), "response_ids": list(s.response_ids) or [0],
-                                  "reward": r, "source": str(policy),
+                                  "reward": r, "source": str(policy), "reference": p.reference,
+                                  **({"solution": p.solution} if getattr(p, "solution", None) else {}),
                                   **({"prompt_index": index[j]} if images[j] is not None else {})}
                                  for (j, p, s), r in zip(flat, rewards)])
             n_pass = sum(r > 0 for r in rewards)

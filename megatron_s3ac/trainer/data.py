@@ -65,6 +65,7 @@ class Prompt:
     text: str
     reference: str
     images: Optional[object] = None  # models.multimodal.ImageInputs of an image prompt (ids hold its placeholders)
+    solution: Optional[str] = None  # the row's worked solution (a ``solution`` column): the critic's, never the actor's
 
 
 def arithmetic_prompts(n: int, max_operand: int, seed: int, vocab: CharVocab | None = None,
@@ -197,7 +198,8 @@ def load_math_prompts(path: str, tokenizer, max_prompt_tokens: int, apply_chat_t
         if len(ids) > max_prompt_tokens:
             stats["too_long"] += 1
             continue
-        prompts.append(Prompt(list(ids), text, ref, image_inputs))
+        sol = row.get("solution") if isinstance(row.get("solution"), str) and row["solution"].strip() else None
+        prompts.append(Prompt(list(ids), text, ref, image_inputs, sol))
     stats["kept"] = len(prompts)
     if not prompts:
         why = f"; {first_bad}" if first_bad else ""

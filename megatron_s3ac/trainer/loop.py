@@ -40,6 +40,7 @@ from megatron_s3ac.trainer.losses import actor_loss, critic_loss, forward_output
 from megatron_s3ac.trainer import shard_metrics as S
 from megatron_s3ac.trainer.metrics import masked_sums, ratio, token_means, world_mean
 from megatron_s3ac.trainer.minibatch import MicroBatcher, forward_only, run_minibatches, shuffled_minibatches
+from megatron_s3ac.trainer.privileged import PrivilegedBlocks, critic_view
 from megatron_s3ac.trainer.rollout_phases import RolloutPhases
 
 
@@ -76,6 +77,11 @@ class Trainer(EngineSide, RolloutPhases):
         data = B.build_data(cfg, use_daps=cfg.daps.enabled and self.uses_critic)
         self.vocab, self.prompts, self.eval_prompts = data.vocab, data.prompts, data.eval_prompts
         self.data_stats, self.stream, self.daps = data.stats, data.stream, data.daps
+        # model.critic_privileged: the critic's block per prompt (None: it sees what the actor sees)
+        m = cfg.model
+        self.privileged = (PrivilegedBlocks.of(m.critic_privileged, self.vocab, m.critic_privileged_max_tokens)
+                           if self.uses_critic else None)
+        self._privileged_of_prompts()
         if self._offload_colocated():  # the engine sizes its KV cache beside what its phases keep here: nothing
             self._place({}, off=["actor", "critic"])
             dist.barrier()  # every rank's memory is back before rank 0 starts the engines on the node's GPUs
@@ -102,6 +108,29 @@ class Trainer(EngineSide, RolloutPhases):
         self.async_rollout = make_async_rollout(self)  # train.max_staleness > 0: generation overlaps training
 
     # ---- construction ------------------------------------------------------------------------
+    def _privileged_of_prompts(self) -> None:
+        if self.privileged is not None:
+            self._priv_ids, self._priv_missing = self.privileged.of_prompts(self.prompts)
+
+    def use_prompt_subset(self, path: str) -> dict:
+        """RL on the prompts of ``data.prompt_subset`` only (before any RL step or resume): the prompt set, its
+        stream and DAPS's sampler rebuilt over them. Returns {kept, of}."""
+        from megatron_s3ac.trainer.data import PromptStream
+
+        if self.step_idx or getattr(self, "async_rollout", None) is not None:
+            raise ValueError("data.prompt_subset is applied before the first RL step, to the synchronous loop only")
+        keep = B.read_prompt_subset(path)
+        prompts = [p for p in self.prompts if tuple(p.ids) in keep]
+        if not prompts:
+            raise ValueError(f"data.prompt_subset: {path}: none of its {len(keep)} prompts is in the prompt set "
+                             f"({len(self.prompts)} prompts; written for another data section?)")
+        out = {"kept": len(prompts), "of": len(self.prompts)}
+        self.prompts, self.stream = prompts, PromptStream(len(prompts), self.cfg.data.seed)
+        if self.daps is not None:
+            self.daps = B.make_daps(self.cfg, len(prompts))
+        self._privileged_of_prompts()
+        return out
+
     def _build_models(self, par: "B.ParallelSetup") -> None:
         m = B.build_models(self.cfg, self.info, par, self.uses_critic, scope=self.model_scope,
                            init_critic=self._init_critic_from)
@@ -169,6 +198,7 @@ class Trainer(EngineSide, RolloutPhases):
         routers' own choice, recorded: also returns r3 agreement counts "agree", "total")."""
         keys = {"values": ["values"], "logp": ["logp", "entropy"], "native_logp": ["logp"]}[what]
         ddp = self.critic_ddp if which == "critic" else self.actor_ddp
+        batch = self.critic_input(batch) if which == "critic" else batch
         loss_fn = partial(forward_outputs, what=what, vocab_size=self.info.vocab_size,
                           temperature=self.cfg.rollout.temperature, chunk_tokens=self.cfg.algo.logprob_chunk_tokens or None)
         if what == "native_logp":
@@ -185,6 +215,23 @@ class Trainer(EngineSide, RolloutPhases):
     def _replay(self, which: str, mbs: list):
         return self.r3.replay(self.actor_ddp, mbs) if which == "actor" else contextlib.nullcontext()
 
+    def critic_input(self, batch: RolloutBatch) -> RolloutBatch:
+        """What the critic reads of ``batch``: the batch itself, or with each row's privileged block between
+        prompt and response (``model.critic_privileged``; trainer.privileged.critic_view)."""
+        if self.privileged is None:
+            return batch
+        return critic_view(batch, [self._priv_ids[int(i)] for i in batch.pid.tolist()], self.pad_to)
+
+    def privileged_missing(self, batch: RolloutBatch) -> dict:
+        """``critic/privileged_missing``: rows of the step's batch whose prompt lacks the field the critic's block
+        is built from (they got its empty form)."""
+        if self.privileged is None:
+            return {}
+        miss = self._priv_missing[batch.pid.cpu()].double()
+        if batch.shard is not None:  # each row counted by its critic owner
+            miss = miss * batch.shard.owned_mask("critic", miss.device).double()
+        return {"critic/privileged_missing": S.global_sums(self, "critic", batch, {"n": miss.sum()})["n"]}
+
     def critic_v0(self, pids: torch.Tensor) -> torch.Tensor:
         """V(s_0) [n] for prompt indices (state = the prompt; output at its last token)."""
         samples = [{"prompt_ids": self.prompts[int(i)].ids, "response_ids": [0], "logprobs": [0.0],
@@ -196,6 +243,7 @@ class Trainer(EngineSide, RolloutPhases):
         """Mini-batch updates of one model (the shared runner); metrics token-weighted over micro-batches
         and ranks. A non-finite loss skips that optimizer step."""
         ddp, opt = (self.critic_ddp, self.critic_opt) if which == "critic" else (self.actor_ddp, self.actor_opt)
+        batch = self.critic_input(batch) if which == "critic" else batch
         with self.model_scope(which):
             g = torch.Generator().manual_seed(seed)
             metrics, grad_norms, skipped = [], [], 0
@@ -248,6 +296,8 @@ class Trainer(EngineSide, RolloutPhases):
             values = self.critic_values(batch)
         out, m = S.shard_advantages(self, batch, values)
         batch.adv, batch.old_values, batch.returns = out.adv, values, out.returns
+        if a.normalize_advantages:
+            batch.adv = self._whitened(batch)
         if self.spec.uses_is_corrections:
             old, beh = batch.old_logp, batch.rollout_logp
             is_w = A.token_is_weights(old, beh, mask, cap=a.tis_cap)
@@ -271,6 +321,15 @@ class Trainer(EngineSide, RolloutPhases):
             "adv", adv if adv.dim() == 2 else adv[:, None].expand_as(mask), S.own_mask(batch, "actor")))
         m["adv/mean"] = ratio(s, "adv")
         return m
+
+    def _whitened(self, batch: RolloutBatch) -> torch.Tensor:
+        """batch.adv [N, T] (a per-row [N] broadcast) minus its mean over the step's valid tokens, over their std."""
+        adv = batch.adv if batch.adv.dim() == 2 else batch.adv[:, None].expand_as(batch.mask)
+        own = S.own_mask(batch, "actor")
+        s = S.global_sums(self, "actor", batch, {**masked_sums("a", adv, own), **masked_sums("a2", adv * adv, own)})
+        mu = ratio(s, "a")
+        std = max(ratio(s, "a2") - mu * mu, 0.0) ** 0.5
+        return (adv - mu) / (std + 1e-8) * batch.mask
 
     def update_actor(self, batch: RolloutBatch) -> dict:
         a = self.cfg.algo
@@ -317,6 +376,7 @@ class Trainer(EngineSide, RolloutPhases):
         m.update(self.update_actor(batch))
         self._place(m, on=["critic"], off=["actor"])
         m.update(self.update_critic(batch))
+        m.update(self.privileged_missing(batch))
         if not self._offload_colocated():  # else both stay on the host while the engine is awake (sync_weights)
             self._place(m, on=["actor"])  # both resident between steps (checkpoints, evaluation, DAPS)
         m["time/train"] = time.time() - t2

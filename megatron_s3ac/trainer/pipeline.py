@@ -38,15 +38,17 @@ ENGINE_START_S = 900.0  # EnginePool's start_timeout_s default
 # the warm-up trains the actor alone: the critic's settings (model.critic_*, value head init) are not
 # inputs, so arms that differ only there share one warm-up. Its optimizer is the actor's (clip, decay),
 # its stopping rule the greedy held-out evaluation (eval.*, the default max_new_tokens and reward).
-_WARMUP = ["model.*", "-model.critic_init", "-model.critic_head", "-model.value_head_init_std",
-           "actor_layout.*", "data.*", "demo.*", "-demo.coverage_checkpoints", "-demo.coverage_prompts",
+_WARMUP = ["model.*", "-model.critic_init", "-model.critic_head", "-model.value_head_init_std", "-model.critic_privileged",
+           "-model.critic_privileged_max_tokens",
+           "actor_layout.*", "data.*", "-data.prompt_subset", "demo.*", "-demo.coverage_checkpoints", "-demo.coverage_prompts",
            "-demo.coverage_k", "train.seed", "train.r3", "algo.actor_clip_grad", "algo.weight_decay",
            "algo.micro_batch_size", "algo.max_tokens_per_micro_batch", "eval.*", "rollout.max_new_tokens",
            "rollout.reward"]
 _COVERAGE = ["rollout.engine", "rollout.temperature", "rollout.top_p", "pipeline.policies",
              "pipeline.coverage_prompts", "pipeline.coverage_k", "demo.coverage_checkpoints", "demo.coverage_prompts",
              "demo.coverage_k"]
-_VALUE_PRETRAIN = ["value_pretrain.*", "model.value_head_init_std", "model.critic_head", "model.critic_init",
+_VALUE_PRETRAIN = ["value_pretrain.*", "model.value_head_init_std", "model.critic_head", "model.critic_privileged",
+                   "model.critic_privileged_max_tokens", "model.critic_init",
                    "critic_layout"]
 # rl: everything but where things are written and how progress is shown
 _RL_EXCLUDE = ["-pipeline.warmup_dir", "-pipeline.coverage_timeout_s", "-pipeline.coverage_dir",

@@ -14,6 +14,10 @@ def train_loop(tr) -> None:
     from megatron_s3ac.trainer.logging import MetricsLogger, truncate_after
 
     cfg = tr.cfg.train
+    if tr.cfg.data.prompt_subset:  # before a resume: the stream and DAPS state are the subset's
+        sub = tr.use_prompt_subset(tr.cfg.data.prompt_subset)
+        if tr.rank == 0:
+            print(f"data.prompt_subset: RL on {sub['kept']} of {sub['of']} prompts", flush=True)
     ck = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     if ck is not None:
         load_checkpoint(tr, ck)

@@ -15,6 +15,7 @@ from megatron_s3ac import algorithms as A
 from megatron_s3ac.trainer.batch import collate, cp_count, per_token
 from megatron_s3ac.trainer.device import trainer_device
 from megatron_s3ac.trainer.minibatch import run_minibatches, shuffled_minibatches
+from megatron_s3ac.trainer.privileged import critic_view
 
 
 def value_pretrain(tr, rows: list[dict], log=None) -> dict:
@@ -89,6 +90,11 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
                 raise ValueError(f"value pretraining row {i}: {len(r['returns'])} returns for "
                                  f"{len(r['response_ids'])} response tokens")
             batch.returns[i, :len(r["returns"])] = torch.as_tensor(r["returns"], dtype=batch.returns.dtype)
+    extra = {}
+    if getattr(tr, "privileged", None) is not None:  # the critic reads each row's reference as online
+        got = [tr.privileged.ids(r.get("reference"), r.get("solution")) for r in rows]
+        batch = critic_view(batch, [ids for ids, _ in got], tr.pad_to)
+        extra["vpt/privileged_missing"] = sum(miss for _, miss in got)
     g = torch.Generator().manual_seed(tr.cfg.train.seed + 17)
     hist = []
     # grad norm split before the optimizer clips (main_grad holds the reduced gradient)
@@ -101,7 +107,7 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
             log(m)
     tr.critic.load_state_dict(critic.state_dict())
     k = min(20, len(hist))
-    return {"vpt/steps": len(hist), "vpt/frozen_params": len(frozen),
+    return {"vpt/steps": len(hist), "vpt/frozen_params": len(frozen), **extra,
             "vpt/loss_first": sum(h["vpt/value_loss"] for h in hist[:k]) / max(1, k),
             "vpt/loss_last": sum(h["vpt/value_loss"] for h in hist[-k:]) / max(1, k),
             "vpt/clip_frac": sum(h["vpt/clipped"] for h in hist) / max(1, len(hist)),

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from megatron_s3ac.rollout.factory import SGLangSettings  # noqa: F401 - kept importable from here
 from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings  # noqa: F401 - kept importable from here
 from megatron_s3ac.trainer.config.enums import (  # noqa: F401 - re-exported
-    ConfigError, Task, Placement, EngineKind, WeightsDtype, CriticHead, TinyModel, DType, Recompute, Stage,
+    ConfigError, Task, Placement, EngineKind, WeightsDtype, CriticHead, CriticPrivileged, TinyModel, DType, Recompute, Stage,
     _missing_paths, R3_MODES,
 )
 from megatron_s3ac.trainer.config.model import (  # noqa: F401 - re-exported

@@ -51,6 +51,9 @@ class AlgoCfg:
     entropy_control: str = "none"
     entropy_control_params: Dict[str, float] = field(default_factory=dict)
     grpo_normalize_std: bool = True
+    # whiten the step's advantages over its valid tokens ((A - mean) / std): off in the S3AC recipe (paper §3.1);
+    # on for the sanity test's "critic baseline" arm (tools/sanity_test.py)
+    normalize_advantages: bool = False
     flash_delta: float = 3e-3
     dual_clip_c: Optional[float] = None  # ppo_clip: dual clip c > 1 for A < 0 (None = off)
     tv_delta_low: float = 0.2  # dppo_tv: trust region on p - p_old (probability units)

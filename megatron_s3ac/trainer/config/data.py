@@ -24,8 +24,13 @@ class DataCfg:
     max_prompt_tokens: int = 1024
     apply_chat_template: bool = True
     seed: int = 1
+    # a JSON file {"prompt_ids": [[id, ...], ...]}: the RL stage draws only these prompts of the set (the warm-up and
+    # coverage stages see the whole set); tools/sanity_test.py writes it from a coverage pass
+    prompt_subset: Optional[str] = None
 
     def errors(self) -> list[str]:
+        if self.prompt_subset is not None and path_missing(self.prompt_subset):
+            return [f"data.prompt_subset={self.prompt_subset!r} does not exist"]
         if self.task == Task.math and (self.path is None or path_missing(self.path)):
             return [f"data.path={self.path!r} does not exist (task=math needs a jsonl/parquet prompt set)"]
         if self.task == Task.multistep:

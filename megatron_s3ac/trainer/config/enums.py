@@ -61,6 +61,13 @@ class CriticHead(str, enum.Enum):
     bounded = "bounded"
 
 
+class CriticPrivileged(str, enum.Enum):
+    """What the critic sees beside the policy's input (BPCO notes sec. 3.6 / 4, eq. 13: V(s_t, q(x)))."""
+    none = "none"
+    answer = "answer"
+    answer_and_solution = "answer_and_solution"
+
+
 class TinyModel(str, enum.Enum):
     arithmetic_moe = "arithmetic_moe"
 

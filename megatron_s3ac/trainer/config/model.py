@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
-from megatron_s3ac.trainer.config.enums import CriticHead, DType, TinyModel, _missing_paths
+from megatron_s3ac.trainer.config.enums import CriticHead, CriticPrivileged, DType, TinyModel, _missing_paths
 
 
 @dataclass
@@ -13,6 +13,12 @@ class ModelCfg:
     actor_init: Optional[str] = None  # megatron torch_dist dir (checkpoints_convert hf->mcore)
     critic_init: Optional[str] = None  # torch_dist dir of a (value-pretrained) critic
     critic_head: CriticHead = CriticHead.linear
+    # the critic's privileged input (trainer.privileged): every critic forward sees prompt + a block built from the
+    # row's reference (+ its solution) + response; the actor, the engines and the evaluation never see it
+    critic_privileged: CriticPrivileged = CriticPrivileged.none
+    # the longest block the trainer accepts (a longer one is an error naming the prompt): the planner's critic
+    # sequences are prompt + this + response
+    critic_privileged_max_tokens: int = 64
     # std of the fresh value head's weights (None: the recipe's 1/(H+1)); paper Table 4 ablates 0.01
     value_head_init_std: Optional[float] = None
     engine_hf_dir: Optional[str] = None  # HF dir the rollout engine loads (else built from config)
@@ -23,6 +29,8 @@ class ModelCfg:
     def errors(self) -> list[str]:
         out = [] if (self.tiny is None) != (self.hf_config is None) else [
             "set exactly one of model.tiny and model.hf_config"]
+        if self.critic_privileged_max_tokens < 1:
+            out.append(f"model.critic_privileged_max_tokens={self.critic_privileged_max_tokens} must be >= 1")
         if self.value_head_init_std is not None and not self.value_head_init_std > 0:
             out.append(f"model.value_head_init_std={self.value_head_init_std} must be > 0 (or null: 1/(H+1))")
         return out + _missing_paths("model", self, ("hf_config", "actor_init", "critic_init", "engine_hf_dir"))

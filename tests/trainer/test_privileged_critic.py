@@ -1,0 +1,171 @@
+"""model.critic_privileged (issue 37): the critic reads prompt + a block built from the row's reference + response.
+
+References: a hand-built sequence (prompt ids + the template's ids + response ids) for the critic's input, padded
+and packed; a per-token loop of the bare critic on prompt + block + o_<t for the values (the value alignment test
+extended); the critic at PP=2 and CP=2 against its own single-layout values; the actor's batch and the engine's
+requests byte-identical with the key on and off.
+"""
+import pytest
+import torch
+
+from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.trainer.batch import collate, micro_batches, per_token
+from megatron_s3ac.trainer.config import load_config
+from megatron_s3ac.trainer.data import CharVocab
+from megatron_s3ac.trainer.privileged import PrivilegedBlocks, block_text, critic_view
+from tests.trainer.test_layouts_packing import _whole
+from tests.trainer.test_trainer import SMALL, capture_batches
+
+ROWS = [{"prompt_ids": [1, 5, 6, 7], "response_ids": [8, 9], "logprobs": [-1.0, -2.0], "reward": 1.0, "pid": 0},
+        {"prompt_ids": [1, 4], "response_ids": [3], "logprobs": [-0.5], "reward": -1.0, "pid": 1},
+        {"prompt_ids": [1, 2, 3], "response_ids": [5, 6, 7], "logprobs": [-1.0] * 3, "reward": 1.0, "pid": 2}]
+BLOCKS = [[10, 11, 14], [14], [12, 13, 12, 14]]
+
+
+def test_block_templates_and_missing():
+    v = CharVocab()
+    pb = PrivilegedBlocks.of("answer", v)
+    assert pb.ids("42") == (v.encode("42="), False)
+    assert pb.ids(None) == (v.encode("="), True)  # the empty form, counted
+    assert PrivilegedBlocks.of("none", v) is None
+    assert block_text("answer", "7", None, chars=False) == "\n\n[Reference answer]\n7\n\n"
+    assert block_text("answer_and_solution", "7", "3+4", chars=False) == \
+        "\n\n[Reference solution]\n3+4\n[Reference answer]\n7\n\n"
+    with pytest.raises(ValueError, match="cannot encode the privileged block 'x='"):
+        pb.ids("x")  # a reference outside the task's vocabulary is an error, not a silent id
+
+
+def test_critic_view_is_prompt_block_response_padded_and_packed():
+    b = collate(ROWS, pad_to=8)
+    b.returns = torch.randn(b.mask.shape)
+    v = critic_view(b, BLOCKS, pad_to=8)
+    hand = [r["prompt_ids"] + blk + r["response_ids"] for r, blk in zip(ROWS, BLOCKS)]
+    for i, seq in enumerate(hand):
+        assert v.tokens[i, :len(seq)].tolist() == seq and not v.tokens[i, len(seq):].any()
+    assert v.prompt_len.tolist() == [len(r["prompt_ids"]) + len(blk) for r, blk in zip(ROWS, BLOCKS)]
+    for f in ("mask", "rollout_logp", "returns", "scores", "resp_len", "pid"):
+        assert torch.equal(getattr(v, f), getattr(b, f)), f
+    rows, real = torch.arange(3), torch.ones(3, dtype=torch.bool)
+    (packed,) = micro_batches(v, rows, real, token_budget=64, pad_to=8)
+    (padded,) = micro_batches(v, rows, real, pad_to=8)
+    flat = [t for i in packed.row_ids.tolist() for t in hand[i]]
+    assert packed.input_ids[0, :len(flat)].tolist() == flat
+    for i, seq in enumerate(hand):
+        assert padded.input_ids[i, :len(seq)].tolist() == seq
+    # the output read for response token t is the one predicting it: position P + b - 1 + t
+    for mb in (packed, padded):
+        got = per_token(mb.input_ids.roll(-1, dims=1).float(), mb)
+        for j, i in enumerate(mb.row_ids.tolist()):
+            r = ROWS[i]["response_ids"]
+            assert got[j, :len(r)].tolist() == [float(t) for t in r]
+
+
+BASE = SMALL + ["algo.name=s3ac", "actor_layout.ep=1", "daps.enabled=false", "algo.dynamic_sampling=false",
+                "train.eval_every=0"]
+
+
+def _alignment(out_dir, packed):
+    from megatron_s3ac.trainer.loop import Trainer
+
+    extra = ["algo.max_tokens_per_micro_batch=40"] if packed else []
+    tr = Trainer(load_config(None, BASE + extra + ["model.critic_privileged=answer", f"train.out_dir={out_dir}"]))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt_ids": p.ids, "response_ids": torch.randint(3, 15, (n,), generator=g).tolist(),
+             "reward": 1.0, "logprobs": [0.0] * n, "pid": i}
+            for i, (p, n) in enumerate(zip(tr.prompts[:4], (1, 3, 5, 2)))]
+    with torch.no_grad():
+        batched = tr.critic_values(collate(rows, tr.pad_to))
+        v0 = tr.critic_v0(torch.arange(4))
+        loop = torch.zeros_like(batched)
+        loop0 = torch.zeros(4)
+        with tr.model_scope("critic"):
+            for i, r in enumerate(rows):
+                block = tr.vocab.encode(tr.prompts[i].reference + "=")  # the template by hand: "{answer}="
+                for t in range(len(r["response_ids"])):
+                    ids = torch.tensor([r["prompt_ids"] + block + r["response_ids"][:t]], device=tr.device)
+                    pos = torch.arange(ids.shape[1], device=tr.device)[None]
+                    loop[i, t] = tr.critic(ids, pos, None)[0, -1].float().cpu()
+                loop0[i] = loop[i, 0]
+    mask = torch.tensor([[float(t < len(r["response_ids"])) for t in range(batched.shape[1])] for r in rows])
+    return batched * mask, loop * mask, v0.cpu(), loop0
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_privileged_value_of_token_t_sees_prompt_block_and_earlier_tokens(tmp_path, packed):
+    batched, loop, v0, loop0 = run_distributed(_alignment, 1, str(tmp_path), packed)[0]
+    assert loop.abs().sum() > 0
+    torch.testing.assert_close(batched, loop, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(v0, loop0, rtol=1e-4, atol=1e-5)  # DAPS's V(s0) sees the block too
+
+
+def _step_seen(out_dir, privileged):
+    """One RL step; what the engine was asked, what the actor read, and the step's metrics."""
+    from megatron_s3ac.trainer.loop import Trainer
+
+    tr = Trainer(load_config(None, BASE + [f"model.critic_privileged={privileged}", f"train.out_dir={out_dir}"]))
+    requests, actor_inputs, critic_inputs = [], [], []
+    gen = tr.engine.generate
+
+    def spy_generate(prompts, *a, **k):
+        requests.append([list(p) for p in prompts])
+        return gen(prompts, *a, **k)
+
+    tr.engine.generate = spy_generate
+    fwd = tr._forward_only
+
+    def spy_forward(which, batch, what):
+        (actor_inputs if which == "actor" else critic_inputs).append(
+            (tr.critic_input(batch) if which == "critic" else batch).tokens.clone())
+        return fwd(which, batch, what)
+
+    tr._forward_only = spy_forward
+    seen = capture_batches(tr)
+    m = tr.step()
+    return {"requests": requests, "actor": actor_inputs, "critic": critic_inputs, "m": m,
+            "prompt_len": seen[0].prompt_len, "resp_len": seen[0].resp_len, "pid": seen[0].pid, "refs": [p.reference for p in tr.prompts]}
+
+
+def test_actor_and_engine_never_see_the_block(tmp_path):
+    off = run_distributed(_step_seen, 1, str(tmp_path / "off"), "none")[0]
+    on = run_distributed(_step_seen, 1, str(tmp_path / "on"), "answer")[0]
+    assert on["requests"] and on["requests"] == off["requests"]  # every engine request, token for token
+    assert len(on["actor"]) == len(off["actor"]) > 0
+    for a, b in zip(on["actor"], off["actor"]):
+        assert torch.equal(a, b)
+    # the critic's rows: the actor's prompt, the reference + "=" (CharVocab ids), the actor's response
+    from megatron_s3ac.trainer.data import CharVocab
+
+    actor, crit = on["actor"][0], on["critic"][0]
+    for i, (pid, P, R) in enumerate(zip(on["pid"].tolist(), on["prompt_len"].tolist(), on["resp_len"].tolist())):
+        hand = actor[i, :P].tolist() + CharVocab().encode(on["refs"][pid] + "=") + actor[i, P:P + R].tolist()
+        assert crit[i, :len(hand)].tolist() == hand and not crit[i, len(hand):].any()
+    assert on["m"]["critic/privileged_missing"] == 0 and "critic/privileged_missing" not in off["m"]
+
+
+# ---- the critic at PP=2 / CP=2 reads the same privileged sequences (2 gloo ranks) -------------------------
+def _values(overrides, out_dir):
+    from tests.trainer.test_layouts_packing import _one_step
+
+    r = _one_step(overrides, out_dir)
+    return {k: r[k] for k in ("gid", "critic_rows", "n", "values", "mask")}
+
+
+@pytest.fixture(scope="module")
+def priv_init(tmp_path_factory):
+    from tests.trainer.test_layouts_packing import _save_init
+
+    d = tmp_path_factory.mktemp("priv_init")
+    run_distributed(_save_init, 1, str(d / "run"), str(d / "actor"), str(d / "critic"))
+    return [f"model.actor_init={d / 'actor'}", f"model.critic_init={d / 'critic'}", "model.critic_privileged=answer"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [["actor_layout.pp=2"], ["actor_layout.pp=2", "algo.max_tokens_per_micro_batch=24"],
+                                       ["actor_layout.ep=2", "actor_layout.cp=2", "critic_layout.cp=2"]],
+                         ids=["pp2", "pp2-packed", "cp2"])
+def test_privileged_values_are_layout_free(overrides, priv_init, tmp_path):
+    ref = run_distributed(_values, 2, priv_init + ["actor_layout.ep=2"], str(tmp_path / "ref"))
+    got = run_distributed(_values, 2, priv_init + overrides, str(tmp_path / "got"))
+    g, r = _whole(got, "values", "critic_rows"), _whole(ref, "values", "critic_rows")
+    assert r.abs().sum() > 0
+    torch.testing.assert_close(g, r, atol=2e-5, rtol=0)
