@@ -169,3 +169,67 @@ def test_privileged_values_are_layout_free(overrides, priv_init, tmp_path):
     g, r = _whole(got, "values", "critic_rows"), _whole(ref, "values", "critic_rows")
     assert r.abs().sum() > 0
     torch.testing.assert_close(g, r, atol=2e-5, rtol=0)
+
+
+# ---- the sanity test's pieces: a prompt subset for RL, advantage whitening, the block bound ---------------------
+def _subset_and_whitening(out_dir, subset_path):
+    import json
+
+    from megatron_s3ac.trainer.loop import Trainer
+
+    tr = Trainer(load_config(None, BASE + ["model.critic_privileged=answer", "algo.normalize_advantages=true",
+                                           "daps.enabled=true", f"train.out_dir={out_dir}"]))
+    keep = [tr.prompts[3], tr.prompts[7]]
+    with open(subset_path, "w") as f:
+        json.dump({"prompt_ids": [list(p.ids) for p in keep] + [[9, 9, 9]]}, f)  # an unknown prompt is ignored
+    got = tr.use_prompt_subset(subset_path)
+    seen = capture_batches(tr)
+    m = tr.step()
+    b = seen[0]
+    adv = b.adv * b.mask
+    n = b.mask.sum()
+    mean, var = float(adv.sum() / n), float((adv ** 2).sum() / n) - float(adv.sum() / n) ** 2
+    return {"got": got, "texts": sorted({tr.prompts[int(i)].text for i in b.pid}), "want": sorted(p.text for p in keep),
+            "daps_n": len(tr.daps.S), "mean": mean, "var": var, "m": m,
+            "priv": [tr._priv_ids[i] for i in range(len(tr.prompts))],
+            "priv_want": [tr.vocab.encode(p.reference + "=") for p in keep]}
+
+
+def test_prompt_subset_restricts_rl_and_advantages_are_whitened(tmp_path):
+    r = run_distributed(_subset_and_whitening, 1, str(tmp_path / "run"), str(tmp_path / "subset.json"))[0]
+    assert r["got"] == {"kept": 2, "of": 200} and r["daps_n"] == 2
+    assert r["texts"] == r["want"]  # every rollout of the step is of a kept prompt
+    assert r["priv"] == r["priv_want"]  # the critic's blocks follow the new prompt list
+    assert abs(r["mean"]) < 1e-5 and abs(r["var"] - 1.0) < 1e-4  # over the step's valid tokens
+
+
+def test_prompt_subset_and_block_bound_bad_input(tmp_path):
+    from megatron_s3ac.trainer.build import read_prompt_subset
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"prompt_ids": [["a"]]}')
+    with pytest.raises(ValueError, match=r"bad\.json: prompt_ids must be a non-empty list of token id lists"):
+        read_prompt_subset(str(bad))
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"bad\.json: not a JSON object with prompt_ids"):
+        read_prompt_subset(str(bad))
+    pb = PrivilegedBlocks.of("answer", CharVocab(), max_tokens=3)
+    with pytest.raises(ValueError, match="is 4 tokens, above model.critic_privileged_max_tokens=3"):
+        pb.ids("123")
+
+
+def test_planner_counts_the_block_in_the_critic_sequences():
+    from megatron_s3ac.models.registry import model_info
+    from megatron_s3ac.models.parallel import ParallelLayout
+    from megatron_s3ac.plan.memory import Cluster, Knobs, Workload, estimate
+
+    import os
+
+    info = model_info(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_configs",
+                                   "qwen2_5_math_1_5b"))
+    lay, cl = ParallelLayout(tp=1), Cluster(gpus=8)
+    base = estimate(info, lay, cl, Workload(prompt_len=1024, response_len=4096), Knobs())
+    more = estimate(info, lay, cl, Workload(prompt_len=1024, response_len=4096, critic_extra_tokens=1024), Knobs())
+    # the critic's activations grow with its sequences (5120 -> 6144 tokens: x 1.2); the actor's do not move
+    assert more.stages[0].act_actor == base.stages[0].act_actor
+    assert more.stages[0].act_critic == pytest.approx(base.stages[0].act_critic * 6144 / 5120, rel=0.01)
