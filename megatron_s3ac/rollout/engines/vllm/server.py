@@ -107,7 +107,7 @@ class Server:
         if route == "weight_info":
             return {"weights": self.rpc("s3ac_weight_info")[0]}
         if route == "check_weights":
-            self.rpc("s3ac_check_weights", req["names"], req["shapes"])
+            self.rpc("s3ac_check_weights", req["names"], req["shapes"], bool(req.get("session", False)))
             return {}
         if route == "init_weight_transfer":
             llm.init_weight_transfer_engine({"init_info": req["init_info"]})
@@ -121,7 +121,8 @@ class Server:
         if route == "finish_weight_update":
             llm.finish_weight_update(weight_version=req.get("weight_version"))
             llm.reset_prefix_cache()
-            return {}
+            # tensors completed from served values an earlier update had replaced (worker_ext._settle)
+            return {"stale": sorted({n for w in self.rpc("s3ac_last_session") for n in w["stale"]})}
         if route == "abort_weight_update":
             self.rpc("s3ac_abort_weight_update")
             return {}

@@ -31,8 +31,10 @@ class SessionUpdates:
                 raise ValueError(f"{self.name}: update_weights: tensor {n!r} appears twice in one update; nothing "
                                  f"was loaded")
             seen.add(n)
-        self.check_weights([n for n, _ in pairs], [tuple(t.shape) for _, t in pairs])
         own = not self._session_open
+        # own session: these pairs are all of it, so its layers are checked whole too (in the caller's session
+        # later calls may complete them)
+        self.check_weights([n for n, _ in pairs], [tuple(t.shape) for _, t in pairs], session=own)
         if own:
             self.begin_weight_update()
         try:

@@ -69,7 +69,7 @@ class VLLMSessionSync(WeightSyncStrategy):
                 if self._planned is None or self._planned[0] is not info:
                     self._planned = (info, planned_weights(info))
                 names, shapes = self._planned[1]
-                self.engine.check_weights(names, shapes, "weight sync")
+                self.engine.check_weights(names, shapes, "weight sync", session=True)
                 self.engine.begin_weight_update()
             except BaseException as err:  # noqa: BLE001 - re-raised below, after every rank heard of it
                 error = err

