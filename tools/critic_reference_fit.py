@@ -1,6 +1,6 @@
 """Controlled check of the critic on a chain-task run (issue 29): can a plain torch critic learn what ours does not?
 
-    python tools/critic_reference_fit.py RUN_DIR [--rows 4096] [--epochs 2] [--lr 1e-3] [--batch 128] [--fits probe,adam_frozen_attn,adam_full] [--targets R,err]
+    python tools/critic_reference_fit.py RUN_DIR [--rows 4096] [--epochs 2] [--lr 1e-3] [--batch 128] [--fits probe,adam_frozen_attn,adam_full] [--targets R,err] [--privileged] [--hf DIR --coverage FILE]
 
 Reads RUN_DIR/stages/coverage/coverage.jsonl (the value-pretraining data) and RUN_DIR/hf_warmup (the RL start
 policy, which initialises the critic) and fits, on the *same positions* value pretraining uses (response token t
@@ -49,17 +49,21 @@ def _reference_ids(prompt_ids: list[int], tok) -> list[int]:
     return out
 
 
-def build(rows: list[dict], tok):
-    """tokens [n, L], pos [n, T] (P - 1 + t), mask [n, T], R [n, T], err [n, T] (error among o_<t)."""
+def build(rows: list[dict], tok, privileged: bool = False):
+    """tokens [n, L], pos [n, T] (P - 1 + t), mask [n, T], R [n, T], err [n, T] (error among o_<t).
+    ``privileged``: the critic's view of model.critic_privileged=answer: prompt + the reference answer + "=" +
+    response (trainer.privileged's character template), positions shifted by the block."""
     n = len(rows)
-    P = [len(r["prompt_ids"]) for r in rows]
+    blocks = [(_reference_ids(r["prompt_ids"], tok) + [tok.convert_tokens_to_ids("=")]) if privileged else []
+              for r in rows]
+    P = [len(r["prompt_ids"]) + len(b) for r, b in zip(rows, blocks)]
     Rl = [len(r["response_ids"]) for r in rows]
     T, L = max(Rl), max(p + r for p, r in zip(P, Rl))
     tokens = torch.zeros(n, L, dtype=torch.long)
     pos = torch.zeros(n, T, dtype=torch.long)
     mask, ret, err = torch.zeros(n, T), torch.zeros(n, T), torch.zeros(n, T)
     for i, r in enumerate(rows):
-        seq = r["prompt_ids"] + r["response_ids"]
+        seq = r["prompt_ids"] + blocks[i] + r["response_ids"]
         tokens[i, :len(seq)] = torch.tensor(seq)
         ref = _reference_ids(r["prompt_ids"], tok)
         resp = r["response_ids"]
@@ -176,20 +180,24 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fits", default="probe,adam_frozen_attn,adam_full")
     p.add_argument("--targets", default="R,err", help="comma list of R, err")
+    p.add_argument("--privileged", action="store_true", help="the critic sees the reference answer (prompt + "
+                   "answer + '=' + response, model.critic_privileged=answer)")
+    p.add_argument("--hf", help="the RL start policy's HF dir (default RUN/hf_warmup)")
+    p.add_argument("--coverage", help="the coverage jsonl (default RUN/stages/coverage/coverage.jsonl)")
     p.add_argument("--ours", action="store_true", help="also (only) run this project's value pretraining on the same "
                    "targets (all rows; under torchrun --nproc-per-node 1)")
     a = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = os.path.join(a.run, "hf_warmup")
-    cov = os.path.join(a.run, "stages", "coverage", "coverage.jsonl")
+    hf = a.hf or os.path.join(a.run, "hf_warmup")
+    cov = a.coverage or os.path.join(a.run, "stages", "coverage", "coverage.jsonl")
     for f in (hf, cov):
         if not os.path.exists(f):
             print(f"critic_reference_fit: {f} not found (a pipeline run dir with coverage data)", file=sys.stderr)
             return 2
     tok = AutoTokenizer.from_pretrained(hf)
     rows = _rows(cov, a.rows, a.seed)
-    data = build(rows, tok)
+    data = build(rows, tok, a.privileged)
     tokens, pos, mask, ret, err = data
     n = len(rows)
     test_idx, train_idx = torch.arange(n)[: n // 4], torch.arange(n)[n // 4:]

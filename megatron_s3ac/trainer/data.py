@@ -112,6 +112,14 @@ def _read_rows(path: str) -> list[dict]:
     return rows
 
 
+def row_reference(row: dict):
+    """A row's reference answer field of either schema (answer / solution_answer / reward_model.ground_truth)."""
+    ref = row.get("answer", row.get("solution_answer"))
+    if ref is None and isinstance(row.get("reward_model"), dict):
+        ref = row["reward_model"].get("ground_truth")
+    return ref
+
+
 def _extract(row) -> tuple[object, str] | None:
     """(prompt: str or chat messages, reference) from one row of either schema, or None.
 
@@ -121,9 +129,7 @@ def _extract(row) -> tuple[object, str] | None:
     if not isinstance(row, dict):
         return None
     prompt = row.get("prompt", row.get("problem", row.get("question")))
-    ref = row.get("answer", row.get("solution_answer"))
-    if ref is None and isinstance(row.get("reward_model"), dict):
-        ref = row["reward_model"].get("ground_truth")
+    ref = row_reference(row)
     if isinstance(prompt, str):
         ok = bool(prompt.strip())
     elif isinstance(prompt, (list, tuple)):

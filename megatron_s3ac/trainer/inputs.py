@@ -55,5 +55,19 @@ def _check_prompts(cfg: Config) -> None:
     except Exception as err:  # noqa: BLE001 - transformers raises many kinds for a directory without a tokenizer
         raise ValueError(f"{model_dir}: cannot load its tokenizer ({type(err).__name__}: {err})") from None
     vision = D.VisionProcessor.from_pretrained(model_dir) if os.path.isdir(model_dir) else None
-    D.load_math_prompts(cfg.data.path, tok, cfg.data.max_prompt_tokens, cfg.data.apply_chat_template,
-                        vision=vision, expand_images=False)
+    mode = getattr(cfg.model.critic_privileged, "value", cfg.model.critic_privileged)
+    try:
+        prompts, _ = D.load_math_prompts(cfg.data.path, tok, cfg.data.max_prompt_tokens, cfg.data.apply_chat_template,
+                                         vision=vision, expand_images=False)
+    except ValueError:
+        if mode != "none":  # every row unusable: say whether the critic's field is what the rows lack
+            rows = D._read_rows(cfg.data.path)
+            missing = sum(1 for r in rows if isinstance(r, dict) and str(D.row_reference(r) or "").strip() == "")
+            if missing:
+                raise ValueError(f"{cfg.data.path}: model.critic_privileged={mode} needs each row's reference "
+                                 f"answer, and {missing} of its {len(rows)} rows carry none") from None
+        raise
+    if mode == "answer_and_solution" and not any(p.solution for p in prompts):
+        raise ValueError(f"{cfg.data.path}: model.critic_privileged=answer_and_solution needs a solution column, and "
+                         f"none of its {len(prompts)} usable rows carries one (or use model.critic_privileged=answer)")
+

@@ -73,6 +73,15 @@ CASES = {
                          r"data\.path: {t}/w\.jsonl: no usable prompt in 1 row\(s\) \(1 malformed.*row 0 has no prompt"),
     "data_unencodable": (lambda t, m: ["train"] + _math(m, _w(t, "u.jsonl", ROW + ROW.replace("1+1=", "what is 1+1?"))),
                          r"data\.path: {t}/u\.jsonl row 1: the tokenizer cannot encode the prompt 'what is 1\+1\?'"),
+    # issue 37: a critic that reads the reference refuses a file whose rows carry none (or no solution), naming it
+    "privileged_no_reference": (lambda t, m: ["check", "algo.name=s3ac", "model.critic_privileged=answer"]
+                                + _math(m, _w(t, "r.jsonl", 2 * (json.dumps({"prompt": "1+1="}) + "\n"))),
+                                r"data\.path: {t}/r\.jsonl: model\.critic_privileged=answer needs each row's "
+                                r"reference answer, and 2 of its 2 rows carry none"),
+    "privileged_no_solution": (lambda t, m: ["check", "algo.name=s3ac", "model.critic_privileged=answer_and_solution"]
+                               + _math(m, _w(t, "s.jsonl", ROW)),
+                               r"data\.path: {t}/s\.jsonl: model\.critic_privileged=answer_and_solution needs a "
+                               r"solution column, and none of its 1 usable rows carries one"),
     "coverage_unset": (lambda t, m: ["value-pretrain", "model.tiny=arithmetic_moe"] + SMALL,
                        r"value_pretrain\.coverage_path: value-pretrain needs it"),
     "coverage_missing": (lambda t, m: ["value-pretrain", "model.tiny=arithmetic_moe",
