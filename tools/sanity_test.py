@@ -6,7 +6,8 @@ On such prompts every arm should drive the training reward near its maximum; an 
 (in the notes: a critic whose errors steer the actor wrong). Steps:
 
 1. ``s3ac-train pipeline CONFIG pipeline.stop_after=coverage``: the warm-up and its coverage pass (OUT/base).
-2. The prompts with at least ``--min-successes`` correct coverage samples -> OUT/solvable.json
+2. The prompts with at least ``--min-successes`` correct samples of the RL start policy in the coverage data (the
+   warm-up's snapshot at its stopping step; every policy's samples when the data has none of it) -> OUT/solvable.json
    (``data.prompt_subset``: the RL stage draws only these).
 3. One pipeline job per arm, sharing the warm-up and coverage stages (value pretraining per critic arm), RL on the
    solvable prompts for ``--steps`` steps:
@@ -63,16 +64,30 @@ def run(cmd: list[str], out: str, dry: bool) -> None:
     print(f"  done in {time.time() - t0:.0f} s", flush=True)
 
 
-def solvable_prompts(coverage: str, min_successes: int) -> tuple[list, int]:
-    """(prompt id lists with >= ``min_successes`` correct samples in the coverage file, prompts seen)."""
+def rl_start_source(warmup_dir: str) -> str | None:
+    """The coverage ``source`` suffix of the RL start policy: the warm-up's snapshot at the step it stopped
+    (``policies/step_<steps>``; the coverage snapshots past it are stronger than the policy RL starts from)."""
+    try:
+        steps = json.load(open(os.path.join(warmup_dir, "DONE.json")))["result"]["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return os.path.join("policies", f"step_{int(steps)}")
+
+
+def solvable_prompts(coverage: str, min_successes: int, source: str | None = None) -> tuple[list, int, str]:
+    """(prompt id lists with >= ``min_successes`` correct samples in the coverage file, prompts seen, which
+    samples counted): the samples of the policy whose ``source`` ends with ``source`` when it has any, else all."""
     from megatron_s3ac.trainer.data import read_coverage
 
     rows, _ = read_coverage(coverage)
+    mine = [r for r in rows if source and str(r.get("source", "")).rstrip("/").endswith(source)]
+    used = f"the RL start policy's samples ({source})" if mine else "every coverage policy's samples"
+    rows = mine or rows
     wins: dict[tuple, int] = {}
     for r in rows:
         key = tuple(r["prompt_ids"])
         wins[key] = wins.get(key, 0) + int(r["reward"] > 0)
-    return [list(k) for k, n in wins.items() if n >= min_successes], len(wins)
+    return [list(k) for k, n in wins.items() if n >= min_successes], len(wins), used
 
 
 def curves(run_dir: str) -> dict:
@@ -137,14 +152,15 @@ def main(argv=None) -> int:
                      args.nproc), base_dir, args.dry_run)
     subset = os.path.join(out, "solvable.json")
     if not args.dry_run:
-        keep, seen = solvable_prompts(os.path.join(base_dir, "stages", "coverage", "coverage.jsonl"),
-                                      args.min_successes)
+        keep, seen, used = solvable_prompts(os.path.join(base_dir, "stages", "coverage", "coverage.jsonl"),
+                                            args.min_successes, rl_start_source(os.path.join(base_dir, "stages",
+                                                                                             "warmup")))
         if not keep:
             sys.exit(f"sanity_test: no prompt of the {seen} in the coverage data has {args.min_successes} correct "
                      f"sample(s): the warm-up policy solves none; the test needs a stronger start")
         with open(subset, "w") as f:
             json.dump({"prompt_ids": keep}, f)
-        print(f"solvable prompts: {len(keep)} of {seen} (>= {args.min_successes} correct coverage samples)")
+        print(f"solvable prompts: {len(keep)} of {seen} (>= {args.min_successes} correct among {used})")
     results = {}
     for arm in args.arms:
         d = os.path.join(out, "arms", arm)
