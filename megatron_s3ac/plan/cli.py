@@ -136,8 +136,7 @@ def _layout(d: dict | None, prefix: str = ""):
 
 def resolve(args) -> tuple:
     """(info, cluster, workload, knobs, fixed layout or None, critic layout or None) from flags + YAML."""
-    from megatron_s3ac.plan.memory import Cluster, Knobs, Workload
-    from megatron_s3ac.plan.preflight import critic_block_tokens
+    from megatron_s3ac.plan.memory import Cluster, Knobs, Workload, critic_block_tokens
 
     if args.hf_config is None and args.config is None:
         raise PlanInputError("give an HF config (positional) or --config TRAINER.yaml")

@@ -54,6 +54,19 @@ class Workload:
         return self.prompts_per_step * self.k
 
 
+def critic_block_tokens(cfg) -> int:
+    """The critic's privileged block bound of a trainer config (a dict or the schema):
+    ``model.critic_privileged_max_tokens``, 0 without a privileged critic. The trainer refuses a longer block, so the
+    planner's critic sequences are an upper bound."""
+    model = None if cfg is None else (cfg.get("model") if isinstance(cfg, dict) else getattr(cfg, "model", None))
+    if model is None:
+        return 0
+    get = model.get if isinstance(model, dict) else (lambda k, d=None: getattr(model, k, d))
+    mode = get("critic_privileged", "none")
+    mode = getattr(mode, "value", mode)
+    return 0 if mode in (None, "none") else int(get("critic_privileged_max_tokens", 64) or 64)
+
+
 @dataclass
 class Knobs:
     dtype: str = "bf16"  # parameter / activation dtype: bf16 (fp32 main grads + Adam) or fp32

@@ -45,12 +45,6 @@ class PreflightReport:
 
 
 
-def critic_block_tokens(cfg) -> int:
-    """The critic's privileged block bound (``model.critic_privileged_max_tokens``; 0 without one): the trainer
-    refuses a longer block, so the planner's critic sequences are an upper bound."""
-    mode = _get(cfg, "model.critic_privileged", "none")
-    return 0 if getattr(mode, "value", mode) == "none" else int(_get(cfg, "model.critic_privileged_max_tokens", 64))
-
 def _get(cfg: Any, path: str, default=None):
     import enum
 
@@ -107,7 +101,7 @@ def trainer_knobs(cfg: Any):
 
 def preflight(cfg: Any, world_size: int | None = None, knobs=None) -> PreflightReport:
     from megatron_s3ac.plan.cli import to_dict
-    from megatron_s3ac.plan.memory import Cluster, Workload, estimate
+    from megatron_s3ac.plan.memory import Cluster, Workload, critic_block_tokens, estimate
     from megatron_s3ac.plan.search import layout_errors
 
     rep = PreflightReport()

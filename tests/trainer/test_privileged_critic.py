@@ -233,3 +233,8 @@ def test_planner_counts_the_block_in_the_critic_sequences():
     # the critic's activations grow with its sequences (5120 -> 6144 tokens: x 1.2); the actor's do not move
     assert more.stages[0].act_actor == base.stages[0].act_actor
     assert more.stages[0].act_critic == pytest.approx(base.stages[0].act_critic * 6144 / 5120, rel=0.01)
+    from megatron_s3ac.plan.memory import critic_block_tokens
+
+    assert critic_block_tokens({"model": {"critic_privileged": "answer", "critic_privileged_max_tokens": 96}}) == 96
+    assert critic_block_tokens(load_config(None, ["model.tiny=arithmetic_moe", "model.critic_privileged=answer"])) == 64
+    assert critic_block_tokens(load_config(None, ["model.tiny=arithmetic_moe"])) == 0 and critic_block_tokens(None) == 0
