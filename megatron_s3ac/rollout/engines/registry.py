@@ -168,6 +168,7 @@ def register_engine(spec: EngineSpec) -> EngineSpec:
     """Register ``spec`` under ``spec.kind`` (re-registering replaces); returns it."""
     if not isinstance(spec, EngineSpec) or not spec.kind:
         raise TypeError(f"register_engine: {spec!r} is not an EngineSpec with a kind")
+    _load_builtin()  # the built-in kinds first, so messages list them in the same order whoever registers first
     _REGISTRY[spec.kind] = spec
     return spec
 
