@@ -163,8 +163,12 @@ def unsupported_engine_reason(kind: str) -> str:
     that can pause (their ``EngineSpec.partial_rollout``: CPUEngine; SGLangEngine through sglang.Engine's
     tokenizer_manager coroutines, rollout/engines/sglang/engine.py)."""
     from megatron_s3ac.rollout.engines.registry import engine_spec, registered_engines
+    from megatron_s3ac.rollout.errors import ConfigError
 
-    reason = engine_spec(kind).partial_refusal
+    try:
+        reason = engine_spec(kind).partial_refusal
+    except ConfigError:  # a kind nobody registered: the generic line
+        reason = None
     if reason:
         return reason
     can = " / ".join(k for k in registered_engines() if engine_spec(k).partial_rollout)
