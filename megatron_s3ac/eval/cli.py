@@ -36,6 +36,7 @@ from megatron_s3ac.eval.benchmarks import EvalInputError
 from megatron_s3ac.eval.report import format_table, write_report
 from megatron_s3ac.eval.runner import BenchmarkSpec, as_spec, check_encodable, evaluate, resolve_reward
 from megatron_s3ac.rollout.base import SamplingParams
+from megatron_s3ac.rollout.engines.registry import engine_spec, registered_engines
 
 
 def resolve_model_dir(path: str) -> str:
@@ -132,7 +133,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="benchmarks the LLM judge scores (default: every set scored with the math reward)")
     p.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per judge request")
     p.add_argument("--judge-retries", type=int, default=3, help="retries per judge request (timeouts, 429, 5xx)")
-    p.add_argument("--engine", choices=("cpu", "hf", "sglang", "vllm"), default="cpu",
+    p.add_argument("--engine", choices=registered_engines(), default="cpu",
                    help="cpu: transformers on the CPU (exact); hf: the same on the GPU when CUDA is present; "
                         "sglang: sglang.Engine; vllm: a vLLM engine in its own environment (make vllm-env) "
                         "(rollout.factory, as training uses)")
@@ -164,32 +165,20 @@ def build_engine(kind: str, model_dir: str, tokenizer, tp_size: int = 1, seeded:
     sglang: tp_size GPUs; ``seeded``: deterministic inference (SGLang honours per-request seeds only with it)."""
     import torch
 
-    from megatron_s3ac.rollout.factory import (ConfigError, SGLangSettings, build_rollout_engine,
-                                               make_engine_factory, validate_rollout_engine)
+    from megatron_s3ac.rollout.engines.registry import EngineRequest
+    from megatron_s3ac.rollout.factory import ConfigError, validate_rollout_engine
 
     try:
         validate_rollout_engine(kind, model_dir=model_dir, key="--engine")
     except ConfigError as e:
         raise EvalInputError(str(e)) from None
-    if kind == "sglang":
-        settings = SGLangSettings(tp_size=tp_size, gpus_per_engine=tp_size, deterministic_inference=seeded)
-        # one engine in this process (sglang starts its own scheduler processes); no R3 routes needed here
-        return make_engine_factory("sglang", model_dir=model_dir, settings=settings, seed=seed,
-                                   return_routed_experts=False)()
-    if kind == "vllm":
-        from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings
-
-        settings = VLLMSettings(tp_size=tp_size, gpus_per_engine=tp_size)
-        engine = make_engine_factory("vllm", model_dir=model_dir, settings=settings, seed=seed,
-                                     return_routed_experts=False, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])()
-        engine.tokenizer = tokenizer
-        return engine
-    device = "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"
-    factory = make_engine_factory(kind, model_dir=model_dir, seed=seed, return_routed_experts=False,
-                                  dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], device=device,
-                                  multimodal=multimodal)
-    engine = build_rollout_engine(factory, "colocated")
-    engine.tokenizer = tokenizer
+    spec = engine_spec(kind, key="--engine")
+    # one engine in this process (sglang / vllm start their own processes); no R3 routes needed here
+    engine = spec.factory(EngineRequest(
+        purpose="eval", model_dir=model_dir, weights_dir=model_dir, seed=seed, routes=False, tp_size=tp_size,
+        seeded=seeded, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], device=spec.local_device(),
+        multimodal=multimodal))()
+    engine.tokenizer = tokenizer  # stop strings decode with the evaluated tokenizer (engines that decode read it)
     return engine
 
 
@@ -259,7 +248,7 @@ def _run(args: argparse.Namespace) -> int:
             raise EvalInputError(f"{args.model}: image benchmarks need a vision-language checkpoint (vision_config "
                                  f"in config.json); this one is text-only")
         engine = build_engine(args.engine, model_dir, tokenizer, args.tp_size, seed=args.seed, dtype=args.dtype,
-                              multimodal=images and args.engine in ("cpu", "hf"))
+                              multimodal=images and engine_spec(args.engine).multimodal_flag)
         try:
             report = evaluate(engine, tokenizer, benches, k=args.k, params=params, seed=args.seed,
                               template=args.template, batch_size=args.batch_size,

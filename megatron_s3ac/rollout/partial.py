@@ -159,14 +159,20 @@ def sample_versions(groups: list[list[Sample]], default: int) -> list[list[tuple
 
 
 def unsupported_engine_reason(kind: str) -> str:
-    """Why ``rollout.partial_rollout`` is refused for engine ``kind`` (cpu and hf can pause: CPUEngine; sglang:
-    SGLangEngine, through sglang.Engine's tokenizer_manager coroutines, rollout/engines/sglang/engine.py)."""
-    if kind == "vllm":
-        return ("rollout.partial_rollout=true with rollout.engine=vllm: the vLLM server here (rollout/engines/vllm/server.py) "
-                "runs vLLM's offline LLM (vllm/entrypoints/llm.py), whose generate() runs every request to the end; "
-                "pause/resume is AsyncLLM's (vllm 0.32 vllm/v1/engine/async_llm.py:952-985, the /pause route of "
-                "vllm/entrypoints/rl/online/api_router.py:31). Use rollout.engine=cpu, or rollout.partial_rollout=false")
-    return f"rollout.partial_rollout=true: rollout.engine={kind} cannot pause generation (only cpu / hf / sglang can)"
+    """Why ``rollout.partial_rollout`` is refused for engine ``kind``: its spec's own reason (vllm), else the kinds
+    that can pause (their ``EngineSpec.partial_rollout``: CPUEngine; SGLangEngine through sglang.Engine's
+    tokenizer_manager coroutines, rollout/engines/sglang/engine.py)."""
+    from megatron_s3ac.rollout.engines.registry import engine_spec, registered_engines
+    from megatron_s3ac.rollout.errors import ConfigError
+
+    try:
+        reason = engine_spec(kind).partial_refusal
+    except ConfigError:  # a kind nobody registered: the generic line
+        reason = None
+    if reason:
+        return reason
+    can = " / ".join(k for k in registered_engines() if engine_spec(k).partial_rollout)
+    return f"rollout.partial_rollout=true: rollout.engine={kind} cannot pause generation (only {can} can)"
 
 
 __all__ = ["unsupported_engine_reason", "PartialPending", "Resume", "continuation_requests", "merge", "num_versions", "sample_versions", "tagged",

@@ -76,7 +76,7 @@ def staleness_metrics(samples: list[dict], step: int) -> dict:
 
 def engine_death_types() -> tuple:
     """The errors that say a separate engine's process died or stopped answering (RemoteEngine, EnginePool)."""
-    from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngineDied, RemoteEngineTimeout
+    from megatron_s3ac.rollout.engines.remote import RemoteEngineDied, RemoteEngineTimeout
     from megatron_s3ac.rollout.engines.pool import EngineDied, EngineTimeout
 
     return (RemoteEngineDied, RemoteEngineTimeout, EngineDied, EngineTimeout)

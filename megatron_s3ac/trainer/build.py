@@ -369,63 +369,54 @@ def image_eval_sets(cfg: Config) -> list[str]:
 
 
 def build_engine(cfg: Config, info, multimodal: bool = False):
-    """Rank 0's rollout engine, chosen by ``rollout.engine`` through ``rollout.factory`` (the one factory of
-    training, evaluation and coverage data). cpu: in this process (colocated) or its own Ray actor (separate:
-    ``RemoteEngine``; same engine code, so the same samples for the same seed). sglang: ``rollout.sglang.num_engines``
-    engines (an ``EnginePool`` of Ray actors; one colocated engine runs in this process).
+    """Rank 0's rollout engine, chosen by ``rollout.engine``: its registered ``EngineSpec`` (rollout.engines.registry)
+    makes the factory and says where it runs (the one factory of training, evaluation and coverage data). cpu: in
+    this process (colocated) or its own Ray actor (separate: ``RemoteEngine``; same engine code, so the same samples
+    for the same seed). sglang: ``rollout.sglang.num_engines`` engines (an ``EnginePool`` of Ray actors; one colocated
+    engine runs in this process). vllm: its own server process(es).
     ``multimodal``: load a vision-language checkpoint as the full model (vision tower included) to serve image
     prompts; the trainer derives it from its data and evaluation sets (``image_prompts``, ``image_eval_sets``), not
     from the engine's name.
     Returns (engine, owns_ray): a Ray started here is shut down by ``Trainer.close``."""
-    from megatron_s3ac.rollout.factory import build_rollout_engine, make_engine_factory
-    from megatron_s3ac.trainer.config import EngineKind, Placement, engine_model_dir
+    from megatron_s3ac.rollout.engines.registry import EngineRequest, engine_spec
+    from megatron_s3ac.rollout.factory import build_rollout_engine
+    from megatron_s3ac.trainer.config import Placement, engine_model_dir
 
     r = cfg.rollout
     placement = Placement(r.placement).value
-    kind = EngineKind(r.engine).value
-    in_process = placement == "colocated" and (kind != "sglang" or r.sglang.num_engines == 1)
+    spec = engine_spec(r.engine)
+    section = spec.settings_of(r)
+    in_process = spec.in_process(placement, section)
     threads = None if in_process else cfg.train.threads  # an engine process's own torch threads
-    # cpu / hf: transformers' model in model.dtype; hf puts it on this rank's GPU when CUDA is present (the
-    # single-GPU loop without SGLang); an engine in its own process decides its device
-    dev = dict(dtype=model_dtype(cfg))
-    if in_process:
-        dev["device"] = "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu"
-    if kind == "vllm":  # its own server process: the client lives in rank 0 whatever the placement
-        factory = make_engine_factory("vllm", model_dir=engine_model_dir(cfg), settings=r.vllm, seed=cfg.train.seed,
-                                      placement=placement, weights_dtype=r.weights_dtype, fp8_keep=r.fp8_keep)
-        return build_rollout_engine(factory, placement), False
     resident = ()
     if multimodal and not cfg.train.vision.trainable:  # a frozen tower is never sent: the engine keeps its own copy
         from megatron_s3ac.models.vision import HF_VISION_PREFIX
 
         resident = (HF_VISION_PREFIX,)
-    if kind == "sglang":
-        # sglang records routes only for R3 (a dense model has none to record: the engine refuses the flag);
-        # resident weights make the factory ask sglang for its weights CPU backup (sleep would lose them otherwise)
-        _, routes = r3_setting(cfg, info)
-        factory = make_engine_factory("sglang", model_dir=engine_model_dir(cfg), settings=r.sglang,
-                                      seed=cfg.train.seed, torch_threads=threads, return_routed_experts=routes,
-                                      resident_prefixes=resident)
-    elif cfg.model.engine_hf_dir:
-        if multimodal:  # sglang / vllm read the VL checkpoint as it says; the cpu / hf engine needs the flag
-            dev["multimodal"] = True
-            dev["resident_prefixes"] = resident
-        factory = make_engine_factory(kind, model_dir=cfg.model.engine_hf_dir, torch_threads=threads, **dev)
-    elif multimodal:
+    if multimodal and spec.multimodal_flag and not cfg.model.engine_hf_dir:
         raise ConfigError("image prompts (training data with images, or image sets in eval.benchmarks: "
                           f"{image_eval_sets(cfg)}) need the rollout engine to load the vision-language checkpoint: "
                           "set model.engine_hf_dir to its HF directory (the tower's weights are not synced when frozen)")
-    else:
+
+    def hf_config():  # an engine without model.engine_hf_dir starts from the model's config; weights come next
         if cfg.model.tiny is None:
             from transformers import AutoConfig
 
-            hf = AutoConfig.for_model(**info.hf)
-        else:
-            from megatron_s3ac.trainer.tasks_multistep import tiny_hf_config
+            return AutoConfig.for_model(**info.hf)
+        from megatron_s3ac.trainer.tasks_multistep import tiny_hf_config
 
-            hf = tiny_hf_config(cfg.data)
-        # weights come from the actor right after
-        factory = make_engine_factory(kind, hf_config=hf, torch_threads=threads, **dev)
+        return tiny_hf_config(cfg.data)
+
+    _, routes = r3_setting(cfg, info)  # record MoE routes for R3 (a dense model has none)
+    # cpu / hf: transformers' model in model.dtype; hf puts it on this rank's GPU when CUDA is present (the
+    # single-GPU loop without SGLang); an engine in its own process decides its device
+    factory = spec.factory(EngineRequest(
+        purpose="train", model_dir=engine_model_dir(cfg), weights_dir=cfg.model.engine_hf_dir, hf_config=hf_config,
+        settings=section, seed=cfg.train.seed, torch_threads=threads, dtype=model_dtype(cfg),
+        device=spec.local_device() if in_process else None, multimodal=multimodal, resident_prefixes=resident,
+        routes=routes, placement=placement, weights_dtype=r.weights_dtype, fp8_keep=r.fp8_keep))
+    if spec.own_process:  # its own server process(es): the client lives in rank 0 whatever the placement, no Ray
+        return build_rollout_engine(factory, placement), False
     if in_process:
         return factory(), False
     import ray

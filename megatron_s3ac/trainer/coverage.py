@@ -133,7 +133,8 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
     ``prompts[j]``, default j: its index in the prompt set the trainer loads), from which value pretraining takes
     the same pixels back (trainer.value_pretrain.attach_row_images): the jsonl holds ids, never pixels."""
     from megatron_s3ac.rollout.base import SamplingParams
-    from megatron_s3ac.rollout.factory import build_rollout_engine, make_engine_factory
+    from megatron_s3ac.rollout.engines.registry import EngineRequest, engine_spec
+    from megatron_s3ac.rollout.factory import build_rollout_engine
     from megatron_s3ac.trainer.data import write_coverage
 
     images = [getattr(p, "images", None) for p in prompts]
@@ -149,15 +150,13 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
         for i, policy in enumerate(policies):
             t0 = time.time()
             seed = settings.seed + i if seeds is None else int(seeds[i])
-            kind = settings.engine
-            dev = {} if kind in ("sglang", "vllm") else {
-                "dtype": settings.dtype, "device": "cuda" if kind == "hf" and torch.cuda.is_available() else "cpu",
-                "multimodal": multimodal}  # sglang serves a VL checkpoint multimodal as it is
-            section = settings.vllm if kind == "vllm" else settings.sglang
+            spec = engine_spec(settings.engine)
+            req = EngineRequest(purpose="coverage", model_dir=policy, weights_dir=policy, settings=spec.settings_of(
+                settings), seed=seed, routes=False, dtype=settings.dtype, device=spec.local_device(),
+                multimodal=multimodal)  # sglang / vllm serve a VL checkpoint as it is (the flag is the cpu engine's)
             # building a model draws from torch's global generator: the caller's (the trainer's) stream is kept
             with torch.random.fork_rng(devices=[]):
-                eng = build_rollout_engine(make_engine_factory(kind, model_dir=policy, settings=section,
-                                                               seed=seed, return_routed_experts=False, **dev))
+                eng = build_rollout_engine(spec.factory(req))
                 try:
                     outs = eng.generate([list(p.ids) for p in prompts],
                                         SamplingParams(temperature=settings.temperature, top_p=settings.top_p,

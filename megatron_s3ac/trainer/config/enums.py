@@ -44,7 +44,7 @@ class Placement(str, enum.Enum):
     separate = "separate"
 
 
-class EngineKind(str, enum.Enum):
+class EngineKind(str, enum.Enum):  # the built-in kinds; rollout.engine itself is any registered kind (a string)
     cpu = "cpu"  # transformers' model in this project's engine (rollout.engines.cpu.engine), on the CPU
     hf = "hf"  # the same engine on rank 0's GPU in model.dtype when CUDA is present
     sglang = "sglang"

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
-from megatron_s3ac.rollout.factory import SGLangSettings
+from megatron_s3ac.rollout.engines.sglang.settings import SGLangSettings
 from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings
-from megatron_s3ac.trainer.config.enums import EngineKind, Placement, WeightsDtype
+from megatron_s3ac.trainer.config.enums import Placement, WeightsDtype
 
 
 @dataclass
@@ -23,8 +23,9 @@ class RolloutCfg:
     # actor) and stays awake; the trainer streams weights to it
     placement: Placement = Placement.colocated
     # cpu: CPUEngine (transformers, exact; the demo); hf: the same engine on rank 0's GPU in model.dtype when
-    # CUDA is present; sglang: sglang==0.5.23 engines (rollout.sglang; docs/rollout.md)
-    engine: EngineKind = EngineKind.cpu
+    # CUDA is present; sglang: sglang==0.5.23 engines (rollout.sglang; docs/rollout.md); vllm (rollout.vllm). A string
+    # checked against the engine registry (rollout.engines.registry), so a registered kind is accepted too
+    engine: str = "cpu"
     sglang: SGLangSettings = field(default_factory=SGLangSettings)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     # fp8: every weight sync sends convert.fp8.quantize_stream of the export (the engine dequantizes /
@@ -53,21 +54,14 @@ class RolloutCfg:
             out.append(f"rollout.max_engine_restarts={self.max_engine_restarts} must be >= 0")
         if isinstance(self.partial_max_versions, bool) or self.partial_max_versions < 1:
             out.append(f"rollout.partial_max_versions={self.partial_max_versions} must be an integer >= 1")
-        if self.engine == EngineKind.sglang:
-            from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_sglang_settings
+        from megatron_s3ac.rollout.engines.registry import engine_spec
+        from megatron_s3ac.rollout.errors import ConfigError as EngineConfigError
 
-            try:
-                validate_sglang_settings(self.sglang)
-            except EngineConfigError as e:
-                out.append(str(e))
-        if self.engine == EngineKind.vllm:
-            from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError
-            from megatron_s3ac.rollout.engines.vllm.settings import validate_vllm_settings
-
-            try:
-                validate_vllm_settings(self.vllm)
-            except EngineConfigError as e:
-                out.append(str(e))
+        try:  # the kind's own section, checked by the kind (rollout.sglang, rollout.vllm, ...)
+            spec = engine_spec(self.engine)
+            spec.check_settings(spec.settings_of(self))
+        except EngineConfigError as e:
+            out.append(str(e))
         if self.fp8_keep is not None:
             from megatron_s3ac.convert.fp8 import Fp8Error, check_keep
 

@@ -1,1 +1,1 @@
-"""The CPU engine (transformers) and its Ray actor (RemoteEngine)."""
+"""The CPU engine (transformers) and its registration (spec.py: the cpu and hf kinds)."""

@@ -455,7 +455,7 @@ class SGLangSync(WeightSyncStrategy):
     stage-wise sync object they drive (``_make()``, built on first use) and its ``close``."""
 
     def __init__(self, engine=None, *, settings=None, quantize=None):
-        from megatron_s3ac.rollout.factory import SGLangSettings
+        from megatron_s3ac.rollout.engines.sglang.settings import SGLangSettings
 
         super().__init__(engine, settings=SGLangSettings() if settings is None else settings, quantize=quantize)
         self._inner = None
