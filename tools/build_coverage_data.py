@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_rollout_engine
     from megatron_s3ac.trainer.build import build_data
-    from megatron_s3ac.trainer.config import ConfigError, EngineKind, load_config
+    from megatron_s3ac.trainer.config import ConfigError, load_config
     from megatron_s3ac.trainer.coverage import resolve_policies
 
     try:  # refuse before any rollout: no partial output
@@ -44,7 +44,8 @@ def main(argv=None) -> int:
 
         policies = resolve_policies(cfg, a.warmup_dir or stage_dirs(cfg)["warmup"])
         for ck in policies:
-            validate_rollout_engine(EngineKind(cfg.rollout.engine).value, model_dir=ck, key="rollout.engine")
+            validate_rollout_engine(str(getattr(cfg.rollout.engine, "value", cfg.rollout.engine)), model_dir=ck,
+                                    key="rollout.engine")
         data = build_data(cfg, use_daps=False)  # the prompt file: a bad row is named here, not mid-run
     except (ConfigError, EngineConfigError, ValueError, FileNotFoundError) as err:
         print(f"build_coverage_data: {err}", file=sys.stderr)
