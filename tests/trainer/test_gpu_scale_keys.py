@@ -19,7 +19,7 @@ from tests.trainer.test_trainer import SMALL
     (["model.dtype=fp16"], r"expected one of \[fp32, bf16\]"),
     (["optim.actor.offload_fraction=1.5"], r"optim.actor.offload_fraction=1.5 must be in \[0, 1\]"),
     (["algo.logprob_chunk_tokens=-1"], "algo.logprob_chunk_tokens must be >= 0"),
-    (["rollout.engine=trtllm"], r"expected one of \[cpu, hf, sglang, vllm\]"),
+    (["rollout.engine=trtllm"], r"rollout\.engine: 'trtllm' is not one of \('cpu', 'hf', 'sglang', 'vllm'"),
 ])
 def test_config_errors(overrides, msg):
     with pytest.raises(ConfigError, match=msg):
