@@ -23,6 +23,14 @@ class EngineSettings:
             raise ConfigError(f"{prefix or cls.section}.{unknown[0]}: unknown key (known: {sorted(known)})")
         return cls(**d)
 
+    def check_positive_ints(self, keys, prefix: str) -> None:
+        """ConfigError ``"<prefix>.<key>: must be a positive integer, got <v>"`` for the first of ``keys`` that is not
+        (a bool is not)."""
+        for key in keys:
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{prefix}.{key}: must be a positive integer, got {v!r}")
+
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb) << 20

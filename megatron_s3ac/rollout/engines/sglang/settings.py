@@ -59,10 +59,8 @@ def validate_sglang_settings(s: SGLangSettings, prefix: str = "rollout.sglang", 
     def bad(key, msg):
         raise ConfigError(f"{prefix}.{key}: {msg}")
 
-    for key in ("num_engines", "gpus_per_engine", "tp_size", "ep_size", "attn_dp_size", "bucket_mb", "gpus_per_node"):
-        v = getattr(s, key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            bad(key, f"must be a positive integer, got {v!r}")
+    s.check_positive_ints(
+        ("num_engines", "gpus_per_engine", "tp_size", "ep_size", "attn_dp_size", "bucket_mb", "gpus_per_node"), prefix)
     if s.gpus_per_engine != s.tp_size:
         bad("gpus_per_engine", f"{s.gpus_per_engine} GPUs per engine but tp_size={s.tp_size}: an sglang engine uses "
                                f"exactly tp_size GPUs (attention DP and expert parallelism split the TP group, they "

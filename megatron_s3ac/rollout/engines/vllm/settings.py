@@ -86,10 +86,8 @@ def validate_vllm_settings(s: VLLMSettings, prefix: str = "rollout.vllm", *, clu
     def bad(key, msg):
         raise ConfigError(f"{prefix}.{key}: {msg}")
 
-    for key in ("num_engines", "gpus_per_engine", "tp_size", "dp_size", "bucket_mb", "max_num_seqs", "cpu_kvcache_gb"):
-        v = getattr(s, key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            bad(key, f"must be a positive integer, got {v!r}")
+    s.check_positive_ints(
+        ("num_engines", "gpus_per_engine", "tp_size", "dp_size", "bucket_mb", "max_num_seqs", "cpu_kvcache_gb"), prefix)
     if s.dp_size != 1:
         # vllm.LLM refuses data_parallel_size > 1 in one process (entrypoints/llm.py:281-294: "not supported for
         # single-process usage and may hang"), and the weight groups give each engine tp_size workers
