@@ -29,9 +29,9 @@ Partial rollout (``rollout.partial_rollout: true``; trainer/async_partial.py): a
 instead of waited for, and the unfinished responses resume on the new weights, each token tagged with its version;
 a sample's staleness is then its oldest token's.
 
-Every rank runs ``step`` (prompt selection, the DAPO filter and the training phases are collective); rank 0 owns
-the engine, submits and waits. ``Trainer.step`` delegates here when ``train.max_staleness > 0``; the training
-phases are ``Trainer.train_on``, the one sequence both steps call.
+This is a rollout source (trainer.source): ``Trainer.step`` is the one step frame and calls ``next_batch``,
+``sync_weights`` and ``end_step`` here when ``train.max_staleness > 0``; every rank runs them (prompt selection, the
+DAPO filter and the training phases are collective); rank 0 owns the engine, submits and waits.
 """
 from __future__ import annotations
 
@@ -123,9 +123,9 @@ def busy_seconds(spans: list[tuple[float, float]], lo: float, hi: float) -> floa
     return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
 
 
-class AsyncRollout:
-    """The asynchronous step of a ``Trainer`` (see the module docstring). ``tr``: the trainer; ``max_staleness``:
-    N >= 1."""
+class AsyncSource:
+    """The asynchronous rollout source of a ``Trainer`` (see the module docstring). ``tr``: the trainer;
+    ``max_staleness``: N >= 1."""
 
     def __init__(self, tr, max_staleness: int):
         if max_staleness < 1:
@@ -140,26 +140,25 @@ class AsyncRollout:
         self.reward_events: list = []  # rank 0, streaming rewards: (kind, step, group, time) of the current step
         self.reward_log: collections.deque = collections.deque(maxlen=100_000)  # the same over the run (tests)
         self._step_restarts = 0  # in the current step (bounded by rollout.max_engine_restarts)
+        self._trained = False  # the current step's update is done: a re-sync sends version step + 1
+        self.version = 0  # the weights version the engine holds (the trainer step whose weights it last received)
         from megatron_s3ac.trainer.async_partial import make_partial
 
         self.partial = make_partial(self)  # rollout.partial_rollout: None unless on
 
     # ---- submission ---------------------------------------------------------------------------
-    def _params(self, step: int, round_idx: int = 0):
-        """The synchronous rollout's sampling params for ``step`` (same seed rule: a prefetched batch draws as the
-        synchronous loop would at the step it trains at)."""
-        from megatron_s3ac.rollout.base import SamplingParams
+    def _params(self, step: int):
+        """The sampling params of ``step``'s first round (trainer.rollout_phases.sampling_params: one seed rule)."""
+        from megatron_s3ac.trainer.rollout_phases import sampling_params
 
-        r, tr = self.tr.cfg.rollout, self.tr
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              seed=tr.cfg.train.seed * 1_000_003 + step + 7919 * round_idx)
+        return sampling_params(self.tr.cfg, step)
 
     def submit(self, step: int) -> None:
         """Every rank: choose the prompts of ``step``'s batch now (DAPS: the critic of this moment); rank 0 hands
         them to the engine without waiting."""
         tr = self.tr
         pids, stats = tr.select_prompts()
-        e = Submitted(step, pids, stats, tr.weights_version)
+        e = Submitted(step, pids, stats, self.version)
         if tr.rank == 0:
             self._send(e)
         self.queue.append(e)
@@ -214,7 +213,7 @@ class AsyncRollout:
                                f"(rollout.max_engine_restarts={tr.cfg.rollout.max_engine_restarts}); last: {why}")
         self._restart(why, set(lost), list(entries))
 
-    def sync_weights(self) -> None:
+    def _sync_surviving(self) -> None:
         """Every rank: ``Trainer.sync_weights`` that survives the engine dying during it (its process killed while
         it loads a bucket): the sync runs to its end on every rank (``rollout.sync.weight_sync``: a failed engine takes
         no more buckets, the export's collectives go on), rank 0's verdict is shared, and a dead engine is rebuilt
@@ -234,9 +233,22 @@ class AsyncRollout:
             self.recover(*verdict)
             return  # recover re-synced the rebuilt engine
 
-    def is_engine_death(self, err: BaseException) -> bool:
-        """``err`` says the engine's process is gone or unresponsive (a restart may cure it)."""
-        return isinstance(err, engine_death_types())
+    def generate(self, fn):
+        """Every rank (collective): rank 0's generation ``fn()`` (a refill round's), guarded: if the engine died in it,
+        every rank learns so from rank 0, the engine is rebuilt and re-synced (``recover``) and ``fn`` runs again.
+        Returns the groups on rank 0, None elsewhere."""
+        tr = self.tr
+        while True:
+            groups, verdict = None, None
+            if tr.rank == 0:
+                try:
+                    groups = fn()
+                except engine_death_types() as err:
+                    verdict = (f"{type(err).__name__} during a rollout round: {err}", self.lost_steps())
+            verdict = tr.rank0.share("rollout generation", verdict)
+            if verdict is None:
+                return groups
+            self.recover(*verdict)
 
     def _share(self, verdict):
         """Rank 0's engine verdict (None: the engine answered; else (why, lost steps)) on every rank, through
@@ -258,11 +270,11 @@ class AsyncRollout:
                 getattr(tr.engine, "close", tr.engine.shutdown)()
             except Exception:  # noqa: BLE001 - already dead; close only releases what is left
                 pass
-            tr.engine, _ = B.build_engine(tr.cfg, tr.info, multimodal=getattr(tr, "multimodal", False))
+            tr.engine, _ = B.build_engine(tr.cfg, tr.info, multimodal=tr.multimodal)
             tr.sync_strategy.attach(tr.engine)
-        self.sync_weights()  # every rank: the new engine gets the actor's weights of this moment (a death here too
+        self._sync_surviving()  # every rank: the new engine gets the actor's weights of this moment (a death here too
         # is recovered, within the same bound)
-        version = tr.step_idx + int(getattr(self, "_trained", False))  # after this step's update: its next version
+        version = tr.step_idx + int(self._trained)  # after this step's update: its next version
         for e in list(self.queue) + [q for q in entries if q not in self.queue]:
             if e.step in lost:
                 e.version = version
@@ -295,12 +307,12 @@ class AsyncRollout:
         reward goes to the pool's workers at once (``RewardPool.stream``), a cheap one is scored inline; a group is
         complete when its K answers are scored. Returns each group's rewards in prompt order (None for a group with
         an aborted sample, which the rollout drops unscored). Records ("generated" | "scored", step, group index,
-        time.time()) in ``self.reward_events``; the scores are ``Trainer._score``'s, whatever the order."""
+        time.time()) in ``self.reward_events``; the scores are ``Trainer.score``'s, whatever the order."""
         from megatron_s3ac.rollout.rewards import get_reward
 
         tr, ev = self.tr, self.reward_events
         name = tr.cfg.rollout.reward
-        stream = tr._reward_pool().stream(name) if get_reward(name).isolate else None
+        stream = tr.verifier_pool().stream(name) if get_reward(name).isolate else None
         rewards: dict = {}
 
         def scored(items):
@@ -317,7 +329,7 @@ class AsyncRollout:
                 ref = tr.prompts[int(e.pids[i])].reference
                 texts = [tr.decode(smp.response_ids) for smp in group]
                 if stream is None:
-                    scored([(i, _Floats(tr._score(texts, [ref] * len(texts))))])
+                    scored([(i, _Floats(tr.score(texts, [ref] * len(texts))))])
                 else:
                     stream.add(i, texts, [ref] * len(texts))
                     scored(stream.poll(0.0))
@@ -326,42 +338,19 @@ class AsyncRollout:
                 scored(stream.wait_all())
         return [rewards[i] for i in range(len(e.pids))]
 
-    # ---- collection ---------------------------------------------------------------------------
-    def _collect(self, e: Submitted, groups, m: dict):
-        """(every drawn sample, their metadata, this rank's shard of the kept batch, metrics, the kept samples):
-        ``Trainer.rollout_once`` / ``rollout_refilled`` with the first round already generated."""
-        tr = self.tr
-        if tr.cfg.algo.dynamic_sampling_refill:
-            tr._place(m, off=["actor"])  # as the synchronous step (a no-op unless train.offload_idle)
-            samples, drawn, batch, fm = tr.rollout_refilled(first=(e.pids, e.stats, groups, e.version, e.rewards))
-            if self.partial is not None:  # the first round's samples come first
-                self.partial.tag_collected(e, samples, groups)
-            return samples, drawn, batch, fm, (getattr(tr, "_kept", []) if batch is not None else [])
-        samples = tr.rollout(e.pids, groups=groups, rewards=e.rewards)
-        for d in samples:
-            d["version"] = e.version
-        if self.partial is not None:
-            self.partial.tag_collected(e, samples, groups)
-        if not samples:
-            return samples, None, None, e.stats, []
-        drawn = RolloutMeta.of(samples)
-        if tr.daps is not None:
-            tr.daps.update(drawn.pid, drawn.scores, step=tr.step_idx)
-        keep, fm = tr.filter_groups(drawn)
-        kept = [] if keep is None else [samples[i] for i in keep.tolist()]
-        batch = None if keep is None else tr.distribute(kept)
-        return samples, drawn, batch, {**e.stats, **fm}, kept
+    # ---- the source's part of a step (trainer.source) ------------------------------------------------
+    def next_batch(self, m: dict):
+        """Every rank: keep N batches in flight (submitting the new ones with the engine's current weights), wait for
+        this step's (a dead engine is restarted here), then the synchronous rollout phases on it: its groups already
+        generated (``FirstRound``), DAPO's refill rounds generated now. Checks the staleness bound on the kept
+        samples and adds ``async/staleness_*`` (and partial rollout's ``async/versions_per_response_*``)."""
+        from megatron_s3ac.trainer.rollout_phases import FirstRound
 
-    # ---- one step -----------------------------------------------------------------------------
-    def step(self) -> dict:
         tr = self.tr
-        t0 = time.time()
         s = tr.step_idx
         self.wait_s, self._step_restarts, self._trained = 0.0, 0, False
         self.reward_events = []
-        m: dict = {"step": s}
-        tr.weights_version = s  # the engine holds this step's weights (synced at the end of the last step / resume)
-        tr._place(m, on=["critic"] if tr.daps is not None else [])  # DAPS scores prompts with V(s0)
+        self.version = s  # the engine holds this step's weights (synced at the end of the last step / resume)
         last = max(tr.cfg.train.steps, s + 1)  # no batch for a step that will not run
         while len(self.queue) <= self.n and s + len(self.queue) < last:
             self.submit(s + len(self.queue))
@@ -369,45 +358,56 @@ class AsyncRollout:
         if e.step != s:
             raise RuntimeError(f"asynchronous rollout: the next prefetched batch is for step {e.step}, not {s}")
         self._await([e])  # a dead engine is restarted here (every rank joins its re-sync)
-        samples, drawn, batch, fm, kept = self._collect(e, self._result(e), m)
-        m.update(fm)
-        if drawn is None:
-            m.update({"rollout/aborted": tr._aborted[0], "rollout/aborted_groups": tr._aborted[1]})
-        else:
-            m.update(tr.rollout_metrics(samples, drawn))
-        m["time/rollout"] = time.time() - t0
-        if batch is None:  # nothing to train on: the weights (and so the version) carry over to the next step
-            tr._place(m, on=["actor", "critic"])
-            tr.step_idx += 1
-            tr.weights_version = tr.step_idx
-            return self._finish(m, t0, [])
-        st = staleness_metrics(kept, s)
-        if st and st["async/staleness_max"] > self.n:
-            raise RuntimeError(f"asynchronous rollout: a sample {st['async/staleness_max']:g} weight versions old "
-                               f"would train at step {s}, above train.max_staleness={self.n}")
-        m.update(st)
-        if self.partial is not None:
-            from megatron_s3ac.trainer.async_partial import versions_metrics
+        groups = self._result(e)
 
-            m.update(versions_metrics(kept))
-        # the synchronous step's training phases, the same code (Trainer.train_on): the current actor recomputes the
-        # old log-probs (the proximal policy), the current critic the values; IS / IcePoP / MIS on old / behaviour
-        tr.train_on(batch, m)
+        def tag(samples: list, round_idx: int) -> None:  # the weights version that generated each sample
+            for d in samples:
+                d["version"] = e.version if round_idx == 0 else self.version
+            if round_idx == 0 and self.partial is not None:  # each token's version: rank 0's groups
+                self.partial.tag_collected(e, samples, groups)
+
+        first = FirstRound(e.pids, e.stats, groups, e.rewards, tag)
+        r = tr.rollout_refilled(m, first) if tr.cfg.algo.dynamic_sampling_refill else tr.rollout_once(m, first)
+        if r.batch is not None:
+            st = staleness_metrics(r.kept, s)
+            if st and st["async/staleness_max"] > self.n:
+                raise RuntimeError(f"asynchronous rollout: a sample {st['async/staleness_max']:g} weight versions "
+                                   f"old would train at step {s}, above train.max_staleness={self.n}")
+            r.metrics.update(st)
+            if self.partial is not None:
+                from megatron_s3ac.trainer.async_partial import versions_metrics
+
+                r.metrics.update(versions_metrics(r.kept))
+        return r
+
+    def sync_weights(self, m: dict) -> None:
+        """Every rank, after the step's update: wait for the batches in flight (the engine loads the new weights after
+        them: its calls run in order; waited for here, not inside the sync's collectives) or, with partial rollout,
+        pause the engine so that they return at once; sync (an engine killed during it is restarted and re-synced);
+        partial rollout resumes the unfinished responses on the new weights."""
+        tr = self.tr
         self._trained = True  # from here a re-sync sends the updated weights (version s + 1)
-        # the engine loads the new weights after the submitted batches (its calls run in order): wait here, not
-        # inside the sync's collectives; partial rollout pauses the engine first (the batches return at once)
         if self.partial is not None:
             self.partial.interrupt()
         else:
             self._await(list(self.queue))
-        t3 = time.time()
-        self.sync_weights()  # an engine killed during the sync is restarted and re-synced
-        m["time/sync"] = time.time() - t3
+        t = time.time()
+        self._sync_surviving()
+        m["time/sync"] = time.time() - t
         if self.partial is not None:
-            self.partial.resume(s + 1)  # rank 0: the unfinished responses continue on the new weights
-        tr.step_idx += 1
-        tr.weights_version = tr.step_idx
-        return self._finish(m, t0, kept)
+            self.partial.resume(tr.step_idx + 1)  # rank 0: the unfinished responses continue on the new weights
+
+    def end_step(self, m: dict, t0: float, result) -> None:
+        """After the step (``Trainer.step_idx`` advanced): the engine's weights version, ``time/step`` and the
+        asynchronous metrics (engine restarts, trainer wait, engine busy / idle, throughput, in flight)."""
+        self.version = self.tr.step_idx  # a step without a batch: the weights (and so the version) carry over
+        self._finish(m, t0, result.kept)
+
+    def state_dict(self) -> dict:
+        return state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_state_dict(self, state, self.tr.rank)
 
     def _finish(self, m: dict, t0: float, kept: list) -> dict:
         t = time.time()
@@ -457,7 +457,7 @@ def _plain_stats(stats: dict) -> dict:
     return {str(k): (v if type(v) in (bool, int, float, str) or v is None else float(v)) for k, v in stats.items()}
 
 
-def state_dict(ar: "AsyncRollout") -> dict:
+def state_dict(ar: "AsyncSource") -> dict:
     """The queue (rank 0: with every batch's samples; checkpoints are saved after a step, when rank 0 has waited
     for every submitted batch), so a resumed run trains exactly what the uninterrupted one would."""
     out = []
@@ -468,7 +468,7 @@ def state_dict(ar: "AsyncRollout") -> dict:
     return {"version": 1, "max_staleness": ar.n, "queue": out, "engine_restarts": ar.restarts}
 
 
-def load_state_dict(ar: "AsyncRollout", state: dict, rank: int) -> None:
+def load_state_dict(ar: "AsyncSource", state: dict, rank: int) -> None:
     """Restore the queue saved by ``state_dict`` (rank 0 gets the samples back as done generations)."""
     from megatron_s3ac.rollout.base import PendingGeneration
 
@@ -488,12 +488,5 @@ def load_state_dict(ar: "AsyncRollout", state: dict, rank: int) -> None:
         ar.queue.append(e)
 
 
-def make_async_rollout(tr):
-    """The trainer's asynchronous step when ``train.max_staleness > 0``, else None (the synchronous loop)."""
-    n = int(getattr(tr.cfg.train, "max_staleness", 0) or 0)
-    return AsyncRollout(tr, n) if n > 0 else None
-
-
-__all__ = ["AsyncRollout", "Submitted", "busy_seconds", "engine_death_types", "load_state_dict", "make_async_rollout",
-           "reward_overlap", "staleness_metrics",
-           "state_dict"]
+__all__ = ["AsyncSource", "Submitted", "busy_seconds", "engine_death_types", "load_state_dict", "reward_overlap",
+           "staleness_metrics", "state_dict"]

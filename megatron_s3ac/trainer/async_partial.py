@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 
 class PartialRollout:
-    """The partial-rollout part of an ``AsyncRollout`` ``ar`` (one per run)."""
+    """The partial-rollout part of an ``AsyncSource`` ``ar`` (one per run)."""
 
     def __init__(self, ar, max_versions: int):
         self.ar, self.max_versions = ar, int(max_versions)

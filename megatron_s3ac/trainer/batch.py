@@ -55,6 +55,7 @@ class RolloutBatch:
     # filled by the step: old log-probs, advantages, IS corrections, critic targets; value pretraining
     # fills returns only
     old_logp: Optional[Tensor] = None
+    old_entropy: Optional[Tensor] = None  # [N, T] the actor's entropy at old_logp (the entropy-control hook)
     adv: Optional[Tensor] = None
     is_w: Optional[Tensor] = None
     keep: Optional[Tensor] = None

@@ -533,14 +533,10 @@ def _save_checkpoint(tr, keep_last: int) -> str:
 
 
 def _async_state(tr) -> dict:
-    """The asynchronous loop's generated-but-untrained batches (train.max_staleness > 0), else nothing (the
-    synchronous loop's trainer_state.pt is unchanged)."""
-    ar = getattr(tr, "async_rollout", None)
-    if ar is None:
-        return {}
-    from megatron_s3ac.trainer.async_loop import state_dict
-
-    return {"async_rollout": state_dict(ar)}
+    """The rollout source's generated-but-untrained batches (the asynchronous source, train.max_staleness > 0), else
+    nothing (the synchronous loop's trainer_state.pt is unchanged)."""
+    st = tr.source.state_dict()
+    return {} if st is None else {"async_rollout": st}
 
 
 def _load_checkpoint(tr, path: str) -> None:
@@ -558,9 +554,7 @@ def _load_checkpoint(tr, path: str) -> None:
         tr.daps.load_state_dict(st["daps"])
     if getattr(tr, "evaluator", None) is not None and st.get("evaluator") is not None:
         tr.evaluator.load_state_dict(st["evaluator"])
-    if getattr(tr, "async_rollout", None) is not None and st.get("async_rollout") is not None:
-        from megatron_s3ac.trainer.async_loop import load_state_dict as load_async
-
-        load_async(tr.async_rollout, st["async_rollout"], tr.rank)
+    if st.get("async_rollout") is not None:
+        tr.source.load_state_dict(st["async_rollout"])
     _restore_rng(safe_load(os.path.join(path, f"rng_rank{tr.rank}.pt")))
     getattr(tr, "sync_weights_soon", tr.sync_weights)()

@@ -1,7 +1,9 @@
 """The S3AC online loop (paper §3.1-3.4) and its critic-free baselines, on megatron-core.
 
-``Trainer.step()`` is the driver; every phase below is one method with typed inputs and outputs
-(every rank runs the same code; rank 0 also hosts the engine):
+``Trainer.step()`` is the one step frame, for the synchronous and the asynchronous loop alike: its batch comes
+from the rollout source (trainer.source: ``SyncSource`` rolls out now, trainer.async_loop's ``AsyncSource`` keeps
+``train.max_staleness`` batches in flight), then the training phases, then the weight sync. Every phase below is
+one method with typed inputs and outputs (every rank runs the same code; rank 0 also hosts the engine):
 
   select_prompts   DAPS with the latest critic's V(s0), or a uniform draw from the seeded stream
   rollout          rank 0 generates K responses per prompt and scores them -> metadata to all ranks
@@ -13,7 +15,8 @@
   sync_weights     actor -> engine (the one weight path: the engine kind's registered sync strategy)
 
 The rollout phases (select_prompts .. rollout_refilled) live in trainer.rollout_phases, the engine side
-(sync_weights, sleep, idle-model offload, scoring) in trainer.engine_side, both mixins of Trainer.
+(sync_weights, sleep, scoring) in trainer.engine_side, both mixins of Trainer; where the models' states live
+between phases (train.offload_idle) in ``Trainer.placement`` (trainer.placement).
 Construction lives in trainer.build, the mini-batch runner and forward pass in trainer.minibatch,
 per-micro-batch losses in trainer.losses, R3 in r3.glue, evaluation in eval.periodic. Parallelism:
 each rank holds only the rows its models' DP ranks own (trainer.sharding) and computes their outputs,
@@ -40,8 +43,10 @@ from megatron_s3ac.trainer.losses import actor_loss, critic_loss, forward_output
 from megatron_s3ac.trainer import shard_metrics as S
 from megatron_s3ac.trainer.metrics import masked_sums, ratio, token_means, world_mean
 from megatron_s3ac.trainer.minibatch import MicroBatcher, forward_only, run_minibatches, shuffled_minibatches
+from megatron_s3ac.trainer.placement import Placement
 from megatron_s3ac.trainer.privileged import PrivilegedBlocks, critic_view
 from megatron_s3ac.trainer.rollout_phases import RolloutPhases
+from megatron_s3ac.trainer.source import SyncSource, make_source
 
 
 def _r3_setting(cfg: Config, info):
@@ -74,6 +79,8 @@ class Trainer(EngineSide, RolloutPhases):
         B.check_packing(cfg, self.info)
         self.micro_batches = MicroBatcher(cfg.algo.micro_batch_size, cfg.algo.max_tokens_per_micro_batch, self.pad_to)
         self._build_models(par)
+        self.placement = Placement.of(self)
+        self.source = SyncSource(self)  # the asynchronous source replaces it once the engine is synced (below)
         data = B.build_data(cfg, use_daps=cfg.daps.enabled and self.uses_critic)
         self.vocab, self.prompts, self.eval_prompts = data.vocab, data.prompts, data.eval_prompts
         self.data_stats, self.stream, self.daps = data.stats, data.stream, data.daps
@@ -82,8 +89,8 @@ class Trainer(EngineSide, RolloutPhases):
         self.privileged = (PrivilegedBlocks.of(m.critic_privileged, self.vocab, m.critic_privileged_max_tokens)
                            if self.uses_critic else None)
         self._privileged_of_prompts()
-        if self._offload_colocated():  # the engine sizes its KV cache beside what its phases keep here: nothing
-            self._place({}, off=["actor", "critic"])
+        if self.placement.offload_colocated:  # the engine sizes its KV cache beside what its phases keep: nothing
+            self.placement.place({}, off=["actor", "critic"])
             dist.barrier()  # every rank's memory is back before rank 0 starts the engines on the node's GPUs
         # image prompts (data rows with an ``images`` column, or image benchmarks among the evaluation sets): the
         # engine loads the VL checkpoint multimodal
@@ -91,11 +98,11 @@ class Trainer(EngineSide, RolloutPhases):
         self.engine, self._owns_ray = (B.build_engine(cfg, self.info, multimodal=self.multimodal) if self.rank == 0
                                        else (None, False))
         self.sync_strategy = sync_strategy_for(cfg, self.engine)  # every rank: the same path, from the config
-        if self._offload_colocated():
-            self._engine_sleep()  # the first sync wakes it in the colocated order, beside the actor's params only
+        if self.placement.offload_colocated:
+            self.engine_sleep()  # the first sync wakes it in the colocated order, beside the actor's params only
         self.reward_pool = None
         self._build_eval()
-        self.step_idx, self.skipped_steps, self._last_v0 = 0, 0, None
+        self.step_idx, self.skipped_steps = 0, 0
         from megatron_s3ac.algorithms.entropy_control import make_entropy_control
 
         a = cfg.algo  # None: no hook (the default, "none")
@@ -103,9 +110,7 @@ class Trainer(EngineSide, RolloutPhases):
                                 if a.entropy_control != "none" else None)
         self.rank0.share("engine start")  # not inside the sync's first collective
         self.sync_weights()
-        from megatron_s3ac.trainer.async_loop import make_async_rollout
-
-        self.async_rollout = make_async_rollout(self)  # train.max_staleness > 0: generation overlaps training
+        self.source = make_source(self)  # train.max_staleness > 0: generation overlaps training
 
     # ---- construction ------------------------------------------------------------------------
     def _privileged_of_prompts(self) -> None:
@@ -117,7 +122,7 @@ class Trainer(EngineSide, RolloutPhases):
         stream and DAPS's sampler rebuilt over them. Returns {kept, of}."""
         from megatron_s3ac.trainer.data import PromptStream
 
-        if self.step_idx or getattr(self, "async_rollout", None) is not None:
+        if self.step_idx or not isinstance(self.source, SyncSource):
             raise ValueError("data.prompt_subset is applied before the first RL step, to the synchronous loop only")
         keep = B.read_prompt_subset(path)
         prompts = [p for p in self.prompts if tuple(p.ids) in keep]
@@ -167,7 +172,7 @@ class Trainer(EngineSide, RolloutPhases):
             heldout_rows=[{"prompt": p.text, "answer": p.reference, "prompt_ids": list(p.ids)}
                           for p in self.eval_prompts],
             every_n_steps=cfg.train.eval_every, report_dir=os.path.join(cfg.train.out_dir, "eval"),
-            reward_pool=self._reward_pool, vision=self._eval_vision())
+            reward_pool=self.verifier_pool, vision=self._eval_vision())
         self.evaluator, self.eval_sets = self.evaluation.evaluator, self.evaluation.sets
 
     def _eval_vision(self):
@@ -267,7 +272,7 @@ class Trainer(EngineSide, RolloutPhases):
         metrics over the actor's rows, reduced over its DP ranks (trainer.shard_metrics)."""
         old = self._forward_only("actor", batch, "logp")
         batch.old_logp = old["logp"]
-        self._old_entropy = old["entropy"]  # [N, T] for the entropy-control hook
+        batch.old_entropy = old["entropy"]  # [N, T] for the entropy-control hook
         mask = S.own_mask(batch, "actor")
         d = (batch.rollout_logp - batch.old_logp).double()  # approx_kl's log q - log p (q = rollout)
         s = S.global_sums(self, "actor", batch, {
@@ -355,16 +360,16 @@ class Trainer(EngineSide, RolloutPhases):
 
     # ---- one step ----------------------------------------------------------------------------
     def train_on(self, batch: RolloutBatch, m: dict) -> None:
-        """The training phases of a step on its kept batch, in their one order (``Trainer.step`` and the
-        asynchronous step, trainer.async_loop, both call this): critic values, old log-probs (the current actor:
-        the proximal policy off-policy), advantages + IS corrections, credit record, actor update, critic update.
-        Metrics go to ``m`` (time/old_logp_values, time/train, skipped_steps_total)."""
-        self._engine_sleep()  # from here until the weight sync only the models run
+        """The training phases of a step on its kept batch, in their one order: critic values, old log-probs (the
+        current actor: the proximal policy off-policy), advantages + IS corrections, credit record, actor update,
+        critic update. Metrics go to ``m`` (time/old_logp_values, time/train, skipped_steps_total)."""
+        place = self.placement.place
+        self.engine_sleep()  # from here until the weight sync only the models run
         t1 = time.time()
         # one model resident at a time under train.offload_idle: the critic's values, then the actor's forward
-        self._place(m, on=["critic"], off=["actor"])
+        place(m, on=["critic"], off=["actor"])
         batch.old_values = self.critic_values(batch)
-        self._place(m, on=["actor"], off=["critic"])
+        place(m, on=["actor"], off=["critic"])
         m.update(self.old_logprobs(batch))
         m.update(self.advantages(batch))
         if self.cfg.train.credit_every and self.step_idx % self.cfg.train.credit_every == 0:
@@ -374,45 +379,32 @@ class Trainer(EngineSide, RolloutPhases):
         m["time/old_logp_values"] = time.time() - t1
         t2 = time.time()
         m.update(self.update_actor(batch))
-        self._place(m, on=["critic"], off=["actor"])
+        place(m, on=["critic"], off=["actor"])
         m.update(self.update_critic(batch))
         m.update(self.privileged_missing(batch))
-        if not self._offload_colocated():  # else both stay on the host while the engine is awake (sync_weights)
-            self._place(m, on=["actor"])  # both resident between steps (checkpoints, evaluation, DAPS)
+        if not self.placement.offload_colocated:  # else both stay on the host while the engine is awake (the sync)
+            place(m, on=["actor"])  # both resident between steps (checkpoints, evaluation, DAPS)
         m["time/train"] = time.time() - t2
         self.skipped_steps += int(m.get("actor/skipped_minibatches", 0) + m.get("critic/skipped_minibatches", 0) > 0)
         m["skipped_steps_total"] = self.skipped_steps
 
     def step(self) -> dict:
-        if getattr(self, "async_rollout", None) is not None:
-            return self.async_rollout.step()  # trainer.async_loop: the same phases, the next batches in flight
+        """One RL step: the source's batch (trainer.source), the training phases on it, the weight sync. A step whose
+        batch is empty (every group aborted or filtered out) trains nothing and syncs nothing."""
         t0 = time.time()
         m: dict = {"step": self.step_idx}
-        self._place(m, on=["critic"] if self.daps is not None else [])  # DAPS scores prompts with V(s0)
-        if self.cfg.algo.dynamic_sampling_refill:
-            self._place(m, off=["actor"])  # the engine generates; the critic scores every refill round (DAPS)
-            samples, drawn, batch, fm = self.rollout_refilled()
-        else:
-            samples, drawn, batch, fm = self.rollout_once(m)
-        m.update(fm)
-        if drawn is None:  # every group had an aborted sample: nothing to train on this step
-            m.update({"rollout/aborted": self._aborted[0], "rollout/aborted_groups": self._aborted[1]})
-        else:
-            m.update(self.rollout_metrics(samples, drawn))  # over every drawn trajectory
+        self.placement.place(m, on=["critic"] if self.daps is not None else [])  # DAPS scores prompts with V(s0)
+        r = self.source.next_batch(m)
+        m.update(r.metrics)
+        m.update(self.rollout_metrics(r))  # over every drawn trajectory
         m["time/rollout"] = time.time() - t0
-        if batch is None:
-            self._place(m, on=["actor", "critic"])
-            self.step_idx += 1
-            return m
-        self.train_on(batch, m)
-        t3 = time.time()
-        self.sync_weights()
-        for k, v in getattr(self, "_sync_placement", {}).items():  # the sync's own offload (colocated offload)
-            m[k] = m.get(k, 0.0) + v if k in ("time/offload", "mem/offload_gb") else v
-        self._sync_placement = {}
-        m["time/sync"] = time.time() - t3
-        m["time/step"] = time.time() - t0
+        if r.batch is None:
+            self.placement.place(m, on=["actor", "critic"])
+        else:
+            self.train_on(r.batch, m)
+            self.source.sync_weights(m)
         self.step_idx += 1
+        self.source.end_step(m, t0, r)
         return m
 
     # ---- evaluation (rank 0 only: the engine generates, nothing of the training state is touched) --

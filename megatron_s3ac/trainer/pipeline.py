@@ -235,8 +235,8 @@ def restore_engine(tr) -> None:
     with torch.random.fork_rng(devices=[]):
         tr.engine, _ = B.build_engine(tr.cfg, tr.info, multimodal=getattr(tr, "multimodal", False))
     tr.sync_strategy.attach(tr.engine)  # its sessions were closed before the old engine went (run_coverage)
-    if getattr(tr, "_offload_colocated", lambda: False)():
-        tr._engine_sleep()  # the next sync wakes it in the colocated order (trainer.engine_side)
+    if tr.placement.offload_colocated:
+        tr.engine_sleep()  # the next sync wakes it in the colocated order (trainer.engine_side)
 
 
 # ---- the stages -------------------------------------------------------------------------------------
@@ -442,10 +442,10 @@ class Pipeline:
                     log_f.flush()
                     print(f"coverage: {st}", flush=True)
 
-                tr._engine_sleep()  # a colocated engine frees its memory for the coverage engines
+                tr.engine_sleep()  # a colocated engine frees its memory for the coverage engines
                 reopen = release_engine(tr)
                 try:
-                    res = build_coverage(self.cfg, policies, tr.prompts, tr.vocab, tr._score,
+                    res = build_coverage(self.cfg, policies, tr.prompts, tr.vocab, tr.score,
                                          os.path.join(d, "coverage.jsonl"), log=log,
                                          after_policy=lambda i: faults.in_stage("coverage"))
                 finally:
@@ -501,10 +501,10 @@ class Pipeline:
         log_f = self._jsonl(os.path.join(d, "value_pretrain.jsonl"))
         # value pretraining builds a third model (the frozen-attention critic copy): never beside an awake colocated
         # engine, and the actor, idle, goes to the host (train.offload_idle)
-        tr._engine_sleep()
-        tr._place({}, off=["actor"])
+        tr.engine_sleep()
+        tr.placement.place({}, off=["actor"])
         res = value_pretrain(tr, rows, log=(lambda m: log_f.write(json.dumps(m) + "\n")) if log_f else None)
-        tr._place({}, on=["actor"])
+        tr.placement.place({}, on=["actor"])
         tr.sync_weights_soon()  # the engine awake again, refilled (colocated offload: as the models leave)
         if log_f is not None:
             log_f.close()

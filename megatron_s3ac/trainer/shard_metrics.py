@@ -92,10 +92,10 @@ def entropy_control(tr, batch) -> dict:
     k = tr.cfg.rollout.k
     shard = getattr(batch, "shard", None)
     if shard is None:
-        batch.adv, em = tr.entropy_control(batch.adv, tr._old_entropy, batch.mask, k)
+        batch.adv, em = tr.entropy_control(batch.adv, batch.old_entropy, batch.mask, k)
     else:
         dev = batch.mask.device
         full, em = tr.entropy_control(gather_full(batch, batch.adv, "actor"),
-                                      gather_full(batch, tr._old_entropy, "actor"), shard.meta.mask().to(dev), k)
+                                      gather_full(batch, batch.old_entropy, "actor"), shard.meta.mask().to(dev), k)
         batch.adv = full[shard.gid.to(dev)]
     return {f"entropy_control/{key}": v for key, v in em.items()}

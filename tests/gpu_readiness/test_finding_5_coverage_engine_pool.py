@@ -160,7 +160,7 @@ class _WaitingRank:
     def close_weight_sync(self):
         pass
 
-    def _engine_sleep(self):
+    def engine_sleep(self):
         raise AssertionError("only rank 0 drives the engine")
 
 

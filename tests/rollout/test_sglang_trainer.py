@@ -204,7 +204,7 @@ def _vl_with_sglang(paths, mcore, out_dir, trainable):
         out["experts_served"] = [n for n, t in sorted(exported.items()) if torch.equal(served[n], t.float())]
         out["experts_trained"] = [n for n, t in sorted(exported.items()) if not torch.equal(ckpt[n].float(), t.float())]
     before = gen() if rank0 else None
-    tr._engine_sleep()  # rank 0's strategy: every tag released
+    tr.engine_sleep()  # rank 0's strategy: every tag released
     tr.sync_weights()  # wake weights -> the actor's export -> wake kv_cache + cuda_graph
     out["nan_after_wake"] = nans() if rank0 else None
     out["same_after_wake"] = (not out.get("nan_after_wake") and gen() == before) if rank0 else None

@@ -103,7 +103,7 @@ def test_a_new_engine_plugs_in_by_registering(registry, rank0):
     registry.register_weight_sync("toy", "colocated", ToySync)
     log = []
     tr = _toy_trainer(log, _Engine(log) if rank0 else None)
-    EngineSide._engine_sleep(tr)
+    EngineSide.engine_sleep(tr)
     assert EngineSide.sync_weights(tr).bytes == 7
     EngineSide.close_weight_sync(tr)
     closed = EngineSide._close_engine(tr)

@@ -131,11 +131,11 @@ def test_partial_responses_round_trip_through_a_checkpoint_file(tmp_path):
     groups, reqs, _ = continuation_requests([[cut]], 3, 4, 6, max_versions=2)
     cont = Sample([1, 2, 3, 4, 5], [6, 1], np.array([-0.75, -0.1], np.float32), "stop",
                   routed_experts=np.ones((6, 2, 2), np.uint8))
-    ar = AL.AsyncRollout(object(), 2)
+    ar = AL.AsyncSource(object(), 2)
     ar.queue.append(AL.Submitted(5, torch.tensor([7]), {}, 3,
                                  PartialPending(groups, reqs, PendingGeneration(lambda: [cont]), 4)))
     torch.save({"async_rollout": AL.state_dict(ar)}, tmp_path / "trainer_state.pt")
-    back = AL.AsyncRollout(object(), 2)
+    back = AL.AsyncSource(object(), 2)
     AL.load_state_dict(back, safe_load(str(tmp_path / "trainer_state.pt"))["async_rollout"], rank=0)
     (got,) = back.queue[0].pending.result()[0]
     assert got.response_ids == [4, 5, 6, 1] and got.token_versions.tolist() == [3, 3, 4, 4]
@@ -152,9 +152,9 @@ def test_a_resumed_batch_is_not_scored_as_a_stream():
 
     from megatron_s3ac.rollout.base import Sample
     from megatron_s3ac.rollout.partial import PartialPending
-    from megatron_s3ac.trainer.async_loop import AsyncRollout, Submitted
+    from megatron_s3ac.trainer.async_loop import AsyncSource, Submitted
 
-    ar = AsyncRollout.__new__(AsyncRollout)
+    ar = AsyncSource.__new__(AsyncSource)
     ar.stream, ar.wait_s, ar.spans, ar.log = True, 0.0, [], []
     groups = [[Sample(prompt_ids=[1, 2], response_ids=[3], logprobs=np.zeros(1, np.float32), finish_reason="stop")]]
     e = Submitted(3, torch.tensor([0]), {}, 1)

@@ -17,7 +17,7 @@ def _score(reward, out_dir):
     tr = Trainer(load_config(None, SMALL + [f"rollout.reward={reward}", "rollout.reward_timeout_s=20",
                                             f"train.out_dir={out_dir}"]))
     try:
-        got = tr._score(["so the answer is \\boxed{57}", "57", "\\boxed{\\frac{114}{2}}", "58", "garbage"],
+        got = tr.score(["so the answer is \\boxed{57}", "57", "\\boxed{\\frac{114}{2}}", "58", "garbage"],
                         ["57"] * 5)
         pool = tr.reward_pool
         return got, (None if pool is None else pool.stats.total), tr.evaluator is not None and tr.evaluator.reward_pool is pool
