@@ -459,7 +459,7 @@ def _write_best_marker(root: str, step: int) -> None:
 def _resident(tr):
     """Both models on the device while they are saved or loaded (colocated offload keeps them on the host while the
     engine is awake: trainer.engine_side.models_resident)."""
-    return getattr(tr, "models_resident", contextlib.nullcontext)()
+    return tr.models_resident()
 
 
 def save_checkpoint(tr, keep_last: int) -> str:
@@ -506,7 +506,7 @@ def _save_checkpoint(tr, keep_last: int) -> str:
             json.dump(meta, f, indent=1)
         torch.save({"step": tr.step_idx, "skipped_steps": tr.skipped_steps, "stream": tr.stream.state_dict(),
                     "daps": tr.daps.state_dict() if tr.daps is not None else None,
-                    "evaluator": tr.evaluator.state_dict() if getattr(tr, "evaluator", None) is not None else None,
+                    "evaluator": tr.evaluator.state_dict() if tr.evaluator is not None else None,
                     **_async_state(tr)},
                    os.path.join(tmp, "trainer_state.pt"))
     _fsync_own_files(tmp, tr.rank)
@@ -552,9 +552,9 @@ def _load_checkpoint(tr, path: str) -> None:
     tr.stream.load_state_dict(st["stream"])
     if tr.daps is not None and st["daps"] is not None:
         tr.daps.load_state_dict(st["daps"])
-    if getattr(tr, "evaluator", None) is not None and st.get("evaluator") is not None:
+    if tr.evaluator is not None and st.get("evaluator") is not None:
         tr.evaluator.load_state_dict(st["evaluator"])
     if st.get("async_rollout") is not None:
         tr.source.load_state_dict(st["async_rollout"])
     _restore_rng(safe_load(os.path.join(path, f"rng_rank{tr.rank}.pt")))
-    getattr(tr, "sync_weights_soon", tr.sync_weights)()
+    tr.sync_weights_soon()

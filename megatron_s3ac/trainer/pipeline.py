@@ -233,7 +233,7 @@ def restore_engine(tr) -> None:
     from megatron_s3ac.trainer import build as B
 
     with torch.random.fork_rng(devices=[]):
-        tr.engine, _ = B.build_engine(tr.cfg, tr.info, multimodal=getattr(tr, "multimodal", False))
+        tr.engine, _ = B.build_engine(tr.cfg, tr.info, multimodal=tr.multimodal)
     tr.sync_strategy.attach(tr.engine)  # its sessions were closed before the old engine went (run_coverage)
     if tr.placement.offload_colocated:
         tr.engine_sleep()  # the next sync wakes it in the colocated order (trainer.engine_side)
@@ -348,8 +348,7 @@ class Pipeline:
         """The models on the device for a stage that trains, saves or loads them (trainer.engine_side.models_resident:
         with colocated offload they live on the host while the engine is awake). Not for coverage (its engines need
         the memory) nor rl (its steps place the models themselves)."""
-        fn = getattr(self.tr, "models_resident", None)
-        return fn() if fn is not None and stage not in ("coverage", "rl") else contextlib.nullcontext()
+        return self.tr.models_resident() if stage not in ("coverage", "rl") else contextlib.nullcontext()
 
     def _after_stage_state(self, stage: str) -> None:
         """After the warm-up (run or not): the critic's backbone := the warm-up actor (the value head keeps
@@ -370,7 +369,7 @@ class Pipeline:
             path = os.path.join(self.dirs["warmup"], "actor")
             with tr.model_scope("actor"):
                 load_model(tr.actor, path)
-            getattr(tr, "sync_weights_soon", tr.sync_weights)()
+            tr.sync_weights_soon()
         elif stage == "value_pretrain":
             path = os.path.join(self.dirs["value_pretrain"], "critic")
             with tr.model_scope("critic"):

@@ -91,7 +91,7 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
                                  f"{len(r['response_ids'])} response tokens")
             batch.returns[i, :len(r["returns"])] = torch.as_tensor(r["returns"], dtype=batch.returns.dtype)
     extra = {}
-    if getattr(tr, "privileged", None) is not None:  # the critic reads each row's reference as online
+    if tr.privileged is not None:  # the critic reads each row's reference as online
         got = [tr.privileged.ids(r.get("reference"), r.get("solution")) for r in rows]
         batch = critic_view(batch, [ids for ids, _ in got], tr.pad_to)
         extra["vpt/privileged_missing"] = sum(miss for _, miss in got)

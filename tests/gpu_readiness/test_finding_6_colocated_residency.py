@@ -10,7 +10,7 @@ update has only its own model, and every figure equals the planner's (params and
 most the planner's padded share). Value pretraining never builds its third model beside an awake engine.
 
 What CPU cannot show: that the freed memory reaches the driver before the engine wakes (``torch.cuda.empty_cache``
-after every offload, trainer.engine_side.release_device_cache, is a no-op here), and SGLang's KV pool size. The device
+after every offload, trainer.placement.release_device_cache, is a no-op here), and SGLang's KV pool size. The device
 check tools/device_checks/colocated_residency.py runs the same audit on a GPU and checks the caching allocator holds
 no unused memory at the engine's wake (``--stand-in``: its CPU dry run); the KV pool is SGLang's own
 (tools/device_checks/sglang_colocated.py starts one beside the trainer).
