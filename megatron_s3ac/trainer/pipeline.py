@@ -27,7 +27,7 @@ import time
 from typing import Callable, Optional
 
 from megatron_s3ac.rollout.errors import EngineSettings
-from megatron_s3ac.testing import faults
+from megatron_s3ac import faults
 from megatron_s3ac.trainer.config import Config, ConfigError
 
 STAGES = ("warmup", "coverage", "value_pretrain", "rl")

@@ -103,7 +103,7 @@ def served_dir(cfg: Config, out: str) -> str:
     import torch
     from safetensors.torch import save_file
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
+    from megatron_s3ac.models.tiny_models import char_tokenizer
 
     src = cfg.model.hf_config
     if not src or not os.path.exists(src):

@@ -85,7 +85,7 @@ def test_s3ac_eval_on_image_benchmark_equals_hand_scoring(vl_model, tmp_path):
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
     from megatron_s3ac.rollout.rewards import register_reward, registered_rewards
-    from megatron_s3ac.testing.tiny_qwen3_5 import IMAGE_PROCESSOR, VL_TOKENS
+    from megatron_s3ac.models.tiny_qwen3_5 import IMAGE_PROCESSOR, VL_TOKENS
 
     if "vl_test_exact" not in registered_rewards():
         register_reward("vl_test_exact", isolate=False)(lambda r, ref: 1.0 if r == ref else -1.0)

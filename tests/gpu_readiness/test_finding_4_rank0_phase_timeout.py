@@ -7,7 +7,7 @@ given to ``init_process_group`` and megatron's groups, and the other ranks wait 
 group with that deadline (``trainer.rank0``), never inside a collective of the default group.
 
 Gloo honours a process group's timeout as NCCL's watchdog does (a blocked collective raises after it), so CPU
-shows it: the default process group gets a 4 s timeout (``testing.dist_timeout.run_with_pg_timeout``), rank 0's
+shows it: the default process group gets a 4 s timeout (``audit.pg_timeout.run_with_pg_timeout``), rank 0's
 real engine is made slow to start and to generate (``slow_rank0_engine``: 6.5 s each, rollout and evaluation
 alike), and one RL step with a periodic evaluation runs through ``train_loop``: rank 1 must survive every wait.
 On a GPU the NCCL side (its watchdog, the gloo wait group beside an NCCL default group) is the device check
@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from megatron_s3ac.testing.dist import DistributedTestError
-from megatron_s3ac.testing.dist_timeout import run_with_pg_timeout, slow_rank0_engine
+from megatron_s3ac.models.gloo_ranks import DistributedTestError
+from megatron_s3ac.audit.pg_timeout import run_with_pg_timeout, slow_rank0_engine
 
 SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=4", "rollout.k=2", "rollout.max_new_tokens=3",
          "data.num_prompts=64", "data.eval_prompts=8", "algo.actor_minibatches=2", "algo.critic_minibatches=2",

@@ -17,7 +17,7 @@ no unused memory at the engine's wake (``--stand-in``: its CPU dry run); the KV 
 """
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 CFG = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=4", "rollout.k=2", "rollout.max_new_tokens=4",
        "data.num_prompts=40", "data.eval_prompts=4", "algo.actor_minibatches=1", "algo.critic_minibatches=1",
@@ -184,7 +184,7 @@ def test_value_pretraining_builds_no_third_model_beside_an_awake_engine(tmp_path
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
+    from megatron_s3ac.models.tiny_models import char_tokenizer
     from megatron_s3ac.trainer.data import ARITH_CHARS, tiny_arithmetic_hf_config
 
     hf = str(tmp_path / "hf")

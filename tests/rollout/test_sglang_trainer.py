@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.config import ConfigError, load_config, validate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,7 +26,7 @@ def arith_dir(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
+    from megatron_s3ac.models.tiny_models import char_tokenizer
     from megatron_s3ac.trainer.data import ARITH_CHARS, tiny_arithmetic_hf_config
 
     path = str(tmp_path_factory.mktemp("arith_hf"))

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from vllm_fixtures import require_vllm, save_tiny_qwen3, tiny_qwen3_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,7 +22,7 @@ FIXED = [[3, 4, 5, 13, 6, 7, 14, 8], [4, 4, 13, 9, 14, 10, 1]]
 
 def dense_arith_dir(path):
     """A dense Qwen3 over the arithmetic task's character vocabulary, saved with its tokenizer."""
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
+    from megatron_s3ac.models.tiny_models import char_tokenizer
     from megatron_s3ac.trainer.data import ARITH_CHARS, BOS, EOS, PAD, CharVocab
 
     cfg = tiny_qwen3_config(vocab_size=CharVocab().size, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD,

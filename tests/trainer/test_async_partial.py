@@ -4,7 +4,7 @@ decode slowed (testing seam S3AC_TESTING_DECODE_DELAY) so that every weight sync
 the batch is interrupted, resumed on the new weights, and trained with per-token versions within the bounds."""
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.async_loop import staleness_metrics
 from megatron_s3ac.trainer.async_partial import versions_metrics
 from megatron_s3ac.trainer.config import ConfigError, load_config

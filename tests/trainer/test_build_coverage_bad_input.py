@@ -19,7 +19,7 @@ GOOD_ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+3=", "answer": "5"
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     """A tiny model with the CPU demo's tokenizer (WordLevel over its characters, no unknown token)."""
-    from megatron_s3ac.testing.tiny_models import save_tiny_hf
+    from megatron_s3ac.models.tiny_models import save_tiny_hf
     from megatron_s3ac.trainer.char_tokenizer import save_char_tokenizer
     from megatron_s3ac.trainer.data import CharVocab
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=8", "rollout.k=4", "rollout.max_new_tokens=4",
          "data.num_prompts=200", "data.eval_prompts=16", "algo.actor_minibatches=2", "algo.critic_minibatches=2",

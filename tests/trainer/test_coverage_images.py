@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.config import load_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -41,7 +41,7 @@ def _prompts(model_dir, path):
 def test_coverage_rows_of_image_prompts_match_transformers_greedy_and_name_their_prompt(miniature):
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from megatron_s3ac.testing.tiny_qwen3_5 import VL_TOKENS
+    from megatron_s3ac.models.tiny_qwen3_5 import VL_TOKENS
     from megatron_s3ac.trainer.coverage import CoverageSettings, generate_coverage
 
     paths, root = miniature

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from tests.trainer.test_checkpoint_layouts import SMALL as CKPT_SMALL
 from tests.trainer.test_checkpoint_layouts import full_moments
 from tests.trainer.test_trainer import ROOT, _r3, _torchrun

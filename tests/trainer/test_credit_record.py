@@ -11,7 +11,7 @@ from collections import defaultdict
 import pytest
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.config import ConfigError, load_config
 
 COIN = "test_credit_coin"

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from megatron_s3ac.testing.tiny_qwen3_5 import IMAGE_PROCESSOR, VL_TOKENS, save_tiny_qwen3_5
+from megatron_s3ac.models.tiny_qwen3_5 import IMAGE_PROCESSOR, VL_TOKENS, save_tiny_qwen3_5
 from megatron_s3ac.trainer.data import CharVocab, VisionProcessor, load_math_prompts
 from megatron_s3ac.trainer.tasks_vision import digit_image, digit_pairs, save_vision_miniature, write_vision_set
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.config import ConfigError, load_config
 from tests.trainer.test_trainer import SMALL
 

@@ -8,7 +8,7 @@ requests byte-identical with the key on and off.
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.batch import collate, micro_batches, per_token
 from megatron_s3ac.trainer.config import load_config
 from megatron_s3ac.trainer.data import CharVocab

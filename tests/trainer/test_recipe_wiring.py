@@ -9,7 +9,7 @@ import torch
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.config import ConfigError, load_config
 
 COIN = "test_recipe_coin"

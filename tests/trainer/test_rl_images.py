@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.config import load_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -385,7 +385,7 @@ def test_standalone_eval_reproduces_demo_pass_rates_world2(tmp_path):
 
 
 def test_fault_seam_exits_at_the_named_step_only():
-    code = ("from megatron_s3ac.testing import faults; faults.after_step(2); print('after 2', flush=True); "
+    code = ("from megatron_s3ac import faults; faults.after_step(2); print('after 2', flush=True); "
             "faults.after_step(3); print('after 3', flush=True)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, S3AC_TESTING_FAIL_AT_STEP="3"))

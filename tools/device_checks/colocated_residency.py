@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     if not cuda and not a.stand_in:
         print(json.dumps({"check": "device", "ok": False, "error": "no CUDA GPU (use --stand-in for a CPU dry run)"}))
         return 1
-    from megatron_s3ac.testing.dist import free_port, init_single_process
+    from megatron_s3ac.models.gloo_ranks import free_port, init_single_process
     from megatron_s3ac.testing.residency import ResidencyAudit
     from megatron_s3ac.trainer.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
