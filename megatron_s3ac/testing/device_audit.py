@@ -97,7 +97,7 @@ def audit_trainer_models(cfg, device="meta") -> dict[str, list[str]]:
     ``value_pretrain`` copies the trainer's critic into it)."""
     from megatron_s3ac.models.actor_critic import build_transformer_config
     from megatron_s3ac.trainer import build as B
-    from megatron_s3ac.trainer.config import layout_of, model_info_for
+    from megatron_s3ac.config import layout_of, model_info_for
     from megatron_s3ac.trainer.value_pretrain import value_pretrain
 
     info = model_info_for(cfg)
@@ -121,7 +121,7 @@ def audit_rank(configs: dict, device="meta") -> dict:
     from megatron.core import parallel_state
 
     from megatron_s3ac.models.parallel import initialize_model_parallel
-    from megatron_s3ac.trainer.config import layout_of, load_config
+    from megatron_s3ac.config import layout_of, load_config
 
     out = {}
     for label, overrides in configs.items():

@@ -113,7 +113,7 @@ class EngineSide:
     def _offload_colocated(self) -> bool:
         """train.offload_idle with the engine on the trainer's GPUs, outside ``models_resident``: the models live on
         the host whenever the engine is awake (the same on every rank: decided from the config)."""
-        from megatron_s3ac.trainer.config import Placement
+        from megatron_s3ac.config import Placement
 
         return bool(self.cfg.train.offload_idle) and self.cfg.rollout.placement == Placement.colocated \
             and not getattr(self, "_resident_depth", 0)

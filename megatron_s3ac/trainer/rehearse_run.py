@@ -99,7 +99,7 @@ def prompts_file(path: str, n: int) -> str:
 
 def run_settings(cfg, model_dir: str, tmp: str, dp: int) -> dict:
     """{dotted key: value} the shrunk run changes in the user's config (the module docstring says why each)."""
-    from megatron_s3ac.trainer.config import Placement
+    from megatron_s3ac.config import Placement
 
     separate = Placement(cfg.rollout.placement) == Placement.separate
     return {
@@ -152,7 +152,7 @@ def _rank(config_path: str, overrides: list, command: str, slow_s: float = 0.0) 
     os.dup2(fd, 2)
     silence_known_warnings()  # as s3ac-train does first: the known library warnings, each justified there
     from megatron_s3ac.audit.collectives import audited
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
 
     def run():
         cfg = load_config(config_path, overrides)
@@ -205,7 +205,7 @@ def _tail(path: str, n: int = 8) -> list[str]:
 def run_phase(cfg, tmp: str, max_ranks: int, p) -> None:
     """Add to phase ``p`` what the shrunk job did and its defects."""
     from megatron_s3ac.audit.collectives import CollectiveDivergence, check_consistent
-    from megatron_s3ac.trainer.config import layout_of
+    from megatron_s3ac.config import layout_of
 
     layouts = [layout_of(cfg.actor_layout)] + ([layout_of(cfg.critic_layout)] if cfg.critic_layout else [])
     world = min_world(layouts, max_ranks)
@@ -218,7 +218,7 @@ def run_phase(cfg, tmp: str, max_ranks: int, p) -> None:
     os.makedirs(tmp, exist_ok=True)
     model_dir = save_shrunk(cfg.model.hf_config, layouts, os.path.join(tmp, "shrunk"))
     config_path = write_run_config(cfg, run_settings(cfg, model_dir, tmp, dp), os.path.join(tmp, "run.yaml"))
-    from megatron_s3ac.trainer.config import Placement
+    from megatron_s3ac.config import Placement
 
     with open(os.path.join(model_dir, "config.json")) as f:
         kind = json.load(f)["model_type"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_s3ac.eval.benchmarks import EvalInputError, load_benchmark
-from megatron_s3ac.trainer.tasks_vision import digit_image
+from megatron_s3ac.tasks.vision import digit_image
 
 
 def _png(a, b):
@@ -71,7 +71,7 @@ def test_layouts(tmp_path):
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory):
-    from megatron_s3ac.trainer.tasks_vision import save_vision_miniature
+    from megatron_s3ac.tasks.vision import save_vision_miniature
 
     return save_vision_miniature(str(tmp_path_factory.mktemp("mini")), num_prompts=2, eval_prompts=2)["model"]
 

@@ -7,7 +7,7 @@ import torch
 
 from megatron_s3ac.algorithms.registry import get_algo
 from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, SCALE_SUFFIX
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.config import ConfigError, load_config
 from megatron_s3ac.trainer.loop import Trainer
 
 

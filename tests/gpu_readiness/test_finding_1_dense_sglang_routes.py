@@ -13,7 +13,7 @@ import pytest
 from megatron_s3ac.rollout import factory
 from megatron_s3ac.rollout.engines.sglang.startup_stand_in import StartupEngine
 from megatron_s3ac.trainer import build as B
-from megatron_s3ac.trainer.config import load_config, model_info_for
+from megatron_s3ac.config import load_config, model_info_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAPER = os.path.join(ROOT, "examples", "paper")

@@ -25,7 +25,7 @@ def _run(out_dir, overrides, generate_s):
     import torch.distributed as dist
 
     from megatron_s3ac.trainer import build
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     cfg = load_config(None, SMALL + ASYNC + overrides + [f"train.out_dir={out_dir}"])

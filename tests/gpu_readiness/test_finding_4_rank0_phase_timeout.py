@@ -34,7 +34,7 @@ SLOW_S = 6.5  # each rank-0-only phase takes longer than that
 
 
 def _has_key(key: str) -> bool:
-    from megatron_s3ac.trainer.config import TrainCfg
+    from megatron_s3ac.config import TrainCfg
 
     return key in {f.name for f in dataclasses.fields(TrainCfg)}
 
@@ -43,7 +43,7 @@ def _run(out_dir, overrides, start_s, generate_s):
     import torch.distributed as dist
 
     from megatron_s3ac.trainer import build
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from megatron_s3ac.trainer.run import train_loop
 
@@ -119,7 +119,7 @@ def test_init_distributed_takes_the_timeout():
 def test_dist_timeout_is_validated_when_the_config_loads():
     if not _has_key("dist_timeout_s"):
         pytest.skip("train.dist_timeout_s is not in this version's schema")
-    from megatron_s3ac.trainer.config import ConfigError, load_config
+    from megatron_s3ac.config import ConfigError, load_config
 
     assert load_config(None, SMALL).train.dist_timeout_s == 3600.0
     with pytest.raises(ConfigError, match=r"train.dist_timeout_s=0.0 must be > 0"):

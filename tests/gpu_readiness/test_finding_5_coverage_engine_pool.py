@@ -30,7 +30,7 @@ def _hf_dir(path):
     from transformers import AutoModelForCausalLM
 
     from megatron_s3ac.models.tiny_models import char_tokenizer
-    from megatron_s3ac.trainer.data import ARITH_CHARS, tiny_arithmetic_hf_config
+    from megatron_s3ac.data.prompts import ARITH_CHARS, tiny_arithmetic_hf_config
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_arithmetic_hf_config()).save_pretrained(path)
@@ -50,7 +50,7 @@ def _coverage_rank(overrides, gpus):
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.pool import EnginePool
     from megatron_s3ac.rollout.engines.fake_gpus import free_gpus, stand_ins_request_gpus, start_ray
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.pipeline import Pipeline
 
     F.SGLANG_ENGINE_CLS = fake_sglang.FakeSGLangEngine
@@ -102,7 +102,7 @@ def _waiting_rank(overrides, rank0_delay_s):
     import torch.distributed as dist
 
     import megatron_s3ac.trainer.coverage as C
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.pipeline import Pipeline
 
     cfg = load_config(None, overrides)
@@ -169,7 +169,7 @@ def _wait_in_thread(tmp_path, verdict, timeout_s):
     import threading
 
     import megatron_s3ac.trainer.coverage  # noqa: F401 (imported here, not on the clock: torch takes seconds)
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.pipeline import Pipeline
 
     cfg = load_config(None, BASE + [f"train.out_dir={tmp_path / 'run'}", "rollout.engine=cpu"], check=False)

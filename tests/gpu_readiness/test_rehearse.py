@@ -75,7 +75,7 @@ def test_smallest_world_keeping_the_degrees():
 
 def test_run_phase_names_the_failing_rank_and_where(monkeypatch, tmp_path):
     import megatron_s3ac.trainer.rehearse_run as rr
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.rehearse import Phase
 
     tb = ('Traceback (most recent call last):\n  File "/x/site-packages/torch/a.py", line 1, in f\n'

@@ -18,7 +18,7 @@ def _sglang_killed_run(hf_dir, overrides):
     import fake_sglang
     import rollout_fixtures
     import megatron_s3ac.rollout.factory as F
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from stage_broadcast_ranks import _export
 

@@ -9,7 +9,7 @@ import torch
 
 from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.async_loop import busy_seconds, staleness_metrics
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.config import ConfigError, load_config
 from tests.trainer.test_trainer import SMALL, capture_batches
 
 SEP = ["rollout.placement=separate", "actor_layout.ep=2", "train.eval_every=0"]
@@ -252,7 +252,7 @@ def test_async_submission_passes_the_prompts_images(tmp_path):
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
     from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
     from megatron_s3ac.trainer.async_loop import AsyncRollout, Submitted
-    from megatron_s3ac.trainer.data import Prompt
+    from megatron_s3ac.data.prompts import Prompt
     from megatron_s3ac.trainer.rollout_phases import RolloutPhases
 
     engine = CPUEngine.from_pretrained(save_tiny_qwen3_5_vl_full(str(tmp_path / "vl")), multimodal=True,

@@ -7,7 +7,7 @@ import pytest
 from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.async_loop import staleness_metrics
 from megatron_s3ac.trainer.async_partial import versions_metrics
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.config import ConfigError, load_config
 from tests.trainer.test_trainer import SMALL
 
 SEP = ["rollout.placement=separate", "actor_layout.ep=2", "train.eval_every=0"]

@@ -77,7 +77,7 @@ def full_moments(tr, name: str) -> dict:
 
 def _save_side(out_dir):
     from megatron_s3ac.trainer.checkpoint import read_meta, save_checkpoint
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     cfg = load_config(None, SMALL + ["actor_layout.ep=2", f"train.out_dir={out_dir}/fresh"])
@@ -108,7 +108,7 @@ def _save_side(out_dir):
 
 def _load_side(saved):
     from megatron_s3ac.trainer.checkpoint import CheckpointLayoutError, load_checkpoint
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     cfg = load_config(None, SMALL + ["actor_layout.ep=1", f"train.out_dir={os.path.dirname(saved['dist'])}/../../b"])

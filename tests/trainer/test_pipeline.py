@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.config import ConfigError, load_config
 from megatron_s3ac.trainer.pipeline import (
     STAGES, StageMismatch, fresh_critic_warning, pipeline_errors, planned_stages, read_done, stage_dirs,
     stage_fingerprint, stage_keys, stage_values, write_done,

@@ -152,7 +152,7 @@ def test_metadata_mask_and_shard_width_match_the_whole_batch():
 
 
 def _algo_step(algo, out_dir):
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from tests.trainer.test_trainer import SMALL, capture_batches
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_s3ac.models.gloo_ranks import run_distributed
-from megatron_s3ac.trainer.config import load_config
+from megatron_s3ac.config import load_config
 from tests.trainer.test_trainer import SMALL
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",

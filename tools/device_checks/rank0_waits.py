@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     rank = dist.get_rank()
     from megatron_s3ac.audit.pg_timeout import slow_rank0_engine
     from megatron_s3ac.trainer import build
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from megatron_s3ac.trainer.run import train_loop
 

@@ -275,7 +275,7 @@ def trainer_overrides(args, bf16: bool, cuda: bool, out_dir: str) -> list[str]:
 def run_trainer(args, bf16: bool) -> dict:
     import tempfile
 
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.device import trainer_device
     from megatron_s3ac.trainer.loop import Trainer
 

@@ -280,8 +280,8 @@ def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: i
     from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full
     from transformers import AutoTokenizer
 
-    from megatron_s3ac.trainer.char_tokenizer import char_vocab_tokenizer
-    from megatron_s3ac.trainer.data import CharVocab
+    from megatron_s3ac.data.char_tokenizer import char_vocab_tokenizer
+    from megatron_s3ac.data.prompts import CharVocab
 
     model = os.path.join(out_dir, "model")
     save_tiny_qwen3_5_vl_full(model, seed=seed)
