@@ -291,7 +291,7 @@ def copy_tower(actor, critic) -> None:
 @dataclasses.dataclass
 class PromptData:
     vocab: object  # CharVocab (arithmetic) or an HF tokenizer
-    prompts: list  # training prompts (data.prompts.Prompt)
+    prompts: list  # training prompts (trainer.data.Prompt)
     eval_prompts: list  # held-out split (arithmetic task)
     stats: dict
     stream: object  # seeded PromptStream over ``prompts``
