@@ -42,7 +42,7 @@ ARMS = {"sync": (0, []), "async": (1, []), "partial": (None, ["rollout.partial_r
 
 
 def _run(n, overrides, steps, out_dir):
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     tr = Trainer(load_config(None, overrides + [f"train.max_staleness={n}", f"train.steps={steps}",
@@ -60,7 +60,7 @@ def _run(n, overrides, steps, out_dir):
 
 
 def measure(args) -> dict:
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
 
     over = ["model.tiny=arithmetic_moe", f"rollout.prompts_per_step={args.prompts}", f"rollout.k={args.k}",
             f"rollout.max_new_tokens={args.max_new_tokens}", "data.num_prompts=400", "data.eval_prompts=16",
@@ -112,7 +112,7 @@ def measure(args) -> dict:
 def mismatch(args) -> dict:
     """Staleness 0 / 2 with the corrections on and off (``algo.mismatch_corrections``): the mismatch metrics of
     each step (log pi_prox / mu; what IS, IcePoP and MIS act on) and the actor's clip / KL, on the demo model."""
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
 
     over = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=16", "rollout.k=4", "rollout.max_new_tokens=8",
             "data.num_prompts=400", "data.eval_prompts=16", "algo.actor_minibatches=2", "algo.critic_minibatches=2",

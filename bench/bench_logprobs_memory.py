@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=2048)
     a = ap.parse_args()
 
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
 
     # each setting in a fresh process, so one's peak cannot hide the other's
     chunked = run_distributed(_measure, 1, a, a.chunk)[0]

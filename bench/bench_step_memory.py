@@ -48,7 +48,7 @@ def _reset_peak() -> None:
 
 
 def _config(size: str):
-    from megatron_s3ac.testing.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_models import tiny_config
 
     return tiny_config("qwen3_moe", vocab_size=32, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                        max_position_embeddings=512, **SIZES[size])
@@ -120,7 +120,7 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     a = ap.parse_args()
 
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
 
     mb = 2**20
     print(f"one actor + critic step, 2 gloo ranks (EP=2), micro-batch {a.batch} x {a.seq} tokens per rank; "

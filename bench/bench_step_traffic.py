@@ -139,7 +139,7 @@ def rank_main(out: str, overrides: list[str]) -> None:
 
     counter = Counter()
     install(counter)
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     tr = Trainer(load_config(None, CONFIG + overrides + [f"train.out_dir={out}/run"]))

@@ -26,7 +26,7 @@ import torch
 
 
 def _config(a):
-    from megatron_s3ac.testing.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_models import tiny_config
 
     return tiny_config("qwen3", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
                        num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
@@ -205,7 +205,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
 
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
 
     import os
     print(f"load average at the start (1, 5, 15 min): {os.getloadavg()}")

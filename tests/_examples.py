@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from megatron_s3ac.testing.tiny_models import char_tokenizer
+from megatron_s3ac.models.tiny_models import char_tokenizer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 # (example file, its model's config dir under examples/hf_configs); the 397B check is slow (its plan is large)
@@ -35,7 +35,7 @@ def hf_stand_in(tmp_path, hf: str) -> str:
         if "vision_config" in json.load(f):  # a VL model's prompts need its image processor
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-            from megatron_s3ac.testing.tiny_qwen3_5 import IMAGE_PROCESSOR
+            from megatron_s3ac.models.tiny_qwen3_5 import IMAGE_PROCESSOR
 
             Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR).save_pretrained(d)
     return d

@@ -41,7 +41,7 @@ def test_known_warnings_are_filtered_and_nothing_else(monkeypatch):
 
 @pytest.mark.slow  # three CLI subprocesses (convert, then verify quiet and loud): ~1-2 min on 2 busy cores
 def test_cli_subprocess_stderr_has_no_known_warning(tmp_path):
-    from megatron_s3ac.testing.tiny_models import save_tiny_hf
+    from megatron_s3ac.models.tiny_models import save_tiny_hf
 
     hf = save_tiny_hf("qwen3_moe", str(tmp_path / "hf"))
     env = {k: v for k, v in os.environ.items() if k not in (SHOW_ENV, "PYTHONWARNINGS")}

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_rollout_engine
     from megatron_s3ac.trainer.build import build_data
-    from megatron_s3ac.trainer.config import ConfigError, load_config
+    from megatron_s3ac.config import ConfigError, load_config
     from megatron_s3ac.trainer.coverage import resolve_policies
 
     try:  # refuse before any rollout: no partial output

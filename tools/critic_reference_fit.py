@@ -14,7 +14,7 @@ is valued at sequence position P - 1 + t, i.e. from the prefix prompt + o_<t; tr
 
 each for two targets: ``R`` (the lambda = 1 return, the terminal reward of every token: value pretraining's
 target) and ``err`` (1 if an earlier token o_<t already left the chain, from the reference answer:
-``reward_chain.first_error``'s notion, a known function of the visible prefix). EV is 1 - Var(y - V) / Var(y)
+``tasks.chain.first_error``'s notion, a known function of the visible prefix). EV is 1 - Var(y - V) / Var(y)
 over all tokens of a held-out quarter of the rows. Also prints the "oracle" EV on R of the critic that knows
 only ``err`` (V = -1 after an error, else the per-position mean return): the ceiling such a critic could reach.
 Prints JSON. CPU only, a few minutes on 4096 rows.
@@ -149,7 +149,7 @@ def ours(run: str, rows: list[dict], targets: dict, out_dir: str) -> dict:
     rank) on ``rows`` with per-token ``targets[name]`` [n, T]; run under ``torchrun --nproc-per-node 1``.
     Returns per target the EV of its last 10 steps (each step's own mini-batch, as value_pretrain logs it)."""
     from megatron_s3ac.convert.carried import load_model
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from megatron_s3ac.trainer.value_pretrain import value_pretrain
 

@@ -5,7 +5,7 @@
     python tools/reproduce_claims.py --task arithmetic --out ...                  # the demo's a+b= task
     python tools/reproduce_claims.py --task multistep --max-operands 5 --out ...  # a variant task
 
-The default task is the digit chain ``cumsum`` at length 12 (trainer/tasks_chain.py: 12-token answers, one
+The default task is the digit chain ``cumsum`` at length 12 (tasks/chain.py: 12-token answers, one
 wrong token dooms the answer); on it every run records its per-token advantages (train.credit_every=1) and
 the report adds the Figure-2-style credit plot of S3AC vs GRPO-X (plots/credit.png, megatron_s3ac/eval/credit.py).
 
@@ -332,7 +332,7 @@ def base_overrides(args, size: Size) -> list[str]:
     if args.max_operand is not None:
         o.append(f"data.max_operand={args.max_operand}")
     if args.task == "chain":
-        from megatron_s3ac.trainer.tasks_chain import ChainSpec
+        from megatron_s3ac.tasks.chain import ChainSpec
 
         cs = ChainSpec(kind=args.chain, min_len=args.min_len, max_len=args.max_len)
         o += ["data.task=chain", "rollout.reward=chain", f"data.chain={cs.kind}", f"data.min_len={cs.min_len}",
@@ -345,7 +345,7 @@ def base_overrides(args, size: Size) -> list[str]:
     if args.task in CREDIT_TASKS:
         o.append("train.credit_every=1")  # per-token advantages of every step: the credit plot
     if args.task == "multistep":
-        from megatron_s3ac.trainer.tasks_multistep import MultistepSpec
+        from megatron_s3ac.tasks.multistep import MultistepSpec
 
         spec = MultistepSpec(min_operands=args.min_operands, max_operands=args.max_operands,
                              max_operand=args.max_operand or 99, ops=args.ops)
@@ -384,7 +384,7 @@ def stage_done(d: str) -> bool:
 def plan_arm(config: str, out: str, arm: str, a: Arm, seeds: list[int], base: list[str], size: Size) -> list[Job]:
     """The arm's job per seed: overrides and directories; raises ConfigError when the trainer rejects
     the arm. (The config is loaded once per arm: only train.seed differs between its seeds.)"""
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.pipeline import planned_stages, stage_fingerprint
 
     length = {"main": [f"train.steps={size.steps}"], "first": [f"train.steps={size.first}"],
@@ -409,7 +409,7 @@ def plan_arm(config: str, out: str, arm: str, a: Arm, seeds: list[int], base: li
 def plan(args, size: Size, chosen: list[Claim]) -> tuple[list[Job], dict[str, str]]:
     """Jobs in launch priority (every seed's recipe arm first: it produces the shared stages) and
     the arms the trainer rejects (arm -> error)."""
-    from megatron_s3ac.trainer.config import ConfigError, load_config
+    from megatron_s3ac.config import ConfigError, load_config
 
     out = os.path.abspath(args.out)
     base = base_overrides(args, size)
@@ -431,7 +431,7 @@ def plan(args, size: Size, chosen: list[Claim]) -> tuple[list[Job], dict[str, st
 
 def _hidden_size(cfg) -> int:
     if cfg.model.tiny is not None:
-        from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+        from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
 
         return int(tiny_arithmetic_hf_config().hidden_size)
     from transformers import AutoConfig
@@ -686,7 +686,7 @@ def parse_args(argv=None):
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--steps", type=int, default=None, help="RL steps of the whole-run arms (default: the size's)")
     p.add_argument("--task", choices=("chain", "arithmetic", "multistep"), default="chain",
-                   help="chain (default): the digit-chain task, 12-32-token answers (trainer/tasks_chain.py); "
+                   help="chain (default): the digit-chain task, 12-32-token answers (tasks/chain.py); "
                         "arithmetic: the demo's a+b=; multistep: a+b+c= written step by step")
     p.add_argument("--chain", default="cumsum", help="chain: the kind (cumsum, add, reverse, sort, runsum)")
     p.add_argument("--min-len", type=int, default=12, help="chain: shortest chain")
@@ -719,7 +719,7 @@ def main(argv=None) -> int:
     if args.steps is not None:
         size = dataclasses.replace(size, steps=args.steps, eval_every=max(1, min(size.eval_every, args.steps)))
     out = os.path.abspath(args.out)
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
 
     hidden = _hidden_size(load_config(args.config, base_overrides(args, size)))
     all_claims = claims(n_first=size.first, hidden=hidden)

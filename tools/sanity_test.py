@@ -77,7 +77,7 @@ def rl_start_source(warmup_dir: str) -> str | None:
 def solvable_prompts(coverage: str, min_successes: int, source: str | None = None) -> tuple[list, int, str]:
     """(prompt id lists with >= ``min_successes`` correct samples in the coverage file, prompts seen, which
     samples counted): the samples of the policy whose ``source`` ends with ``source`` when it has any, else all."""
-    from megatron_s3ac.trainer.data import read_coverage
+    from megatron_s3ac.data.prompts import read_coverage
 
     rows, _ = read_coverage(coverage)
     mine = [r for r in rows if source and str(r.get("source", "")).rstrip("/").endswith(source)]

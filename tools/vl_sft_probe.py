@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer, Qwen3_5MoeForConditionalGeneration
 
-    from megatron_s3ac.trainer.data import VisionProcessor, load_math_prompts
+    from megatron_s3ac.data.prompts import VisionProcessor, load_math_prompts
 
     m = a.data + "/model"
     tok, vp = AutoTokenizer.from_pretrained(m), VisionProcessor.from_pretrained(m)

@@ -90,7 +90,7 @@ def _rank_logits(hf_config, mcore_dir: str, layout, tokens: torch.Tensor):
 
 
 def megatron_logits(hf_config, mcore_dir: str, tokens: torch.Tensor, layout):
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
 
     results = run_distributed(_rank_logits, world_size_for(layout), hf_config, mcore_dir, layout, tokens)
     return next(r for r in results if r is not None)

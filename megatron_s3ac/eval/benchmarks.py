@@ -260,7 +260,7 @@ IMAGE_MARK = "<image>"
 
 
 def _image_entry(value: Any) -> Any:
-    """A row's image cell as an entry trainer.data.load_image reads (path str, bytes, {"bytes", "path"}), or None."""
+    """A row's image cell as an entry data.prompts.load_image reads (path str, bytes, {"bytes", "path"}), or None."""
     if value is None or (isinstance(value, float) and value != value):
         return None
     if isinstance(value, dict):
@@ -649,14 +649,14 @@ def prompt_ids(item: Item, tokenizer, template: str = "auto") -> list[int]:
 
 def prompt_inputs(item: Item, tokenizer, template: str = "auto", vision=None):
     """(ids, ImageInputs or None) of an item: ``prompt_ids`` for a text item; for an image item the rendered
-    prompt through the model's ``trainer.data.VisionProcessor`` (each ``<image>`` expanded to its tokens).
+    prompt through the model's ``data.prompts.VisionProcessor`` (each ``<image>`` expanded to its tokens).
     EvalInputError for an image item without a vision-language model (``vision`` None) or an unreadable image."""
     if not item.images:
         return prompt_ids(item, tokenizer, template), None
     if vision is None:
         raise EvalInputError("an image benchmark needs a vision-language model (a checkpoint with vision_config and "
                              "preprocessor_config.json); this one is text-only")
-    from megatron_s3ac.trainer.data import load_image
+    from megatron_s3ac.data.prompts import load_image
 
     text = render_prompt(item, tokenizer, template)
     try:

@@ -239,7 +239,7 @@ def _run(args: argparse.Namespace) -> int:
         check_weight_files(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         check_encodable(benches, tokenizer, args.template)  # a row it cannot encode: named now, not mid-run
-        from megatron_s3ac.trainer.data import VisionProcessor
+        from megatron_s3ac.data.prompts import VisionProcessor
 
         # image benchmarks: the checkpoint's image processor, and the cpu / hf engine loads the full VL model
         images = any(it.images for spec in benches.values() for it in spec.source.items)

@@ -91,7 +91,7 @@ class TrainerEvaluation:
         self.evaluator: Optional[PeriodicEvaluator] = None
         self.reward_pool = None
         self.sets: dict = {}
-        self.vision = vision  # trainer.data.VisionProcessor of a VL checkpoint: image sets go to the engine with images
+        self.vision = vision  # data.prompts.VisionProcessor of a VL checkpoint: image sets go to the engine with images
         reward = e.reward or default_reward
         self.judge = judge_from_cfg(getattr(e, "judge", None))
         if e.heldout and heldout_rows:

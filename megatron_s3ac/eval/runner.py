@@ -114,7 +114,7 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Mapping[str, Benchmar
     judge: None (math items scored by their reward: math-verify for "math") or an eval.judge.LLMJudge, which
         scores the math items of the sets it applies to (``judge.applies(name, reward)``); its endpoint is
         checked before anything is generated.
-    vision: the model's ``trainer.data.VisionProcessor`` (image benchmarks: each item's images go to the engine
+    vision: the model's ``data.prompts.VisionProcessor`` (image benchmarks: each item's images go to the engine
         with its expanded ids); None for a text-only model, which refuses an image benchmark.
     """
     params = params or SamplingParams()

@@ -90,7 +90,7 @@ def _read_trainer_yaml(path: str) -> dict:
     refused), without its path checks: a config names model files on the cluster, not here."""
     from omegaconf import OmegaConf
 
-    from megatron_s3ac.trainer.config import ConfigError, load_config
+    from megatron_s3ac.config import ConfigError, load_config
 
     if not os.path.exists(path):
         raise PlanInputError(f"--config {path}: no such file")
@@ -109,7 +109,7 @@ def _info_from(hf_src, cfg: dict | None):
             return model_info(hf_src)
         model = (cfg or {}).get("model") or {}
         if model.get("tiny") == "arithmetic_moe":
-            from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+            from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
 
             return model_info(tiny_arithmetic_hf_config().to_dict())
         if model.get("hf_config"):

@@ -73,11 +73,11 @@ def _info(cfg: Any):
     from megatron_s3ac.models.registry import model_info
 
     if not isinstance(cfg, dict):  # the trainer's Config: its own model reader
-        from megatron_s3ac.trainer.config import model_info_for
+        from megatron_s3ac.config import model_info_for
 
         return model_info_for(cfg)
     if _get(cfg, "model.tiny") == "arithmetic_moe":
-        from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+        from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
 
         return model_info(tiny_arithmetic_hf_config().to_dict())
     return model_info(_get(cfg, "model.hf_config"))

@@ -3,9 +3,9 @@
 Published Qwen3.5 checkpoints carry a vision tower (``model.visual.*``) and an MTP head (``mtp.*``) beside the
 language model; the trainer trains (and exports) the language model only. ``add_served_tensors`` writes such
 extra tensors into a saved tiny checkpoint (its ``model.safetensors``), and ``colocated_sync_once`` (a rank body
-for ``testing.dist.run_distributed``) runs one real ``ColocatedIPCSync(require_complete=True)`` from a megatron
+for ``models.gloo_ranks.run_distributed``) runs one real ``ColocatedIPCSync(require_complete=True)`` from a megatron
 actor of that checkpoint's architecture into an ``SGLangEngine`` started from it (``sglang.Engine`` replaced by
-``testing.sglang_startup.StartupEngine``).
+``rollout.engines.sglang.startup_stand_in.StartupEngine``).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def colocated_sync_once(hf_dir: str, bucket_bytes: int = 1 << 20) -> dict:
     from megatron_s3ac.models.registry import model_info
     from megatron_s3ac.rollout.engines.sglang.colocated import ColocatedIPCSync
     from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
-    from megatron_s3ac.testing.sglang_startup import StartupEngine
+    from megatron_s3ac.rollout.engines.sglang.startup_stand_in import StartupEngine
 
     info = model_info(hf_dir)
     layout = ParallelLayout()

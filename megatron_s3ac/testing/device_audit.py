@@ -12,7 +12,7 @@ accelerator) and builds each model through the trainer's own code:
 * ``audit_trainer_models(cfg)``: actor (``build.build_actor``), critic (``build.build_critic``) and the value
   pretraining critic (``value_pretrain.value_pretrain``), each {name: off-device tensor names}.
 
-Needs megatron's parallel state initialised (one rank is enough: ``testing.dist``).
+Needs megatron's parallel state initialised (one rank is enough: ``models.gloo_ranks``).
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def audit_trainer_models(cfg, device="meta") -> dict[str, list[str]]:
     ``value_pretrain`` copies the trainer's critic into it)."""
     from megatron_s3ac.models.actor_critic import build_transformer_config
     from megatron_s3ac.trainer import build as B
-    from megatron_s3ac.trainer.config import layout_of, model_info_for
+    from megatron_s3ac.config import layout_of, model_info_for
     from megatron_s3ac.trainer.value_pretrain import value_pretrain
 
     info = model_info_for(cfg)
@@ -116,12 +116,12 @@ def audit_trainer_models(cfg, device="meta") -> dict[str, list[str]]:
 
 
 def audit_rank(configs: dict, device="meta") -> dict:
-    """Rank body (``testing.dist.run_distributed``): for each {label: trainer config overrides} (schema-checked
+    """Rank body (``models.gloo_ranks.run_distributed``): for each {label: trainer config overrides} (schema-checked
     only), megatron's parallel state for its actor layout, then ``audit_trainer_models``; {label: audit}."""
     from megatron.core import parallel_state
 
     from megatron_s3ac.models.parallel import initialize_model_parallel
-    from megatron_s3ac.trainer.config import layout_of, load_config
+    from megatron_s3ac.config import layout_of, load_config
 
     out = {}
     for label, overrides in configs.items():

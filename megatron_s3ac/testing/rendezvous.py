@@ -2,7 +2,7 @@
 
 ``debian_hosts(monkeypatch-like setter)`` makes this host's name resolve to 127.0.1.1, as stock Debian/Ubuntu
 ``/etc/hosts`` does; ``routable_address()`` is the independent reference (the source address of this host's
-default route, None without one); ``stage_broadcast_address()`` is a rank body (``testing.dist``) that runs
+default route, None without one); ``stage_broadcast_address()`` is a rank body (``models.gloo_ranks``) that runs
 ``StageBroadcastSync.connect`` up to the point where the rank would listen and returns the address it chose.
 """
 from __future__ import annotations

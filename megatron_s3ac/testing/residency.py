@@ -9,7 +9,7 @@ records a snapshot of both models at each: ``rollout`` (the engine is asked to g
 forward), ``old_logprobs`` (the actor's forward), ``actor_update`` / ``critic_update`` (the update starts),
 ``engine_wake`` (the engine is woken) and ``weight_sync`` (the engine is handed its first bucket of a sync).
 The planner's side, {phase: {model: {kind: bytes}}} for the same config, is ``plan.memory.residency`` (the tests
-read it there: testing/ sits below plan/ and trainer/ in the import floors). Only names that exist since 2c164be
+compare the two). Only names that exist since 2c164be
 are required.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
-from megatron_s3ac.trainer.config import Config, ConfigError, layout_of
+from megatron_s3ac.config import Config, ConfigError, layout_of
 
 
 @dataclasses.dataclass
@@ -291,7 +291,7 @@ def copy_tower(actor, critic) -> None:
 @dataclasses.dataclass
 class PromptData:
     vocab: object  # CharVocab (arithmetic) or an HF tokenizer
-    prompts: list  # training prompts (trainer.data.Prompt)
+    prompts: list  # training prompts (data.prompts.Prompt)
     eval_prompts: list  # held-out split (arithmetic task)
     stats: dict
     stream: object  # seeded PromptStream over ``prompts``
@@ -299,7 +299,7 @@ class PromptData:
 
 
 def build_data(cfg: Config, use_daps: bool) -> PromptData:
-    from megatron_s3ac.trainer import data as D
+    from megatron_s3ac.data import prompts as D
 
     if cfg.data.task == "arithmetic":
         vocab = D.CharVocab()
@@ -308,12 +308,12 @@ def build_data(cfg: Config, use_daps: bool) -> PromptData:
                                        exclude={p.text for p in eval_prompts})
         stats = {"rows": len(prompts), "malformed": 0}
     elif cfg.data.task == "multistep":
-        from megatron_s3ac.trainer.tasks_multistep import multistep_data
+        from megatron_s3ac.tasks.multistep import multistep_data
 
         vocab, prompts, eval_prompts = multistep_data(cfg.data)
         stats = {"rows": len(prompts), "malformed": 0}
     elif cfg.data.task == "chain":
-        from megatron_s3ac.trainer.tasks_chain import chain_data
+        from megatron_s3ac.tasks.chain import chain_data
 
         vocab, prompts, eval_prompts = chain_data(cfg.data)
         stats = {"rows": len(prompts), "malformed": 0}
@@ -380,7 +380,7 @@ def build_engine(cfg: Config, info, multimodal: bool = False):
     Returns (engine, owns_ray): a Ray started here is shut down by ``Trainer.close``."""
     from megatron_s3ac.rollout.engines.registry import EngineRequest, engine_spec
     from megatron_s3ac.rollout.factory import build_rollout_engine
-    from megatron_s3ac.trainer.config import Placement, engine_model_dir
+    from megatron_s3ac.config import Placement, engine_model_dir
 
     r = cfg.rollout
     placement = Placement(r.placement).value
@@ -403,7 +403,7 @@ def build_engine(cfg: Config, info, multimodal: bool = False):
             from transformers import AutoConfig
 
             return AutoConfig.for_model(**info.hf)
-        from megatron_s3ac.trainer.tasks_multistep import tiny_hf_config
+        from megatron_s3ac.tasks import tiny_hf_config
 
         return tiny_hf_config(cfg.data)
 

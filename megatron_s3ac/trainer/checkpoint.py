@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_s3ac.testing import faults
+from megatron_s3ac import faults
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 # the rank that wrote a file: ``rank{r}.pt``, ``rng_rank{r}.pt``, torch_dist's ``__{r}_{i}.distcp``;

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     from megatron_s3ac.console import silence_known_warnings
 
     silence_known_warnings()  # before anything imports megatron: known library warnings, each justified there
-    from megatron_s3ac.trainer.config import ConfigError, load_config, to_yaml
+    from megatron_s3ac.config import ConfigError, load_config, to_yaml
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) > 1 and args[0] in _USAGE and any(a in _HELP for a in args[1:]):
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
 
         check_inputs(cfg, cmd)  # the input files, before any process group or output: every rank exits 2 alike
         if cmd == "check":
-            from megatron_s3ac.trainer.config import validate
+            from megatron_s3ac.config import validate
 
             world = int(os.environ.get("WORLD_SIZE", "0")) or None
             validate(cfg, world)
@@ -224,7 +224,7 @@ def _value_pretrain_cmd(cfg) -> None:
 
     from megatron.core import dist_checkpointing
 
-    from megatron_s3ac.trainer.data import read_coverage
+    from megatron_s3ac.data.prompts import read_coverage
     from megatron_s3ac.trainer.loop import Trainer
     from megatron_s3ac.trainer.value_pretrain import value_pretrain
 

@@ -121,7 +121,7 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
                       after_policy: Optional[Callable[[int], None]] = None,
                       seeds: Optional[Sequence[int]] = None, prompt_index: Optional[Sequence[int]] = None) -> dict:
     """Roll out every policy (an engine per HF dir, from the rollout factory) on ``prompts``
-    (``trainer.data.Prompt``: .ids, .reference) with ``settings.k`` samples each; score the decoded
+    (``data.prompts.Prompt``: .ids, .reference) with ``settings.k`` samples each; score the decoded
     responses; write ``out_path`` (jsonl rows {prompt_ids, response_ids, reward, source}) atomically
     (a ``.tmp`` renamed at the end: a killed run leaves no partial file). Aborted samples are dropped.
     Returns {"trajectories", "pass_rate", "policies": [per policy: source, trajectories, pass_rate,
@@ -135,7 +135,7 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.registry import EngineRequest, engine_spec
     from megatron_s3ac.rollout.factory import build_rollout_engine
-    from megatron_s3ac.trainer.data import write_coverage
+    from megatron_s3ac.data.prompts import write_coverage
 
     images = [getattr(p, "images", None) for p in prompts]
     multimodal = any(im is not None for im in images)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_s3ac.trainer.config import Config, ConfigError, engine_model_dir
+from megatron_s3ac.config import Config, ConfigError, engine_model_dir
 
 
 def check_inputs(cfg: Config, cmd: str) -> None:
@@ -36,7 +36,7 @@ def check_inputs(cfg: Config, cmd: str) -> None:
         if cmd == "value-pretrain":
             if not cfg.value_pretrain.coverage_path:
                 raise ValueError("value-pretrain needs it (a coverage jsonl: tools/build_coverage_data.py)")
-            from megatron_s3ac.trainer.data import read_coverage
+            from megatron_s3ac.data.prompts import read_coverage
 
             read_coverage(cfg.value_pretrain.coverage_path)
     except (ValueError, OSError) as err:  # UnsupportedModelError is a ValueError
@@ -47,7 +47,7 @@ def _check_prompts(cfg: Config) -> None:
     """Every row of ``data.path`` read and tokenized as the Trainer will (images are not decoded here)."""
     from transformers import AutoTokenizer
 
-    from megatron_s3ac.trainer import data as D
+    from megatron_s3ac.data import prompts as D
 
     model_dir = cfg.model.engine_hf_dir or cfg.model.hf_config
     try:

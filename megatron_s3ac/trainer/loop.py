@@ -37,7 +37,7 @@ from megatron_s3ac import algorithms as A
 from megatron_s3ac.algorithms.registry import get_algo
 from megatron_s3ac.trainer import build as B
 from megatron_s3ac.trainer.batch import RolloutBatch, collate
-from megatron_s3ac.trainer.config import Config, model_info_for, validate
+from megatron_s3ac.config import Config, model_info_for, validate
 from megatron_s3ac.trainer.engine_side import EngineSide, sync_strategy_for
 from megatron_s3ac.trainer.losses import actor_loss, critic_loss, forward_outputs
 from megatron_s3ac.trainer import shard_metrics as S
@@ -120,7 +120,7 @@ class Trainer(EngineSide, RolloutPhases):
     def use_prompt_subset(self, path: str) -> dict:
         """RL on the prompts of ``data.prompt_subset`` only (before any RL step or resume): the prompt set, its
         stream and DAPS's sampler rebuilt over them. Returns {kept, of}."""
-        from megatron_s3ac.trainer.data import PromptStream
+        from megatron_s3ac.data.prompts import PromptStream
 
         if self.step_idx or not isinstance(self.source, SyncSource):
             raise ValueError("data.prompt_subset is applied before the first RL step, to the synchronous loop only")
@@ -180,7 +180,7 @@ class Trainer(EngineSide, RolloutPhases):
         multimodal miniature's held-out drawings), else None (text sets: evaluation unchanged)."""
         if not self.multimodal:
             return None
-        from megatron_s3ac.trainer.data import VisionProcessor
+        from megatron_s3ac.data.prompts import VisionProcessor
 
         return VisionProcessor.from_pretrained(self.cfg.model.engine_hf_dir or self.cfg.model.hf_config)
 

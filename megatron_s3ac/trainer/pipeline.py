@@ -27,8 +27,8 @@ import time
 from typing import Callable, Optional
 
 from megatron_s3ac.rollout.errors import EngineSettings
-from megatron_s3ac.testing import faults
-from megatron_s3ac.trainer.config import Config, ConfigError
+from megatron_s3ac import faults
+from megatron_s3ac.config import Config, ConfigError
 
 STAGES = ("warmup", "coverage", "value_pretrain", "rl")
 DONE = "DONE.json"
@@ -490,7 +490,7 @@ class Pipeline:
         return self.cfg.value_pretrain.coverage_path or os.path.join(self.dirs["coverage"], "coverage.jsonl")
 
     def _run_value_pretrain(self, t0: float) -> dict:
-        from megatron_s3ac.trainer.data import read_coverage
+        from megatron_s3ac.data.prompts import read_coverage
         from megatron_s3ac.trainer.value_pretrain import value_pretrain
 
         tr, d = self.tr, self._fresh_dir("value_pretrain")
@@ -516,7 +516,7 @@ class Pipeline:
     def _record_rl_config(self) -> None:
         """The RL stage is `s3ac-train train` started from the stages' outputs: {out_dir}/config.yaml names
         them (model.actor_init / model.critic_init), so `s3ac-train train OUT/config.yaml` re-runs it alone."""
-        from megatron_s3ac.trainer.config import to_yaml
+        from megatron_s3ac.config import to_yaml
 
         cfg = self.cfg
         if self.plan["warmup"] == "run":

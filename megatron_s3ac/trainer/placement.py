@@ -32,7 +32,7 @@ class Placement:
     @classmethod
     def of(cls, tr) -> "Placement":
         """The trainer's placement (its models, ``train.offload_idle``, ``rollout.placement``)."""
-        from megatron_s3ac.trainer.config import Placement as Where
+        from megatron_s3ac.config import Placement as Where
 
         models = {"actor": (tr.actor_ddp, tr.actor_opt)}
         if tr.critic_ddp is not None:

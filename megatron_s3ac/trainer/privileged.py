@@ -83,7 +83,7 @@ class PrivilegedBlocks:
         return self._cache[key]
 
     def of_prompts(self, prompts: Sequence) -> tuple[list, torch.Tensor]:
-        """(block ids per prompt, missing [n] bool) for ``trainer.data.Prompt``s (.reference, .solution)."""
+        """(block ids per prompt, missing [n] bool) for ``data.prompts.Prompt``s (.reference, .solution)."""
         got = [self.ids(p.reference, getattr(p, "solution", None)) for p in prompts]
         return [g[0] for g in got], torch.tensor([g[1] for g in got], dtype=torch.bool)
 

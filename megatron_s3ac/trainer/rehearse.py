@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Callable, Optional
 
-from megatron_s3ac.trainer.config import Config, ConfigError
+from megatron_s3ac.config import Config, ConfigError
 
 
 @dataclasses.dataclass
@@ -83,7 +83,7 @@ def launch_split(nodes: int, gpus_per_node: int, script: str) -> tuple[int, tupl
 def cluster_shape(cfg: Config, script: Optional[str] = None):
     """The job's ``ClusterShape``: ``cluster:`` and the launch script's split of each node (TRAINER_GPUS_PER_NODE)."""
     from megatron_s3ac.rollout.rehearsal import ClusterShape
-    from megatron_s3ac.trainer.config import Placement
+    from megatron_s3ac.config import Placement
 
     c = cfg.cluster
     if not c.gpus:
@@ -103,7 +103,7 @@ def served_dir(cfg: Config, out: str) -> str:
     import torch
     from safetensors.torch import save_file
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
+    from megatron_s3ac.models.tiny_models import char_tokenizer
 
     src = cfg.model.hf_config
     if not src or not os.path.exists(src):
@@ -146,8 +146,8 @@ class Rehearsal:
 
     def config(self, p: Phase) -> None:
         from megatron_s3ac.plan.preflight import preflight
-        from megatron_s3ac.trainer.config import validate
-        from megatron_s3ac.trainer.config.enums import paths_elsewhere
+        from megatron_s3ac.config import validate
+        from megatron_s3ac.config.enums import paths_elsewhere
 
         s = self.shape
         p.ran.append(f"{s.nodes} nodes x {s.gpus_per_node} GPUs, {s.trainer_per_node} trainer ranks per node "
@@ -168,7 +168,7 @@ class Rehearsal:
         from megatron_s3ac.rollout import factory as factory_mod
         from megatron_s3ac.rollout.rehearsal import device_defects, engine_rules, launch_plan
         from megatron_s3ac.trainer import build
-        from megatron_s3ac.trainer.config import model_info_for
+        from megatron_s3ac.config import model_info_for
 
         made = {}
         real = factory_mod.make_engine_factory
@@ -199,7 +199,7 @@ class Rehearsal:
     def kernels(self, p: Phase) -> None:
         from megatron_s3ac.models.actor_critic import build_transformer_config
         from megatron_s3ac.models.registry import get_arch
-        from megatron_s3ac.trainer.config import layout_of, model_info_for
+        from megatron_s3ac.config import layout_of, model_info_for
 
         info = model_info_for(self.cfg)
         layout = layout_of(self.cfg.actor_layout)

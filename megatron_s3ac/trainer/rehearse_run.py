@@ -11,8 +11,8 @@ with the response's length (so groups are not all filtered out), minibatches of 
 
 What runs: ``s3ac-train pipeline`` (coverage data from the shrunk policy -> value pretraining when the algorithm
 has a critic -> RL with a held-out evaluation and a checkpoint at every step), then a second job resuming the RL
-stage from its checkpoint for one more step, both under the collective audit (megatron_s3ac.testing.
-collective_audit: every group's ranks must issue the same collectives in the same order) and with
+stage from its checkpoint for one more step, both under the collective audit (megatron_s3ac.audit.
+collectives: every group's ranks must issue the same collectives in the same order) and with
 ``train.dist_timeout_s`` short, so a rank waiting inside a collective for rank 0's engine shows as a timeout.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import math
 import os
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.dist import DistributedTestError
-from megatron_s3ac.testing.dist_timeout import run_with_pg_timeout
+from megatron_s3ac.models.gloo_ranks import DistributedTestError
+from megatron_s3ac.audit.pg_timeout import run_with_pg_timeout
 
 # the resume job's waits: the default group times out after PG_TIMEOUT_S (NCCL's watchdog, shortened) while rank 0's
 # engine takes SLOW_S longer to start and to answer each generation; the other ranks must wait on the gloo wait
@@ -67,7 +67,7 @@ def save_shrunk(hf_config: str, layouts, out: str) -> str:
     """The shrunk checkpoint of the architecture of ``hf_config`` (a config.json or its directory) in ``out``."""
     from transformers.utils import logging as hf_logging
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer, save_tiny_hf
+    from megatron_s3ac.models.tiny_models import char_tokenizer, save_tiny_hf
 
     hf_logging.disable_progress_bar()  # a quiet console: the shards are tiny
     path = os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config
@@ -78,7 +78,7 @@ def save_shrunk(hf_config: str, layouts, out: str) -> str:
     if model_type == "qwen3_5_moe":
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        from megatron_s3ac.testing.tiny_qwen3_5 import IMAGE_PROCESSOR, save_tiny_qwen3_5
+        from megatron_s3ac.models.tiny_qwen3_5 import IMAGE_PROCESSOR, save_tiny_qwen3_5
 
         save_tiny_qwen3_5(out, "vl", **kw)  # the vision-language checkpoint, as Intern-S2's
         Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR).save_pretrained(out)
@@ -99,7 +99,7 @@ def prompts_file(path: str, n: int) -> str:
 
 def run_settings(cfg, model_dir: str, tmp: str, dp: int) -> dict:
     """{dotted key: value} the shrunk run changes in the user's config (the module docstring says why each)."""
-    from megatron_s3ac.trainer.config import Placement
+    from megatron_s3ac.config import Placement
 
     separate = Placement(cfg.rollout.placement) == Placement.separate
     return {
@@ -136,7 +136,7 @@ def write_run_config(cfg, settings: dict, path: str) -> str:
 
 
 def _rank(config_path: str, overrides: list, command: str, slow_s: float = 0.0) -> dict:
-    """Rank body (testing.dist.run_distributed): the job's ``command`` under the collective audit; the rank's
+    """Rank body (models.gloo_ranks.run_distributed): the job's ``command`` under the collective audit; the rank's
     output goes to ``<command>.rank<r>.log`` beside the config (the rehearsal's console stays its report)."""
     import sys
 
@@ -151,8 +151,8 @@ def _rank(config_path: str, overrides: list, command: str, slow_s: float = 0.0) 
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     silence_known_warnings()  # as s3ac-train does first: the known library warnings, each justified there
-    from megatron_s3ac.testing.collective_audit import audited
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.audit.collectives import audited
+    from megatron_s3ac.config import load_config
 
     def run():
         cfg = load_config(config_path, overrides)
@@ -175,7 +175,7 @@ def _rank(config_path: str, overrides: list, command: str, slow_s: float = 0.0) 
 
     if not slow_s:
         return audited(run)
-    from megatron_s3ac.testing.dist_timeout import slow_rank0_engine
+    from megatron_s3ac.audit.pg_timeout import slow_rank0_engine
     from megatron_s3ac.trainer import build
 
     with slow_rank0_engine(build, slow_s, slow_s):
@@ -204,8 +204,8 @@ def _tail(path: str, n: int = 8) -> list[str]:
 
 def run_phase(cfg, tmp: str, max_ranks: int, p) -> None:
     """Add to phase ``p`` what the shrunk job did and its defects."""
-    from megatron_s3ac.testing.collective_audit import CollectiveDivergence, check_consistent
-    from megatron_s3ac.trainer.config import layout_of
+    from megatron_s3ac.audit.collectives import CollectiveDivergence, check_consistent
+    from megatron_s3ac.config import layout_of
 
     layouts = [layout_of(cfg.actor_layout)] + ([layout_of(cfg.critic_layout)] if cfg.critic_layout else [])
     world = min_world(layouts, max_ranks)
@@ -218,7 +218,7 @@ def run_phase(cfg, tmp: str, max_ranks: int, p) -> None:
     os.makedirs(tmp, exist_ok=True)
     model_dir = save_shrunk(cfg.model.hf_config, layouts, os.path.join(tmp, "shrunk"))
     config_path = write_run_config(cfg, run_settings(cfg, model_dir, tmp, dp), os.path.join(tmp, "run.yaml"))
-    from megatron_s3ac.trainer.config import Placement
+    from megatron_s3ac.config import Placement
 
     with open(os.path.join(model_dir, "config.json")) as f:
         kind = json.load(f)["model_type"]

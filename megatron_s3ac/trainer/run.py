@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_s3ac.testing import faults
+from megatron_s3ac import faults
 
 
 def train_loop(tr) -> None:

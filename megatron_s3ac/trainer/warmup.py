@@ -12,7 +12,7 @@ import time
 import torch
 
 from megatron_s3ac.trainer.batch import collate, cp_count, next_token_targets, per_token
-from megatron_s3ac.trainer.data import EOS
+from megatron_s3ac.data.prompts import EOS
 from megatron_s3ac.trainer.minibatch import run_minibatches
 
 
@@ -115,13 +115,13 @@ def save_engine_hf(tr, path: str) -> None:
     else:
         tr.engine.model.save_pretrained(path)
     if hasattr(tr.vocab, "chars"):  # the character vocabulary as HF tokenizer files: any HF tool decodes it
-        from megatron_s3ac.trainer.char_tokenizer import save_char_tokenizer
+        from megatron_s3ac.data.char_tokenizer import save_char_tokenizer
 
         save_char_tokenizer(tr.vocab, path)
     elif hasattr(tr.vocab, "save_pretrained"):
         tr.vocab.save_pretrained(path)
     # a vision-language checkpoint's image processor travels with it (s3ac-eval and the data loader read it there)
-    from megatron_s3ac.trainer.config import engine_model_dir
+    from megatron_s3ac.config import engine_model_dir
 
     src = engine_model_dir(tr.cfg)
     pre = os.path.join(src, "preprocessor_config.json") if src else None

@@ -8,7 +8,7 @@ import torch
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.algorithms import registry as R
-from megatron_s3ac.trainer.config import AlgoCfg
+from megatron_s3ac.config import AlgoCfg
 
 torch.manual_seed(0)
 N, T, K = 8, 5, 4

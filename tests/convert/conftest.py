@@ -1,7 +1,7 @@
 """Tiny random HF checkpoints (hub layout) and their converted torch_dist checkpoints, per session."""
 import pytest
 
-from megatron_s3ac.testing.tiny_models import save_tiny_hf
+from megatron_s3ac.models.tiny_models import save_tiny_hf
 from tests.convert._common import convert_all
 
 # name -> (model_type, config overrides)

@@ -4,7 +4,7 @@ import os
 import torch
 
 from megatron_s3ac.convert import mcore_to_hf
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from tests.convert.ranks import export_at
 from tests.convert.test_roundtrip import assert_same_tensors, read_hf
 

@@ -4,7 +4,7 @@ cached export equals a freshly planned one, and the cached export exchanges no m
 (no all_gather_object). TP=2 on 2 gloo ranks, a tiny Qwen3-MoE (row- and column-split tensors)."""
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 
 def _export(model, info, counter):
@@ -22,7 +22,7 @@ def run():
     from megatron_s3ac.models.offload import HostOffload
     from megatron_s3ac.models.parallel import ParallelLayout, initialize_model_parallel
     from megatron_s3ac.models.registry import model_info
-    from megatron_s3ac.testing.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_models import tiny_config
 
     counter = [0]
     orig = dist.all_gather_object

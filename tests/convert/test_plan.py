@@ -1,7 +1,7 @@
 """The plan's checkpoint keys and global shapes are exactly those megatron's actor requests."""
 from megatron_s3ac.convert import build_plan
 from megatron_s3ac.models.registry import model_info
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from tests.convert.ranks import megatron_keys
 
 

@@ -148,7 +148,7 @@ def test_cli_both_directions_import_no_torch(hf_dirs, tmp_path):
 def test_layers_are_stacked_matches_megatron_config(hf_dirs):
     from megatron_s3ac.convert.qwen import layers_are_stacked, layers_are_stacked_by_config
     from megatron_s3ac.models.registry import model_info, supported_model_types
-    from megatron_s3ac.testing.tiny_qwen3_5 import tiny_qwen3_5_config
+    from megatron_s3ac.models.tiny_qwen3_5 import tiny_qwen3_5_config
 
     infos = [model_info(d) for d in hf_dirs.values()]
     infos.append(model_info(tiny_qwen3_5_config("vl").to_dict()))

@@ -5,7 +5,7 @@ import pytest
 
 from checkpoints_convert import main
 from megatron_s3ac.convert import hf_to_mcore
-from megatron_s3ac.testing.tiny_models import save_tiny_hf
+from megatron_s3ac.models.tiny_models import save_tiny_hf
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import time
 
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.tiny_models import char_tokenizer as _char_tokenizer
-from megatron_s3ac.testing.tiny_models import save_tiny_hf
+from megatron_s3ac.models.tiny_models import char_tokenizer as _char_tokenizer
+from megatron_s3ac.models.tiny_models import save_tiny_hf
 
 SLEEP_REWARD = "eval_test_sleep_forever"
 

@@ -5,8 +5,8 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from megatron_s3ac.trainer.char_tokenizer import char_vocab_tokenizer, save_char_tokenizer
-from megatron_s3ac.trainer.data import BOS, EOS, PAD, CharVocab
+from megatron_s3ac.data.char_tokenizer import char_vocab_tokenizer, save_char_tokenizer
+from megatron_s3ac.data.prompts import BOS, EOS, PAD, CharVocab
 
 
 def test_ids_equal_char_vocab(tmp_path):

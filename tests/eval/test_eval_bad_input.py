@@ -32,9 +32,9 @@ CASES = {
 @pytest.fixture(scope="module")
 def demo_like_dir(tmp_path_factory):
     """A tiny model with the CPU demo's tokenizer (WordLevel over its characters, no unknown token)."""
-    from megatron_s3ac.testing.tiny_models import save_tiny_hf
-    from megatron_s3ac.trainer.char_tokenizer import save_char_tokenizer
-    from megatron_s3ac.trainer.data import CharVocab
+    from megatron_s3ac.models.tiny_models import save_tiny_hf
+    from megatron_s3ac.data.char_tokenizer import save_char_tokenizer
+    from megatron_s3ac.data.prompts import CharVocab
 
     d = str(tmp_path_factory.mktemp("demo_like"))
     vocab = CharVocab()

@@ -15,9 +15,9 @@ import torch
 from megatron_s3ac.eval.benchmarks import EvalInputError, load_benchmark
 from megatron_s3ac.eval.cli import main
 from megatron_s3ac.eval.runner import BenchmarkSpec, resolve_reward
-from megatron_s3ac.rollout.rewards import arithmetic_reward
-from megatron_s3ac.trainer.char_tokenizer import save_char_tokenizer
-from megatron_s3ac.trainer.data import EOS, PAD, CharVocab, arithmetic_prompts, tiny_arithmetic_hf_config
+from megatron_s3ac.tasks.arithmetic import arithmetic_reward
+from megatron_s3ac.data.char_tokenizer import save_char_tokenizer
+from megatron_s3ac.data.prompts import EOS, PAD, CharVocab, arithmetic_prompts, tiny_arithmetic_hf_config
 
 N_PROMPTS = 24
 
@@ -201,8 +201,8 @@ def test_demo_export_is_scored_by_the_plain_cli(demo_fitted, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from megatron_s3ac.trainer.config import load_config
-    from megatron_s3ac.trainer.data import Prompt
+    from megatron_s3ac.config import load_config
+    from megatron_s3ac.data.prompts import Prompt
     from megatron_s3ac.trainer.demo import export_eval_inputs
 
     hf, rows, model = demo_fitted

@@ -215,7 +215,7 @@ def test_trainer_evaluation_checks_the_judge_at_start_up(server, key, pool):
     set name the judge lists but the run does not evaluate is refused."""
     from eval_fixtures import EXAMPLES
     from megatron_s3ac.eval.periodic import TrainerEvaluation
-    from megatron_s3ac.trainer.config import EvalCfg, JudgeCfg
+    from megatron_s3ac.config import EvalCfg, JudgeCfg
 
     def build(judge, every=1):
         e = EvalCfg(heldout=False, benchmarks={"minerva": f"{EXAMPLES}/minerva.jsonl"}, judge=judge)

@@ -15,7 +15,8 @@ from megatron_s3ac.eval.rng import preserved_rng_state
 from megatron_s3ac.eval.runner import BenchmarkSpec, batch_seed, evaluate
 from megatron_s3ac.eval.scoring import extract_choice_letter
 from megatron_s3ac.rollout.base import SamplingParams
-from megatron_s3ac.rollout.rewards import arithmetic_reward, math_reward
+from megatron_s3ac.rollout.rewards import math_reward
+from megatron_s3ac.tasks.arithmetic import arithmetic_reward
 
 K = 8
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=1)  # one token: a one-digit sum is right ~1/15
@@ -133,7 +134,7 @@ def test_cpu_demo_setup_matches_the_trainers_count():
     """The demo's own pieces (CharVocab, BOS-prefixed prompt ids, arithmetic reward, an engine
     without a tokenizer): evaluate() agrees with a count done the way the trainer's evaluate does."""
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
-    from megatron_s3ac.trainer.data import CharVocab, arithmetic_prompts, tiny_arithmetic_hf_config
+    from megatron_s3ac.data.prompts import CharVocab, arithmetic_prompts, tiny_arithmetic_hf_config
 
     vocab = CharVocab()
     engine = CPUEngine.from_config(tiny_arithmetic_hf_config(), seed=0)

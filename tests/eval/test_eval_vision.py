@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_s3ac.eval.benchmarks import EvalInputError, load_benchmark
-from megatron_s3ac.trainer.tasks_vision import digit_image
+from megatron_s3ac.tasks.vision import digit_image
 
 
 def _png(a, b):
@@ -71,7 +71,7 @@ def test_layouts(tmp_path):
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory):
-    from megatron_s3ac.trainer.tasks_vision import save_vision_miniature
+    from megatron_s3ac.tasks.vision import save_vision_miniature
 
     return save_vision_miniature(str(tmp_path_factory.mktemp("mini")), num_prompts=2, eval_prompts=2)["model"]
 
@@ -85,7 +85,7 @@ def test_s3ac_eval_on_image_benchmark_equals_hand_scoring(vl_model, tmp_path):
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
     from megatron_s3ac.rollout.rewards import register_reward, registered_rewards
-    from megatron_s3ac.testing.tiny_qwen3_5 import IMAGE_PROCESSOR, VL_TOKENS
+    from megatron_s3ac.models.tiny_qwen3_5 import IMAGE_PROCESSOR, VL_TOKENS
 
     if "vl_test_exact" not in registered_rewards():
         register_reward("vl_test_exact", isolate=False)(lambda r, ref: 1.0 if r == ref else -1.0)

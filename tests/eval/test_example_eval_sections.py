@@ -89,6 +89,6 @@ def test_eval_section_is_the_papers_and_the_example_checks(path, tmp_path, capsy
     for name, p in yaml.safe_load(out.read_text())["eval"]["benchmarks"].items():
         assert as_spec(name, p)[1].items
     from megatron_s3ac.trainer.build import image_eval_sets
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
 
     assert sorted(image_eval_sets(load_config(str(out)))) == sorted(set(MULTIMODAL) & set(ks))

@@ -33,7 +33,7 @@ def dirs(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from megatron_s3ac.convert import hf_to_mcore
-    from megatron_s3ac.testing.tiny_models import save_tiny_hf
+    from megatron_s3ac.models.tiny_models import save_tiny_hf
 
     root = tmp_path_factory.mktemp("fp8")
     f32, bf16, m, fp8 = (str(root / n) for n in ("f32", "bf16", "mcore", "fp8"))

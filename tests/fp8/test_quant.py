@@ -214,7 +214,7 @@ def test_real_qwen3_moe_shapes_are_sglang_loadable():
     SGLang block-shape problem, and the default keep list keeps exactly router/embeddings/lm_head."""
     from megatron_s3ac.convert.plan import build_plan
     from megatron_s3ac.models.registry import model_info
-    from megatron_s3ac.testing.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_models import tiny_config
 
     cfg = tiny_config("qwen3_moe", hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                       moe_intermediate_size=768, intermediate_size=6144, num_experts=8, num_hidden_layers=2,

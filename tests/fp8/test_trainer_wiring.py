@@ -7,7 +7,7 @@ import torch
 
 from megatron_s3ac.algorithms.registry import get_algo
 from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, SCALE_SUFFIX
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.config import ConfigError, load_config
 from megatron_s3ac.trainer.loop import Trainer
 
 
@@ -114,7 +114,7 @@ def test_fp8_rollout_weights_end_to_end_world2(tmp_path):
     """Trainer with rollout.weights_dtype=fp8 on 2 gloo ranks (EP=2): the engine serves the quantized weights
     (train/rollout KL nonzero, where bf16 gives ~0: tests/trainer/test_trainer.py) and the sync sends fp8-sized
     bytes (well under the fp32 weights' bytes; the LM head, embeddings, router and norms stay fp32)."""
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
 
     res = run_distributed(_fp8_step, 2, str(tmp_path))
     m = res[0]["m"]

@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from megatron_s3ac.rollout.engines.sglang.broadcast import WeightBroadcaster
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.testing.rendezvous import (DEBIAN_HOST_ADDR, debian_hosts, namespace_pool, routable_address,
                                               stage_broadcast_address)
 

@@ -4,16 +4,16 @@ At 2c164be ``trainer/build.py`` never passed ``return_routed_experts`` (factory 
 engine of a dense model died at construction (``SGLangEngine`` refuses routes without experts) and MoE runs with
 ``train.r3=off`` paid for a capture they never used. Each case builds the engine exactly as ``Trainer.__init__``
 does (``build.build_engine`` from a paper config, one in-process engine), with ``sglang.Engine`` replaced by the
-start-up stand-in (megatron_s3ac/testing/sglang_startup.py), and checks what the engine was started with.
+start-up stand-in (megatron_s3ac/rollout/engines/sglang/startup_stand_in.py), and checks what the engine was started with.
 """
 import os
 
 import pytest
 
 from megatron_s3ac.rollout import factory
-from megatron_s3ac.testing.sglang_startup import StartupEngine
+from megatron_s3ac.rollout.engines.sglang.startup_stand_in import StartupEngine
 from megatron_s3ac.trainer import build as B
-from megatron_s3ac.trainer.config import load_config, model_info_for
+from megatron_s3ac.config import load_config, model_info_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAPER = os.path.join(ROOT, "examples", "paper")

@@ -9,7 +9,7 @@ barrier. The fix decides the path once per group from its backend (``group_devic
 What CPU can show: every tensor is on the host, so the old rule agrees by luck. The test moves DP rank 0's model to
 the ``meta`` device (the one non-host device a CPU machine has; meta tensors carry shapes, enough to build the
 plan) in place of CUDA: the old code then diverges exactly as on the GPU, and the collective audit
-(``megatron_s3ac.testing.collective_audit``) names the divergence. The same audit runs over the trainer at DP=2
+(``megatron_s3ac.audit.collectives``) names the divergence. The same audit runs over the trainer at DP=2
 (construction with its first sync, one step, another sync): every group's ranks issue the same collectives.
 The device check covering the real thing is ``tools/device_checks/sglang_colocated.py`` with its default flags
 (NCCL, DP > 1), on a GPU.
@@ -18,8 +18,8 @@ import datetime
 
 import pytest
 
-from megatron_s3ac.testing.collective_audit import CollectiveDivergence, Record, audited, check_consistent
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.audit.collectives import CollectiveDivergence, Record, audited, check_consistent
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=4", "rollout.k=2", "rollout.max_new_tokens=3",
          "data.num_prompts=64", "data.eval_prompts=8", "algo.actor_minibatches=2", "algo.critic_minibatches=2",
@@ -36,7 +36,7 @@ def _plan_with_dp_rank0_off_host():
     from megatron_s3ac.models.actor_critic import build_actor, build_transformer_config
     from megatron_s3ac.models.parallel import ParallelLayout, initialize_model_parallel
     from megatron_s3ac.models.registry import model_info
-    from megatron_s3ac.testing.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_models import tiny_config
 
     info = model_info(tiny_config("qwen3").to_dict())
     lay = ParallelLayout()
@@ -70,7 +70,7 @@ def test_export_plan_path_is_the_groups_not_the_first_tensors():
 
 
 def _trainer_dp2(out):
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     def run():

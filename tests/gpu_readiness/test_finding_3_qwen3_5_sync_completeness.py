@@ -12,9 +12,9 @@ import torch
 
 from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine, WeightUpdateError
 from megatron_s3ac.testing.colocated_completeness import add_served_tensors, colocated_sync_once
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.sglang_startup import StartupEngine
-from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.rollout.engines.sglang.startup_stand_in import StartupEngine
+from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5
 
 MTP = {"mtp.fc.weight": torch.zeros(64, 128), "mtp.norm.weight": torch.ones(64),
        "mtp.layers.0.mlp.gate.weight": torch.zeros(8, 64)}

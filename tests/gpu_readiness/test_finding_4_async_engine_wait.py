@@ -11,8 +11,8 @@ As in test_finding_4_rank0_phase_timeout.py: the default group times out after 4
 """
 import pytest
 
-from megatron_s3ac.testing.dist import DistributedTestError
-from megatron_s3ac.testing.dist_timeout import run_with_pg_timeout, slow_rank0_engine
+from megatron_s3ac.models.gloo_ranks import DistributedTestError
+from megatron_s3ac.audit.pg_timeout import run_with_pg_timeout, slow_rank0_engine
 from tests.gpu_readiness.test_finding_4_rank0_phase_timeout import PG_TIMEOUT_S, SLOW_S, SMALL
 
 ASYNC = ["rollout.placement=separate", "actor_layout.ep=2", "train.max_staleness=1", "train.steps=2",
@@ -25,7 +25,7 @@ def _run(out_dir, overrides, generate_s):
     import torch.distributed as dist
 
     from megatron_s3ac.trainer import build
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     cfg = load_config(None, SMALL + ASYNC + overrides + [f"train.out_dir={out_dir}"])

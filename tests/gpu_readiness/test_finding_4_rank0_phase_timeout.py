@@ -7,7 +7,7 @@ given to ``init_process_group`` and megatron's groups, and the other ranks wait 
 group with that deadline (``trainer.rank0``), never inside a collective of the default group.
 
 Gloo honours a process group's timeout as NCCL's watchdog does (a blocked collective raises after it), so CPU
-shows it: the default process group gets a 4 s timeout (``testing.dist_timeout.run_with_pg_timeout``), rank 0's
+shows it: the default process group gets a 4 s timeout (``audit.pg_timeout.run_with_pg_timeout``), rank 0's
 real engine is made slow to start and to generate (``slow_rank0_engine``: 6.5 s each, rollout and evaluation
 alike), and one RL step with a periodic evaluation runs through ``train_loop``: rank 1 must survive every wait.
 On a GPU the NCCL side (its watchdog, the gloo wait group beside an NCCL default group) is the device check
@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from megatron_s3ac.testing.dist import DistributedTestError
-from megatron_s3ac.testing.dist_timeout import run_with_pg_timeout, slow_rank0_engine
+from megatron_s3ac.models.gloo_ranks import DistributedTestError
+from megatron_s3ac.audit.pg_timeout import run_with_pg_timeout, slow_rank0_engine
 
 SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=4", "rollout.k=2", "rollout.max_new_tokens=3",
          "data.num_prompts=64", "data.eval_prompts=8", "algo.actor_minibatches=2", "algo.critic_minibatches=2",
@@ -34,7 +34,7 @@ SLOW_S = 6.5  # each rank-0-only phase takes longer than that
 
 
 def _has_key(key: str) -> bool:
-    from megatron_s3ac.trainer.config import TrainCfg
+    from megatron_s3ac.config import TrainCfg
 
     return key in {f.name for f in dataclasses.fields(TrainCfg)}
 
@@ -43,7 +43,7 @@ def _run(out_dir, overrides, start_s, generate_s):
     import torch.distributed as dist
 
     from megatron_s3ac.trainer import build
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from megatron_s3ac.trainer.run import train_loop
 
@@ -119,7 +119,7 @@ def test_init_distributed_takes_the_timeout():
 def test_dist_timeout_is_validated_when_the_config_loads():
     if not _has_key("dist_timeout_s"):
         pytest.skip("train.dist_timeout_s is not in this version's schema")
-    from megatron_s3ac.trainer.config import ConfigError, load_config
+    from megatron_s3ac.config import ConfigError, load_config
 
     assert load_config(None, SMALL).train.dist_timeout_s == 3600.0
     with pytest.raises(ConfigError, match=r"train.dist_timeout_s=0.0 must be > 0"):

@@ -1,6 +1,6 @@
 """Finding 5: the pipeline's coverage stage with the trainer's engine pool holding every GPU in Ray.
 
-Ray runs with fake GPUs (megatron_s3ac.testing.fake_gpus) and the sglang 0.5.23 stand-in engines ask it for the GPUs
+Ray runs with fake GPUs (megatron_s3ac.rollout.engines.fake_gpus) and the sglang 0.5.23 stand-in engines ask it for the GPUs
 real ones would, so placement is real: the trainer's pool (rollout.placement=separate, one engine of one GPU; a
 cluster of 2 GPUs, one for the trainer) takes the only engine GPU, and a coverage engine can only be placed once that
 pool is closed. Before the fix the coverage pool waited for a GPU the sleeping pool kept (900 s on a cluster; 45 s
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from megatron_s3ac.testing.dist import DistributedTestError, run_distributed
+from megatron_s3ac.models.gloo_ranks import DistributedTestError, run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROLLOUT = os.path.join(os.path.dirname(HERE), "rollout")
@@ -29,8 +29,8 @@ def _hf_dir(path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
-    from megatron_s3ac.trainer.data import ARITH_CHARS, tiny_arithmetic_hf_config
+    from megatron_s3ac.models.tiny_models import char_tokenizer
+    from megatron_s3ac.data.prompts import ARITH_CHARS, tiny_arithmetic_hf_config
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_arithmetic_hf_config()).save_pretrained(path)
@@ -49,8 +49,8 @@ def _coverage_rank(overrides, gpus):
     import megatron_s3ac.rollout.factory as F
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.pool import EnginePool
-    from megatron_s3ac.testing.fake_gpus import free_gpus, stand_ins_request_gpus, start_ray
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.rollout.engines.fake_gpus import free_gpus, stand_ins_request_gpus, start_ray
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.pipeline import Pipeline
 
     F.SGLANG_ENGINE_CLS = fake_sglang.FakeSGLangEngine
@@ -102,7 +102,7 @@ def _waiting_rank(overrides, rank0_delay_s):
     import torch.distributed as dist
 
     import megatron_s3ac.trainer.coverage as C
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.pipeline import Pipeline
 
     cfg = load_config(None, overrides)
@@ -169,7 +169,7 @@ def _wait_in_thread(tmp_path, verdict, timeout_s):
     import threading
 
     import megatron_s3ac.trainer.coverage  # noqa: F401 (imported here, not on the clock: torch takes seconds)
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.pipeline import Pipeline
 
     cfg = load_config(None, BASE + [f"train.out_dir={tmp_path / 'run'}", "rollout.engine=cpu"], check=False)

@@ -17,7 +17,7 @@ no unused memory at the engine's wake (``--stand-in``: its CPU dry run); the KV 
 """
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 CFG = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=4", "rollout.k=2", "rollout.max_new_tokens=4",
        "data.num_prompts=40", "data.eval_prompts=4", "algo.actor_minibatches=1", "algo.critic_minibatches=1",
@@ -32,7 +32,7 @@ def planned_residency(tr):
 
     from megatron_s3ac.plan.memory import Cluster, Workload, estimate
     from megatron_s3ac.plan.preflight import trainer_knobs
-    from megatron_s3ac.trainer.config import layout_of
+    from megatron_s3ac.config import layout_of
 
     cfg = tr.cfg
     actor = layout_of(cfg.actor_layout)
@@ -48,7 +48,7 @@ def planned_residency(tr):
 def _audit(out_dir):
     from megatron_s3ac.rollout.rewards import register_reward
     from megatron_s3ac.testing.residency import ResidencyAudit, snapshot
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     import megatron_s3ac.trainer.build as B
@@ -159,7 +159,7 @@ def test_measured_residency_equals_the_planners(audited):
 def _vpt(over):
     """The pipeline's value pretraining (coverage given) with a spy on what the engine does meanwhile."""
     import megatron_s3ac.trainer.value_pretrain as V
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.pipeline import Pipeline
 
     seen = {}
@@ -184,8 +184,8 @@ def test_value_pretraining_builds_no_third_model_beside_an_awake_engine(tmp_path
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
-    from megatron_s3ac.trainer.data import ARITH_CHARS, tiny_arithmetic_hf_config
+    from megatron_s3ac.models.tiny_models import char_tokenizer
+    from megatron_s3ac.data.prompts import ARITH_CHARS, tiny_arithmetic_hf_config
 
     hf = str(tmp_path / "hf")
     torch.manual_seed(0)

@@ -15,9 +15,9 @@ import os
 import pytest
 
 from megatron_s3ac.testing.device_audit import audit_rank
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_models import tiny_config
-from megatron_s3ac.testing.tiny_qwen3_5 import tiny_qwen3_5_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.models.tiny_models import tiny_config
+from megatron_s3ac.models.tiny_qwen3_5 import tiny_qwen3_5_config
 
 MODELS = ("qwen3_5", "qwen3", "tiny")
 

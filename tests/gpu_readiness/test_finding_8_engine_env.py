@@ -5,7 +5,7 @@ engines only because examples/paper/launch.sh exported it before ``ray start``; 
 Qwen2.5-Math configs (context_length 18432 on a 4,096-position model) failed at engine start. Here a real local Ray
 is started first, the variables are set in the driver afterwards (the raylet never sees them), and an engine pool
 is built as the trainer builds it (``factory.make_engine_factory`` + ``build_rollout_engine``) with the start-up
-stand-in of sglang.Engine (megatron_s3ac/testing/sglang_startup.py: it refuses a longer context unless its own
+stand-in of sglang.Engine (megatron_s3ac/rollout/engines/sglang/startup_stand_in.py: it refuses a longer context unless its own
 process has the variable, like configs/model_config.py:1291-1316). The Ray cases take tens of seconds on a loaded
 2-core box; the in-process engine (one colocated engine) is the fast variant of the configured-context case.
 """
@@ -16,8 +16,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from megatron_s3ac.rollout.factory import SGLangSettings, build_rollout_engine, make_engine_factory  # noqa: E402
-from megatron_s3ac.testing import sglang_startup  # noqa: E402
-from megatron_s3ac.testing.sglang_startup import StartupEngine  # noqa: E402
+from megatron_s3ac.rollout.engines.sglang import startup_stand_in as sglang_startup  # noqa: E402
+from megatron_s3ac.rollout.engines.sglang.startup_stand_in import StartupEngine  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QWEN25 = os.path.join(ROOT, "examples", "hf_configs", "qwen2_5_math_1_5b")  # max_position_embeddings 4096

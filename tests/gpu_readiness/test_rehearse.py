@@ -75,7 +75,7 @@ def test_smallest_world_keeping_the_degrees():
 
 def test_run_phase_names_the_failing_rank_and_where(monkeypatch, tmp_path):
     import megatron_s3ac.trainer.rehearse_run as rr
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.rehearse import Phase
 
     tb = ('Traceback (most recent call last):\n  File "/x/site-packages/torch/a.py", line 1, in f\n'
@@ -102,7 +102,7 @@ def _exit_on_rank_1():
 
 def test_a_rank_dying_without_an_answer_is_named_at_once():
     """A rank killed mid-job (OOM killer, a native crash): named with its exit code, not after the timeout."""
-    from megatron_s3ac.testing.dist import DistributedTestError, run_distributed
+    from megatron_s3ac.models.gloo_ranks import DistributedTestError, run_distributed
 
     with pytest.raises(DistributedTestError, match="rank 1's process exited with code 7 without answering"):
         run_distributed(_exit_on_rank_1, 2, timeout=120.0)

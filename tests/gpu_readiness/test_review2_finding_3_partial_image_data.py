@@ -18,7 +18,7 @@ ROLLOUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def vl_ckpt(tmp_path_factory):
-    from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full
+    from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full
 
     return save_tiny_qwen3_5_vl_full(str(tmp_path_factory.mktemp("vl")))
 
@@ -31,7 +31,7 @@ def test_sglang_continuation_of_an_image_prompt_sees_the_image(vl_ckpt):
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
     from megatron_s3ac.rollout.partial import merge
-    from megatron_s3ac.testing.tiny_qwen3_5 import tiny_image_prompt
+    from megatron_s3ac.models.tiny_qwen3_5 import tiny_image_prompt
 
     eng = SGLangEngine(SGLangConfig(model_path=vl_ckpt, enable_deterministic_inference=True),
                        engine_cls=FakeSGLangEngine)
@@ -99,7 +99,7 @@ def test_cpu_engine_continuation_of_an_image_prompt_sees_the_image(vl_ckpt):
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
     from megatron_s3ac.rollout.partial import merge
-    from megatron_s3ac.testing.tiny_qwen3_5 import tiny_image_prompt
+    from megatron_s3ac.models.tiny_qwen3_5 import tiny_image_prompt
 
     eng = CPUEngine.from_pretrained(vl_ckpt, multimodal=True, tokenizer=None)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, seed=0)

@@ -26,8 +26,8 @@ def test_dp_size_above_one_is_refused_naming_the_key():
 
 
 def test_config_loader_refuses_it(tmp_path):
-    from megatron_s3ac.testing.tiny_models import save_tiny_hf
-    from megatron_s3ac.trainer.config import ConfigError, load_config  # the trainer's own (it names the file)
+    from megatron_s3ac.models.tiny_models import save_tiny_hf
+    from megatron_s3ac.config import ConfigError, load_config  # the trainer's own (it names the file)
 
     d = save_tiny_hf("qwen3", str(tmp_path / "q3"))
     with pytest.raises(ConfigError, match=r"rollout\.vllm\.dp_size: must be 1"):

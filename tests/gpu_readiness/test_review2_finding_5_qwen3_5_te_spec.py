@@ -12,7 +12,7 @@ import pytest
 from megatron_s3ac.models.actor_critic import build_transformer_config
 from megatron_s3ac.models.parallel import ParallelLayout
 from megatron_s3ac.models.registry import get_arch, model_info
-from megatron_s3ac.testing.tiny_qwen3_5 import tiny_qwen3_5_config
+from megatron_s3ac.models.tiny_qwen3_5 import tiny_qwen3_5_config
 
 
 @pytest.fixture()

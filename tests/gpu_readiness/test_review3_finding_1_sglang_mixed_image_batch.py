@@ -41,7 +41,7 @@ def test_text_first_mixed_batch_keeps_each_image_request_preprocessed(tmp_path):
     from megatron_s3ac.models.multimodal import ImageInputs
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine
-    from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
+    from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
 
     eng = SGLangEngine(SGLangConfig(model_path=save_tiny_qwen3_5_vl_full(str(tmp_path)),
                                     enable_deterministic_inference=True), engine_cls=FakeSGLangEngine)

@@ -23,8 +23,8 @@ import os
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_models import tiny_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.models.tiny_models import tiny_config
 
 B, S = 2, 13
 PACK = (5, 8)  # the packed case: two samples in one row, block-diagonal causal mask
@@ -287,7 +287,7 @@ def refs(tmp_path_factory):
 
 def _config(model_type, **overrides):
     if model_type == "qwen3_5_moe":
-        from megatron_s3ac.testing.tiny_qwen3_5 import tiny_qwen3_5_config
+        from megatron_s3ac.models.tiny_qwen3_5 import tiny_qwen3_5_config
 
         return tiny_qwen3_5_config("text", **overrides).to_dict()
     return tiny_config(model_type, **overrides).to_dict()

@@ -4,8 +4,8 @@ import torch
 
 from megatron_s3ac.models.parallel import LayoutError, ParallelLayout
 from megatron_s3ac.models.registry import UnsupportedModelError, model_info
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_models import tiny_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.models.tiny_models import tiny_config
 
 
 def _freeze_step(cfg_dict, tp):

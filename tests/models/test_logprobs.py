@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 V_PAD, V = 128, 96  # the last TP shard at tp=4 is padding only
 

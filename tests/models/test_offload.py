@@ -9,7 +9,7 @@ the parameters of a run that never offloaded.
 """
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 
 def _raw(t):
@@ -24,7 +24,7 @@ def _train(dtype, offload_between):
     from megatron_s3ac.models.parallel import ParallelLayout, initialize_model_parallel
     from megatron_s3ac.models.pipeline import forward_backward
     from megatron_s3ac.models.registry import model_info
-    from megatron_s3ac.testing.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_models import tiny_config
 
     info = model_info(tiny_config("qwen3_moe").to_dict())
     initialize_model_parallel(ParallelLayout(), seed=3)

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_models import tiny_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.models.tiny_models import tiny_config
 
 B, S = 2, 12
 

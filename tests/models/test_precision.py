@@ -12,8 +12,8 @@ the fp32 one (cosine > 0.99).
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_models import save_tiny_hf
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.models.tiny_models import save_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_bf16_close_to_fp32(ckpt):
 
 def test_optimizer_refusals_are_clear():
     """What megatron-core 0.16.1 cannot do on this CPU machine is refused by name (models/optim.py)."""
-    from megatron_s3ac.testing.dist import DistributedTestError
+    from megatron_s3ac.models.gloo_ranks import DistributedTestError
 
     with pytest.raises(DistributedTestError, match="OptimizerUnavailable: optim.cpu_offload needs the model on a CUDA"):
         run_distributed(_refuse, 1, dict(cpu_offload=True))
@@ -121,7 +121,7 @@ def _refuse(kw):
     from megatron_s3ac.models.optim import build_optimizer, wrap_ddp
     from megatron_s3ac.models.parallel import ParallelLayout, initialize_model_parallel
     from megatron_s3ac.models.registry import model_info
-    from megatron_s3ac.testing.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_models import tiny_config
 
     info = model_info(tiny_config("qwen2").to_dict())
     initialize_model_parallel(ParallelLayout())

@@ -12,7 +12,7 @@ differ from native routing (so replay is what makes them equal).
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from tests.r3 import _r3_common as C
 
 SELECTIVE = ["core_attn", "mlp", "moe"]  # layernorm / moe_act need TE (refused: see below)

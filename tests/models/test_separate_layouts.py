@@ -8,8 +8,8 @@ from functools import partial
 
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_models import tiny_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.models.tiny_models import tiny_config
 from tests.models.test_parallel_equivalence import _batch, _loss_fn, read_ckpt, run_layout
 
 

@@ -13,16 +13,16 @@ from megatron_s3ac.models.parallel import ParallelLayout
 from megatron_s3ac.models.registry import model_info
 from megatron_s3ac.plan.measure import measure_activations_many
 from megatron_s3ac.plan.memory import Knobs, activation_bytes, layer_kinds, logits_bytes
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 SEQ = 256
 TOL = 0.30
 
 
 def _models():
-    from megatron_s3ac.testing.tiny_models import tiny_config
-    from megatron_s3ac.testing.tiny_qwen3_5 import WIDE, tiny_qwen3_5_config
-    from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+    from megatron_s3ac.models.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_qwen3_5 import WIDE, tiny_qwen3_5_config
+    from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
 
     return {
         "demo": tiny_arithmetic_hf_config().to_dict(),

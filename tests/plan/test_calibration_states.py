@@ -12,19 +12,19 @@ from megatron_s3ac.models.registry import model_info
 from megatron_s3ac.plan.measure import measure_many
 from megatron_s3ac.plan.memory import Knobs, buffer_numel, model_states
 from megatron_s3ac.plan.params import rank_params
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 WORLD = 4
 
 
 def _demo():
-    from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
+    from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
 
     return tiny_arithmetic_hf_config().to_dict()
 
 
 def _wide_qwen3_5():
-    from megatron_s3ac.testing.tiny_qwen3_5 import WIDE, tiny_qwen3_5_config
+    from megatron_s3ac.models.tiny_qwen3_5 import WIDE, tiny_qwen3_5_config
 
     return tiny_qwen3_5_config("text", **WIDE).to_dict()
 

@@ -11,7 +11,7 @@ from megatron_s3ac.models.parallel import ParallelLayout
 from megatron_s3ac.models.registry import model_info
 from megatron_s3ac.plan.memory import Cluster, Knobs, Workload, estimate
 from megatron_s3ac.plan.params import vision_params
-from megatron_s3ac.testing.tiny_qwen3_5 import tiny_qwen3_5_config, tiny_qwen3_5_model
+from megatron_s3ac.models.tiny_qwen3_5 import tiny_qwen3_5_config, tiny_qwen3_5_model
 
 
 def _cfg():
@@ -118,7 +118,7 @@ def test_vision_activation_equals_measured(dtype, depth, merge):
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
     from megatron_s3ac.plan.memory import vision_activation
-    from megatron_s3ac.testing.tiny_qwen3_5 import VISION
+    from megatron_s3ac.models.tiny_qwen3_5 import VISION
 
     v = dict(VISION, depth=depth, spatial_merge_size=merge, temporal_patch_size=merge)
     tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]

@@ -63,7 +63,7 @@ def test_knobs_come_from_the_trainer_config_keys():
 
 def test_trainer_dataclass_config_gives_the_same_knobs():
     from megatron_s3ac.plan.preflight import trainer_knobs
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
 
     d = {"model": {"tiny": "arithmetic_moe", "dtype": "bf16"}, "train": {"recompute": "full", "offload_idle": True}}
     cfg = load_config(overrides=["model.tiny=arithmetic_moe", "model.dtype=bf16", "train.recompute=full",

@@ -2,7 +2,7 @@
 import pytest
 
 from tests.convert._common import convert_all
-from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5
+from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5
 
 # name -> (variant, expert layout, seed)
 MODELS = {"vl": ("vl", "fused", 0), "text": ("text", "per_expert", 1)}

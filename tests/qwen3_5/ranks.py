@@ -59,7 +59,7 @@ def r3_replay(cfg, mcore_dir, layout, smp):
 
 
 def _trainer_cfg(hf_dir, actor_init, out_dir, tp, ep):
-    from megatron_s3ac.trainer.config import Config, LayoutCfg, ModelCfg, TrainCfg
+    from megatron_s3ac.config import Config, LayoutCfg, ModelCfg, TrainCfg
 
     return Config(model=ModelCfg(hf_config=hf_dir, actor_init=actor_init),
                   actor_layout=LayoutCfg(tp=tp, ep=ep, etp=1 if ep > 1 else None), train=TrainCfg(out_dir=out_dir))
@@ -77,7 +77,7 @@ def carried_through_training(hf_dir, actor_init, out_dir, tp, ep):
     from megatron_s3ac.convert import export_hf_weights
     from megatron_s3ac.trainer import build as B
     from megatron_s3ac.trainer.checkpoint import save_checkpoint
-    from megatron_s3ac.trainer.config import model_info_for
+    from megatron_s3ac.config import model_info_for
 
     cfg = _trainer_cfg(hf_dir, actor_init, out_dir, tp, ep)
     info = model_info_for(cfg)

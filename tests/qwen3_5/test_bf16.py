@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_s3ac.testing.tiny_qwen3_5 import WIDE
+from megatron_s3ac.models.tiny_qwen3_5 import WIDE
 
 S = 96  # > 64: the recurrent state crosses a chunk boundary
 
@@ -27,7 +27,7 @@ S = 96  # > 64: the recurrent state crosses a chunk boundary
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     from megatron_s3ac.convert import hf_to_mcore
-    from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5
+    from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5
 
     root = tmp_path_factory.mktemp("q35_wide")
     hf = save_tiny_qwen3_5(str(root / "hf"), "vl", "fused", seed=0, **WIDE)
@@ -46,7 +46,7 @@ def inputs():
 @pytest.fixture(scope="module")
 def megatron_runs(wide, inputs):
     from megatron_s3ac.models.registry import load_hf_config
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
     from tests.qwen3_5.bf16_ranks import bf16_vs_fp32
 
     (out,) = run_distributed(bf16_vs_fp32, 1, load_hf_config(wide[0]), wide[1], *inputs)

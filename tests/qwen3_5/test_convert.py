@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_s3ac.convert import build_plan, hf_to_mcore, mcore_to_hf
 from megatron_s3ac.models.registry import model_info
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 
 def _tensors(d):

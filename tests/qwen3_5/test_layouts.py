@@ -2,8 +2,8 @@
 group) equal the single-rank run (same harness as tests/models/test_parallel_equivalence.py)."""
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_qwen3_5 import tiny_qwen3_5_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.models.tiny_qwen3_5 import tiny_qwen3_5_config
 from tests.models.test_parallel_equivalence import check_layout, read_ckpt, run_layout
 
 LAYOUTS = {"tp2": (2, dict(tp=2)), "ep2": (2, dict(ep=2)), "pp2_first6": (2, dict(pp=2, first_stage_layers=6))}

@@ -41,7 +41,7 @@ def test_logits_match_transformers(q35_hf, q35_mcore, hf_ref, tokens, name, layo
 
 def test_packed_mask_is_refused(q35_hf):
     from megatron_s3ac.models.registry import load_hf_config
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
     from tests.qwen3_5.ranks import packed_mask_refused
 
     (msg,) = run_distributed(packed_mask_refused, 1, load_hf_config(q35_hf["vl"]))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_s3ac.models.parallel import ParallelLayout
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from tests.r3 import _r3_common as C
 
 LAYOUTS = {"tp1": (1, ParallelLayout()), "tp2_sp": (2, ParallelLayout(tp=2)), "ep2": (2, ParallelLayout(ep=2)),

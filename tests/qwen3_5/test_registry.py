@@ -2,7 +2,7 @@
 import pytest
 
 from megatron_s3ac.models.registry import UnsupportedModelError, model_info
-from megatron_s3ac.testing.tiny_qwen3_5 import tiny_qwen3_5_config
+from megatron_s3ac.models.tiny_qwen3_5 import tiny_qwen3_5_config
 
 PATTERN = [1, 1, 1, 0, 1, 1, 1, 0]
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from megatron_s3ac.convert import build_plan, hf_to_mcore, mcore_to_hf
 from megatron_s3ac.models.registry import model_info
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_qwen3_5 import VL_TOKENS, save_tiny_qwen3_5_vl_full, tiny_image_prompt
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.models.tiny_qwen3_5 import VL_TOKENS, save_tiny_qwen3_5_vl_full, tiny_image_prompt
 from tests.qwen3_5.ranks import carried_through_training
 
 CARRIED = ("model.visual.", "mtp.")
@@ -132,7 +132,7 @@ def test_vl_config_without_carried_vision_writes_text_and_warns(vl_full, tmp_pat
     """A VL config whose checkpoint has no vision tower (an actor trained from a random init): the LM only,
     and a warning naming what is missing."""
     hf = str(tmp_path / "plain")
-    from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5
+    from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5
 
     save_tiny_qwen3_5(hf, "vl")
     src = _tensors(hf)

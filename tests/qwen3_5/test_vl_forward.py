@@ -8,7 +8,7 @@ import torch
 
 from megatron_s3ac.models.multimodal import ImageInputs, concat
 from megatron_s3ac.models.parallel import ParallelLayout
-from megatron_s3ac.testing.tiny_qwen3_5 import VL_TOKENS, save_tiny_qwen3_5_vl_full, tiny_image_prompt
+from megatron_s3ac.models.tiny_qwen3_5 import VL_TOKENS, save_tiny_qwen3_5_vl_full, tiny_image_prompt
 
 S = 56  # padded micro-batch length (a multiple of tp; the longest row has 49 tokens)
 
@@ -70,7 +70,7 @@ LAYOUTS = {"tp1": (1, ParallelLayout()), "tp2_ep2": (4, ParallelLayout(tp=2, ep=
 
 @pytest.mark.parametrize("name", ["tp1", pytest.param("tp2_ep2", marks=pytest.mark.slow)])
 def test_actor_logits_and_critic_values_match_transformers(vl, reference, name):
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
     from tests.qwen3_5.vl_ranks import vl_actor_critic_outputs
 
     hf, mcore = vl
@@ -115,7 +115,7 @@ def test_mrope_positions_equal_transformers_get_rope_index():
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeModel
 
     from megatron_s3ac.models.vision import mrope_positions
-    from megatron_s3ac.testing.tiny_qwen3_5 import TEXT, VISION
+    from megatron_s3ac.models.tiny_qwen3_5 import TEXT, VISION
 
     ids, imgs, lens = _batch()
     # a 2 x 2 spatial merge and a non-square grid too: image 8 x 12 pixels, patch 2 -> grid 1 x 4 x 6
@@ -153,7 +153,7 @@ def test_sampled_image_token_in_a_response_is_text():
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeModel
 
     from megatron_s3ac.models.vision import image_positions, mrope_positions
-    from megatron_s3ac.testing.tiny_qwen3_5 import TEXT, VISION
+    from megatron_s3ac.models.tiny_qwen3_5 import TEXT, VISION
 
     t = VL_TOKENS
     p_ids, p_pix, p_grid = tiny_image_prompt(0, text_before=(5, 6), text_after=(7,))
@@ -233,7 +233,7 @@ def test_trainer_path_with_images(vl, reference, tmp_path, trainable):
     neither optimised nor sent; a trainable one gets the same gradients on both TP ranks, changes, is sent as
     model.visual.* into a multimodal CPU engine (its tower then equals the trainer's) and is what a checkpoint
     writes."""
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
     from tests.qwen3_5.vl_ranks import vl_trainer_path
 
     hf, mcore = vl
@@ -295,7 +295,7 @@ def hf_routes(vl):
 def test_r3_replay_covers_image_tokens_tp2(vl, hf_routes):
     """Replaying the VL model's routes at TP2 (+SP): every router of all 8 layers uses exactly the rollout's
     experts at every position of every row, the image tokens' positions included; log-probs = transformers'."""
-    from megatron_s3ac.testing.dist import run_distributed
+    from megatron_s3ac.models.gloo_ranks import run_distributed
     from tests.qwen3_5.vl_ranks import vl_r3_replay
 
     hf, mcore = vl

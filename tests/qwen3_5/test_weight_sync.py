@@ -11,7 +11,7 @@ fixed sequence equal the trainer's within 1e-5, and the vision weights are untou
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from tests.qwen3_5.sync_ranks import KINDS, vl_sync
 
 TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -67,7 +67,7 @@ def test_engine_accepts_both_text_prefixes():
     """The engine resolves a text tensor under either HF prefix onto whichever class it holds; names
     outside the text model are not rewritten."""
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
-    from megatron_s3ac.testing.tiny_qwen3_5 import tiny_qwen3_5_config
+    from megatron_s3ac.models.tiny_qwen3_5 import tiny_qwen3_5_config
 
     cfg = tiny_qwen3_5_config("vl")
     w = torch.full((8, 64), 0.25)

@@ -63,7 +63,7 @@ def vl_trainer_path(hf_dir, actor_init, out_dir, tp, ep, trainable, samples):
     from megatron_s3ac.models.vision import VISION_ATTR, vision_of
     from megatron_s3ac.trainer import build as B
     from megatron_s3ac.trainer.batch import collate, per_token, next_token_targets
-    from megatron_s3ac.trainer.config import (AlgoCfg, Config, LayoutCfg, ModelCfg, TrainCfg, VisionCfg,
+    from megatron_s3ac.config import (AlgoCfg, Config, LayoutCfg, ModelCfg, TrainCfg, VisionCfg,
                                               model_info_for)
     from megatron_s3ac.trainer.losses import forward_outputs
     from megatron_s3ac.trainer.minibatch import MicroBatcher, forward_only, run_minibatches

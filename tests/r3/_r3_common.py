@@ -11,7 +11,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from megatron_s3ac.testing.tiny_models import tiny_config
+from megatron_s3ac.models.tiny_models import tiny_config
 
 E, K, L = 4, 2, 4
 LENGTHS = [9, 12, 6, 10]  # prompt + response tokens per sample

@@ -5,7 +5,7 @@ from megatron_s3ac.models.actor_critic import build_transformer_config
 from megatron_s3ac.models.parallel import ParallelLayout
 from megatron_s3ac.models.registry import model_info
 from megatron_s3ac.r3.config import R3Config, R3ConfigError, check_replay_config
-from megatron_s3ac.testing.tiny_models import tiny_config
+from megatron_s3ac.models.tiny_models import tiny_config
 
 
 def _info(model_type="qwen3_moe"):

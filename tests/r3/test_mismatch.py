@@ -8,7 +8,7 @@ are the "engine" routes, its log-probs the behaviour log-probs.
 import numpy as np
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from tests.r3 import _r3_common as C
 
 

@@ -5,7 +5,7 @@ flight (1F1B: stage 0 runs F0 F1 B0 B1, so when B0 recomputes, the latest target
 rollout's experts, and they differ from the gradients under native routing (replay matters)."""
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from tests.r3 import _r3_common as C
 
 # through build_transformer_config's own switch: megatron's recompute_granularity="full", recompute_method="uniform", 1 layer

@@ -8,7 +8,7 @@ token that was not replayed (or replayed with another token's row) cannot pass b
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from tests.r3 import _r3_common as C
 
 

@@ -7,7 +7,7 @@ import contextlib
 
 from transformers import Qwen3MoeConfig
 
-from megatron_s3ac.testing.tiny_models import char_tokenizer as _char_tokenizer
+from megatron_s3ac.models.tiny_models import char_tokenizer as _char_tokenizer
 
 CHARS = "0123456789+=abcdefghijklmnopqrstuvwxyz .,"
 

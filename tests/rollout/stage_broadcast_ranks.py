@@ -117,13 +117,13 @@ def trainer_separate_rank(hf_dir, overrides, n_engines):
     import torch.distributed as dist
 
     import megatron_s3ac.trainer.build as B
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from process_engine_pool import TrainerTestPool
 
     from fake_sglang import FakeSGLangEngine
     from megatron_s3ac.rollout.factory import make_engine_factory
-    from megatron_s3ac.trainer.config import engine_model_dir
+    from megatron_s3ac.config import engine_model_dir
 
     def build_engine(cfg, info, **_kw):  # the trainer's own engine factory, each engine in a process of its own
         factory = make_engine_factory("sglang", model_dir=engine_model_dir(cfg), settings=cfg.rollout.sglang,

@@ -8,7 +8,7 @@ stage's leader broadcast exactly its own stage; a sync is one session per engine
 trainer rank and a name the engines do not serve are refused on every rank."""
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from colocated_ranks import colocated_rank, refused_rank
 from test_stage_broadcast import ckpts  # noqa: F401 (fixture: tiny qwen3 / qwen3_moe, HF + torch_dist)
 

@@ -9,7 +9,7 @@ import torch
 from megatron_s3ac.models.multimodal import ImageInputs
 from megatron_s3ac.rollout.base import SamplingParams
 from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
-from megatron_s3ac.testing.tiny_qwen3_5 import VL_TOKENS, save_tiny_qwen3_5_vl_full, tiny_image_prompt
+from megatron_s3ac.models.tiny_qwen3_5 import VL_TOKENS, save_tiny_qwen3_5_vl_full, tiny_image_prompt
 from vl_reference import reference as _reference
 
 IMG = VL_TOKENS["image_token_id"]
@@ -123,7 +123,7 @@ def test_continuation_of_an_image_prompt_is_refused(tmp_path):
     images, so the multimodal engine refuses it, naming the cause; a text prefix on the same engine is served."""
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
-    from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
+    from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
 
     engine = CPUEngine.from_pretrained(save_tiny_qwen3_5_vl_full(str(tmp_path / "vl")), multimodal=True,
                                        tokenizer=None)

@@ -415,8 +415,8 @@ def sync_rank_remote(hf_dir, ckpt_dir, tokens):
 @pytest.mark.slow
 def test_sync_weights_into_remote_engine(tmp_path):
     from megatron_s3ac.convert import hf_to_mcore
-    from megatron_s3ac.testing.dist import run_distributed
-    from megatron_s3ac.testing.tiny_models import save_tiny_hf
+    from megatron_s3ac.models.gloo_ranks import run_distributed
+    from megatron_s3ac.models.tiny_models import save_tiny_hf
 
     hf = save_tiny_hf("qwen3", str(tmp_path / "hf"), seed=10)
     mc = str(tmp_path / "mcore")

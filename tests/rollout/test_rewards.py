@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from megatron_s3ac.rollout.rewards import (
-    RewardPool, arithmetic_reference, arithmetic_reward, extract_last_boxed, get_reward, math_reward,
-    register_reward, registered_rewards, score_answers,
+    RewardPool, extract_last_boxed, get_reward, math_reward, register_reward, registered_rewards, score_answers,
 )
+from megatron_s3ac.tasks.arithmetic import arithmetic_reference, arithmetic_reward
 
 TIMEOUT_S = 3.0
 

@@ -6,7 +6,7 @@ reports ``EngineDied``; the loop rebuilds the pool, re-syncs it with the actor's
 the run completes with the restart counted, and the rebuilt engine's tensors equal the trainer's export."""
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from test_sglang_trainer import BASE, arith_dir, sglang_overrides  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow  # Ray + an engine actor + 3 RL steps + a rebuilt actor: minutes on 2 busy cores
@@ -18,7 +18,7 @@ def _sglang_killed_run(hf_dir, overrides):
     import fake_sglang
     import rollout_fixtures
     import megatron_s3ac.rollout.factory as F
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from stage_broadcast_ranks import _export
 

@@ -15,8 +15,8 @@ def dense_layer_dir(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
-    from megatron_s3ac.trainer.data import ARITH_CHARS, tiny_arithmetic_hf_config
+    from megatron_s3ac.models.tiny_models import char_tokenizer
+    from megatron_s3ac.data.prompts import ARITH_CHARS, tiny_arithmetic_hf_config
 
     path = str(tmp_path_factory.mktemp("dense_layer_hf"))
     hf = tiny_arithmetic_hf_config()

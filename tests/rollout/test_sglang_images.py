@@ -7,7 +7,7 @@ import pytest
 from megatron_s3ac.models.multimodal import ImageInputs
 from megatron_s3ac.rollout.base import SamplingParams
 from megatron_s3ac.rollout.engines.sglang.engine import SGLangConfig, SGLangEngine, processor_output
-from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
+from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
 
 from fake_sglang import FakeSGLangEngine
 from vl_reference import reference

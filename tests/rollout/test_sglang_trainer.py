@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import ConfigError, load_config, validate
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import ConfigError, load_config, validate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASE = ["rollout.prompts_per_step=4", "rollout.k=4", "rollout.max_new_tokens=4", "data.num_prompts=200",
@@ -26,8 +26,8 @@ def arith_dir(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
-    from megatron_s3ac.trainer.data import ARITH_CHARS, tiny_arithmetic_hf_config
+    from megatron_s3ac.models.tiny_models import char_tokenizer
+    from megatron_s3ac.data.prompts import ARITH_CHARS, tiny_arithmetic_hf_config
 
     path = str(tmp_path_factory.mktemp("arith_hf"))
     torch.manual_seed(0)
@@ -222,7 +222,7 @@ def _vl_with_sglang(paths, mcore, out_dir, trainable):
 @pytest.fixture(scope="module")
 def vl_miniature(tmp_path_factory):
     from megatron_s3ac.convert import hf_to_mcore
-    from megatron_s3ac.trainer.tasks_vision import save_vision_miniature
+    from megatron_s3ac.tasks.vision import save_vision_miniature
 
     root = tmp_path_factory.mktemp("sglang_vl")
     paths = save_vision_miniature(str(root / "data"), num_prompts=8, eval_prompts=2)

@@ -4,7 +4,7 @@ stand-in's receiving side, each engine in its own process), and after the initia
 engine's tensors equal the trainer's export exactly."""
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from stage_broadcast_ranks import trainer_separate_rank
 from test_sglang_trainer import BASE, arith_dir, sglang_overrides  # noqa: F401 (fixture)
 

@@ -6,8 +6,8 @@ ranks send, neither relays the other's bytes); with EP=2 the experts of rank 1 r
 stage leader only."""
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_models import save_tiny_hf
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.models.tiny_models import save_tiny_hf
 from stage_broadcast_ranks import refused_rank, stage_broadcast_rank
 
 pytestmark = pytest.mark.slow  # 2 ranks + engine processes each: ~15 s quiet, ~60 s on 2 busy cores

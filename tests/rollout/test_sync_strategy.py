@@ -12,7 +12,7 @@ from megatron_s3ac.rollout.engines.sglang.broadcast import SGLangBroadcastSync
 from megatron_s3ac.rollout.engines.sglang.colocated import SGLangColocatedSync
 from megatron_s3ac.rollout.factory import ConfigError, SGLangSettings, make_engine_factory, make_sync_strategy
 from megatron_s3ac.rollout.sync.weight_sync import ColocatedRankZeroSync, RankZeroSync
-from megatron_s3ac.trainer.config import EngineKind, Placement, load_config
+from megatron_s3ac.config import EngineKind, Placement, load_config
 from megatron_s3ac.trainer.engine_side import EngineSide, sync_strategy_for
 
 

@@ -8,7 +8,7 @@ import pytest
 from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError
 from megatron_s3ac.rollout.factory import make_engine_factory, validate_rollout_engine
 from megatron_s3ac.rollout.engines.vllm.settings import DEFAULT_VENV, VLLMSettings, engine_python, validate_vllm_settings
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.config import ConfigError, load_config
 from vllm_fixtures import save_tiny_qwen3, tiny_qwen3_config
 
 

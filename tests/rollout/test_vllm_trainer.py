@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from vllm_fixtures import require_vllm, save_tiny_qwen3, tiny_qwen3_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,8 +22,8 @@ FIXED = [[3, 4, 5, 13, 6, 7, 14, 8], [4, 4, 13, 9, 14, 10, 1]]
 
 def dense_arith_dir(path):
     """A dense Qwen3 over the arithmetic task's character vocabulary, saved with its tokenizer."""
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
-    from megatron_s3ac.trainer.data import ARITH_CHARS, BOS, EOS, PAD, CharVocab
+    from megatron_s3ac.models.tiny_models import char_tokenizer
+    from megatron_s3ac.data.prompts import ARITH_CHARS, BOS, EOS, PAD, CharVocab
 
     cfg = tiny_qwen3_config(vocab_size=CharVocab().size, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD,
                             max_position_embeddings=64, num_key_value_heads=2)
@@ -37,7 +37,7 @@ def three_steps(path, out_dir, dtype, extra=(), steps=3):
 
     sys.path.insert(0, HERE)
     from megatron_s3ac.convert.export import export_hf_weights
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from vllm_fixtures import hf_model, teacher_forced
 

@@ -5,7 +5,7 @@ the engine still follows every sync (its gap to the trainer stays at bf16 size).
 import numpy as np
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from test_vllm_trainer import dense_arith_dir, three_steps
 from vllm_fixtures import require_vllm
 

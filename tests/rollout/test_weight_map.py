@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine, _WeightMap
-from megatron_s3ac.testing.tiny_models import tiny_hf_model
+from megatron_s3ac.models.tiny_models import tiny_hf_model
 
 
 def _positions(wm, name):

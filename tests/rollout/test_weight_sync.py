@@ -8,8 +8,8 @@ equal the trainer's (``vocab_parallel_log_probs``) within 1e-5 in fp32, and diff
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.testing.tiny_models import save_tiny_hf
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.models.tiny_models import save_tiny_hf
 from weight_sync_ranks import sync_rank
 
 TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))

@@ -1,7 +1,7 @@
 """The independent reference of the image-prompt engine tests: transformers' VL forward, teacher-forced."""
 import torch
 
-from megatron_s3ac.testing.tiny_qwen3_5 import VL_TOKENS
+from megatron_s3ac.models.tiny_qwen3_5 import VL_TOKENS
 
 IMG = VL_TOKENS["image_token_id"]
 

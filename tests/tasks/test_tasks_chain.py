@@ -2,10 +2,10 @@
 generated sets are reproducible, disjoint from the held-out split and within the declared lengths."""
 import pytest
 
-from megatron_s3ac.rollout.rewards.chain import chain_answer, chain_reward, first_error
+from megatron_s3ac.tasks.chain import chain_answer, chain_reward, first_error
 from megatron_s3ac.rollout.rewards import get_reward
-from megatron_s3ac.trainer.data import BOS, CharVocab
-from megatron_s3ac.trainer.tasks_chain import CHAIN_CHARS, KINDS, ChainSpec, chain_prompts, chain_vocab, \
+from megatron_s3ac.data.prompts import BOS, CharVocab
+from megatron_s3ac.tasks.chain import CHAIN_CHARS, KINDS, ChainSpec, chain_prompts, chain_vocab, \
     tiny_chain_hf_config
 
 

@@ -4,11 +4,11 @@ import collections
 
 import pytest
 
-from megatron_s3ac.rollout.rewards.multistep import (multistep_reference, multistep_reward, parse_prompt,
+from megatron_s3ac.tasks.multistep import (multistep_reference, multistep_reward, parse_prompt,
                                                     step_accuracy)
 from megatron_s3ac.rollout.rewards import get_reward
-from megatron_s3ac.trainer.data import BOS, CharVocab
-from megatron_s3ac.trainer.tasks_multistep import (MULTISTEP_CHARS, MultistepSpec, multistep_prompts, multistep_vocab,
+from megatron_s3ac.data.prompts import BOS, CharVocab
+from megatron_s3ac.tasks.multistep import (MULTISTEP_CHARS, MultistepSpec, multistep_prompts, multistep_vocab,
                                                    prompt_difficulty, tiny_multistep_hf_config)
 
 

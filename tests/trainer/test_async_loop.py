@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.async_loop import busy_seconds, staleness_metrics
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.config import ConfigError, load_config
 from tests.trainer.test_trainer import SMALL, capture_batches
 
 SEP = ["rollout.placement=separate", "actor_layout.ep=2", "train.eval_every=0"]
@@ -250,9 +250,9 @@ def test_async_submission_passes_the_prompts_images(tmp_path):
 
     from megatron_s3ac.models.multimodal import ImageInputs
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
-    from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
+    from megatron_s3ac.data.prompts import Prompt
+    from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
     from megatron_s3ac.trainer.async_loop import AsyncSource, Submitted
-    from megatron_s3ac.trainer.data import Prompt
     from megatron_s3ac.trainer.rollout_phases import RolloutPhases
 
     engine = CPUEngine.from_pretrained(save_tiny_qwen3_5_vl_full(str(tmp_path / "vl")), multimodal=True,
@@ -311,7 +311,7 @@ def test_engine_killed_during_a_refill_round_world2(tmp_path):
 
 def test_engine_that_keeps_dying_is_a_clear_error_world2(tmp_path):
     """rollout.max_engine_restarts=0: the first death ends the run with an error naming the bound and the cause."""
-    from megatron_s3ac.testing.dist import DistributedTestError
+    from megatron_s3ac.models.gloo_ranks import DistributedTestError
 
     with pytest.raises(DistributedTestError, match=r"(?s)the rollout engine died 1 times in step 1 "
                                                    r"\(rollout.max_engine_restarts=0\); last: RemoteEngineDied "

@@ -4,10 +4,10 @@ decode slowed (testing seam S3AC_TESTING_DECODE_DELAY) so that every weight sync
 the batch is interrupted, resumed on the new weights, and trained with per-token versions within the bounds."""
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.async_loop import staleness_metrics
 from megatron_s3ac.trainer.async_partial import versions_metrics
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.config import ConfigError, load_config
 from tests.trainer.test_trainer import SMALL
 
 SEP = ["rollout.placement=separate", "actor_layout.ep=2", "train.eval_every=0"]

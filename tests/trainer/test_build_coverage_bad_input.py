@@ -19,9 +19,9 @@ GOOD_ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+3=", "answer": "5"
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     """A tiny model with the CPU demo's tokenizer (WordLevel over its characters, no unknown token)."""
-    from megatron_s3ac.testing.tiny_models import save_tiny_hf
-    from megatron_s3ac.trainer.char_tokenizer import save_char_tokenizer
-    from megatron_s3ac.trainer.data import CharVocab
+    from megatron_s3ac.models.tiny_models import save_tiny_hf
+    from megatron_s3ac.data.char_tokenizer import save_char_tokenizer
+    from megatron_s3ac.data.prompts import CharVocab
 
     d = str(tmp_path_factory.mktemp("policy"))
     vocab = CharVocab()
@@ -131,7 +131,7 @@ def test_bad_input_exits_2_naming_the_file_and_writes_nothing(case, policy, tmp_
 def test_a_failure_mid_run_leaves_no_partial_file(policy, tmp_path):
     """The first policy's rows are in cov.jsonl.tmp when the second one fails: the .tmp is removed too."""
     from megatron_s3ac.trainer.coverage import CoverageSettings, generate_coverage
-    from megatron_s3ac.trainer.data import Prompt
+    from megatron_s3ac.data.prompts import Prompt
 
     calls = []
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 
 SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=8", "rollout.k=4", "rollout.max_new_tokens=4",
          "data.num_prompts=200", "data.eval_prompts=16", "algo.actor_minibatches=2", "algo.critic_minibatches=2",
@@ -77,7 +77,7 @@ def full_moments(tr, name: str) -> dict:
 
 def _save_side(out_dir):
     from megatron_s3ac.trainer.checkpoint import read_meta, save_checkpoint
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     cfg = load_config(None, SMALL + ["actor_layout.ep=2", f"train.out_dir={out_dir}/fresh"])
@@ -108,7 +108,7 @@ def _save_side(out_dir):
 
 def _load_side(saved):
     from megatron_s3ac.trainer.checkpoint import CheckpointLayoutError, load_checkpoint
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     cfg = load_config(None, SMALL + ["actor_layout.ep=1", f"train.out_dir={os.path.dirname(saved['dist'])}/../../b"])

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import load_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 NEW = 3
@@ -21,7 +21,7 @@ NEW = 3
 
 @pytest.fixture(scope="module")
 def miniature(tmp_path_factory):
-    from megatron_s3ac.trainer.tasks_vision import save_vision_miniature
+    from megatron_s3ac.tasks.vision import save_vision_miniature
 
     root = tmp_path_factory.mktemp("coverage_images")
     return save_vision_miniature(str(root / "data"), num_prompts=6, eval_prompts=2), root
@@ -30,7 +30,7 @@ def miniature(tmp_path_factory):
 def _prompts(model_dir, path):
     from transformers import AutoTokenizer
 
-    from megatron_s3ac.trainer.data import VisionProcessor, load_math_prompts
+    from megatron_s3ac.data.prompts import VisionProcessor, load_math_prompts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts, _ = load_math_prompts(path, tok, 64, apply_chat_template=False,
@@ -41,7 +41,7 @@ def _prompts(model_dir, path):
 def test_coverage_rows_of_image_prompts_match_transformers_greedy_and_name_their_prompt(miniature):
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from megatron_s3ac.testing.tiny_qwen3_5 import VL_TOKENS
+    from megatron_s3ac.models.tiny_qwen3_5 import VL_TOKENS
     from megatron_s3ac.trainer.coverage import CoverageSettings, generate_coverage
 
     paths, root = miniature

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.trainer.data import EOS, CharVocab, arithmetic_prompts, tiny_arithmetic_hf_config
+from megatron_s3ac.data.prompts import EOS, CharVocab, arithmetic_prompts, tiny_arithmetic_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "examples", "cpu_demo.yaml")
@@ -28,7 +28,7 @@ def policies(tmp_path_factory):
     """Two random demo-architecture policies saved as the pipeline's warm-up saves its snapshots."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_s3ac.trainer.char_tokenizer import save_char_tokenizer
+    from megatron_s3ac.data.char_tokenizer import save_char_tokenizer
 
     out = []
     for seed in (0, 1):

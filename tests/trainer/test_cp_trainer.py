@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from tests.trainer.test_checkpoint_layouts import SMALL as CKPT_SMALL
 from tests.trainer.test_checkpoint_layouts import full_moments
 from tests.trainer.test_trainer import ROOT, _r3, _torchrun
@@ -36,7 +36,7 @@ def _weights(tr):
 
 def _save_cp2(out_dir):
     from megatron_s3ac.trainer.checkpoint import save_checkpoint
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     tr = Trainer(load_config(None, CKPT_SMALL + ["actor_layout.ep=2"] + CP2 + [f"train.out_dir={out_dir}"]))
@@ -48,7 +48,7 @@ def _save_cp2(out_dir):
 
 def _load_cp1(path, out_dir):
     from megatron_s3ac.trainer.checkpoint import load_checkpoint
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     tr = Trainer(load_config(None, CKPT_SMALL + ["actor_layout.ep=2", f"train.out_dir={out_dir}"]))

@@ -10,8 +10,8 @@ from megatron_s3ac.eval.benchmarks import load_benchmark
 from megatron_s3ac.rollout.base import SamplingParams
 from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 from megatron_s3ac.trainer.build import build_data
-from megatron_s3ac.trainer.config import load_config
-from megatron_s3ac.trainer.tasks_vision import save_vision_miniature
+from megatron_s3ac.config import load_config
+from megatron_s3ac.tasks.vision import save_vision_miniature
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -20,7 +20,7 @@ def test_demo_config_data_and_engine(tmp_path):
     from transformers import AutoTokenizer
 
     from megatron_s3ac.eval.benchmarks import prompt_inputs
-    from megatron_s3ac.trainer.data import VisionProcessor
+    from megatron_s3ac.data.prompts import VisionProcessor
 
     paths = save_vision_miniature(str(tmp_path / "data"), num_prompts=8, eval_prompts=4, convert=True, task="read_noisy")
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"),

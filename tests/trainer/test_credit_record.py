@@ -11,8 +11,8 @@ from collections import defaultdict
 import pytest
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import ConfigError, load_config
 
 COIN = "test_credit_coin"
 BASE = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=4", "rollout.k=4", "rollout.max_new_tokens=4",

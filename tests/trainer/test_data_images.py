@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from megatron_s3ac.testing.tiny_qwen3_5 import IMAGE_PROCESSOR, VL_TOKENS, save_tiny_qwen3_5
-from megatron_s3ac.trainer.data import CharVocab, VisionProcessor, load_math_prompts
-from megatron_s3ac.trainer.tasks_vision import digit_image, digit_pairs, save_vision_miniature, write_vision_set
+from megatron_s3ac.models.tiny_qwen3_5 import IMAGE_PROCESSOR, VL_TOKENS, save_tiny_qwen3_5
+from megatron_s3ac.data.prompts import CharVocab, VisionProcessor, load_math_prompts
+from megatron_s3ac.tasks.vision import digit_image, digit_pairs, save_vision_miniature, write_vision_set
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_read_task_split_and_drawings(tmp_path):
     the scale-1 one with every pixel a 2 x 2 block; the original sum drawings unchanged (two 8 x 8 cells)."""
     import numpy as np
 
-    from megatron_s3ac.trainer.tasks_vision import VISION_TASKS, VisionTask, draw_digits, task_split
+    from megatron_s3ac.tasks.vision import VISION_TASKS, VisionTask, draw_digits, task_split
 
     read = VISION_TASKS["read"]
     assert len(read.pictures()) == 10 * 12
@@ -127,7 +127,7 @@ def test_read_noisy_variants(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from megatron_s3ac.trainer.tasks_vision import VISION_TASKS, draw_digits, task_split
+    from megatron_s3ac.tasks.vision import VISION_TASKS, draw_digits, task_split
 
     t = VISION_TASKS["read_noisy"]
     assert t.noise == 96 and t.digits == 1

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import ConfigError, load_config
 from tests.trainer.test_trainer import SMALL
 
 
@@ -28,7 +28,7 @@ def test_config_errors(overrides, msg):
 
 def test_config_keys_reach_the_builders():
     from megatron_s3ac.trainer.build import _config_kw, _optim_kw, model_dtype
-    from megatron_s3ac.trainer.config import layout_of
+    from megatron_s3ac.config import layout_of
 
     cfg = load_config(None, SMALL + ["model.dtype=bf16", "train.recompute=full", "train.recompute_num_layers=2",
                                      "optim.critic.cpu_offload=true", "optim.critic.offload_fraction=0.5",

@@ -1,6 +1,6 @@
-"""The package's module import graph (every ``import``, module-level or inside a function, read with
-ast) is acyclic and no module imports a higher floor (README: algorithms <- models <- convert <-
-rollout <- r3 <- trainer, eval <- CLIs)."""
+"""The package's module import graph (every ``import``, module-level or inside a function, read with ast) is
+acyclic, every folder has a floor and no module imports a higher floor: a folder imports only its own floor and the
+floors below it (README "Layout"), whatever the import's place (module level, a function, ``TYPE_CHECKING``)."""
 import ast
 import graphlib
 import os
@@ -9,18 +9,21 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = "megatron_s3ac"
-# floor of each subpackage (or top-level module); an import may go to the same or a lower floor.
-# testing/ holds tiny models and launch helpers next to models/ (used by convert.verify and tests).
-# console (warning filters, pure python) sits at the bottom so every CLI and library module may use it.
-FLOORS = {"algorithms": 0, "console": 0, "models": 1, "testing": 1, "convert": 2, "rollout": 3, "r3": 4,
-          "eval": 5, "trainer": 5, "plan": 5, "": 6, "env": 5}
-# testing/'s library, used by package code, each module at the floor of what it imports: tiny models, the rank
-# launcher, fault points and the audits ``s3ac-train rehearse`` runs (collectives, fake Ray GPUs: floor 1; SGLang's
-# start-up stand-in and the rank-0 wait harness read rollout/: floor 3). Every other testing module is a test
-# harness (device audits, engine stand-ins) that drives the trainer: the top floor, so it may import anything and no
-# package module may import it.
-TESTING_LIBRARY = {"dist": 1, "faults": 1, "tiny_models": 1, "tiny_qwen3_5": 1, "collective_audit": 1,
-                   "fake_gpus": 1, "sglang_startup": 3, "dist_timeout": 3}
+# The floor of each folder of the package (or module at its root): an import may go to the same or a lower floor.
+# No exceptions: a module lives in the folder whose floor fits what it imports and what imports it.
+FLOORS = {
+    "algorithms": 0, "console": 0, "faults": 0,  # pure torch; warning filters; the crash tests' fault points
+    "models": 1,  # megatron-core models, layouts, the CPU shim, the gloo rank launcher, tiny models
+    "data": 2,  # prompt sets, images, character tokenizers
+    "convert": 3,  # HF <-> Megatron plans
+    "tasks": 4,  # the toy tasks: prompts + reward of each (rollout.rewards registers the rewards)
+    "rollout": 5,  # engines, weight sync, the reward registry and pool
+    "r3": 6, "audit": 6,  # routing replay; the audits s3ac-train rehearse runs (collectives, pg timeout)
+    "config": 7,  # the run's schema (reads the engine, algorithm and reward registries)
+    "eval": 8, "plan": 8, "env": 8,  # evaluation, the memory planner, the version check: below the trainer
+    "trainer": 9,
+    "testing": 10, "": 10,  # test harnesses (drive the trainer; no package module imports them); the package root
+}
 
 
 def _modules() -> dict[str, str]:
@@ -56,14 +59,23 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def _floor(module: str) -> int:
+def _folder(module: str) -> str:
+    """The folder (or root module) a module lives in: ``megatron_s3ac.trainer.loop`` -> ``trainer``, the package
+    root -> ``""``."""
     parts = module.split(".")
-    key = parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FLOORS) else ""
-    if key == "testing" and len(parts) > 2:
-        return TESTING_LIBRARY.get(parts[2], FLOORS[""])
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _floor(module: str) -> int:
+    key = _folder(module)
     if key not in FLOORS:
-        pytest.fail(f"{module}: package {key!r} has no floor in FLOORS; add it")
+        pytest.fail(f"{module}: folder {key!r} has no floor in FLOORS; add it")
     return FLOORS[key]
+
+
+def test_every_folder_has_a_floor():
+    """FLOORS names exactly the package's folders and root modules (a moved folder leaves no stale floor)."""
+    assert {_folder(m) for m in import_graph()} == set(FLOORS)
 
 
 def test_graph_sees_known_edges():
@@ -89,6 +101,28 @@ def test_cycle_detection_works():
 def test_no_import_from_a_higher_floor():
     up = sorted(f"{m} (floor {_floor(m)}) imports {t} (floor {_floor(t)})"
                 for m, ts in import_graph().items() for t in ts if _floor(t) > _floor(m))
+    assert not up, "\n".join(up)
+
+
+def test_no_folders_import_each_other():
+    """The folder graph is acyclic too: no two folders import each other, even on one floor (trainer, eval and
+    plan once did, through imports inside functions)."""
+    folders: dict[str, set[str]] = {}
+    for m, ts in import_graph().items():
+        folders.setdefault(_folder(m), set()).update(_folder(t) for t in ts if _folder(t) != _folder(m))
+    pairs = sorted(f"{a} <-> {b}" for a, bs in folders.items() for b in bs if a < b and a in folders.get(b, ()))
+    assert not pairs, "folders importing each other: " + ", ".join(pairs)
+    try:
+        list(graphlib.TopologicalSorter(folders).static_order())
+    except graphlib.CycleError as e:
+        pytest.fail(f"folder cycle: {' -> '.join(e.args[1])}")
+
+
+def test_no_package_module_imports_testing():
+    """testing/ holds test harnesses only: the package's own code imports none of it (its fault points, rank
+    launcher, tiny models and the rehearse audits live in production folders)."""
+    up = sorted(f"{m} imports {t}" for m, ts in import_graph().items() if _folder(m) != "testing"
+                for t in ts if _folder(t) == "testing")
     assert not up, "\n".join(up)
 
 

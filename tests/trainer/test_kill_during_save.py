@@ -2,7 +2,7 @@
 
 A real 2-rank ``torchrun ... cli train`` run writes complete checkpoints at steps 1 and 2; during the
 save of step 3 (actor written, critic / optimizer / trainer state not yet) every rank pauses through the
-``S3AC_TESTING_SAVE_PAUSE`` hook (``megatron_s3ac.testing.faults``), and the test SIGKILLs torchrun's process
+``S3AC_TESTING_SAVE_PAUSE`` hook (``megatron_s3ac.faults``), and the test SIGKILLs torchrun's process
 group and each rank's (torch elastic gives every worker its own session). Then: the latest checkpoint
 is step 2, the stale ``step_000003.tmp`` is removed by the next save (none of its files reach the
 published dir), the resumed run finishes, and its metrics equal an uninterrupted run's with the same

@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.batch import collate, micro_batches, pack_rows, per_token
-from megatron_s3ac.trainer.config import load_config
+from megatron_s3ac.config import load_config
 from tests.trainer.test_trainer import SMALL, capture_batches
 
 BASE = SMALL + ["algo.dynamic_sampling=false", "daps.enabled=false", "train.eval_every=0"]

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import load_config
 from tests.trainer.test_trainer import SMALL
 
 

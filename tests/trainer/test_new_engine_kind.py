@@ -9,8 +9,8 @@ from megatron_s3ac.rollout.engines.registry import EngineRequest, EngineSpec, re
 from megatron_s3ac.rollout.errors import ConfigError, EngineSettings
 from megatron_s3ac.rollout.sync.strategy import register_weight_sync
 from megatron_s3ac.rollout.sync.weight_sync import ColocatedRankZeroSync
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import ConfigError as TrainerConfigError, load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import ConfigError as TrainerConfigError, load_config
 
 SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=8", "rollout.k=4", "rollout.max_new_tokens=4",
          "data.num_prompts=200", "data.eval_prompts=16", "algo.actor_minibatches=4", "algo.critic_minibatches=4",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.config import ConfigError, load_config
 from megatron_s3ac.trainer.pipeline import (
     STAGES, StageMismatch, fresh_critic_warning, pipeline_errors, planned_stages, read_done, stage_dirs,
     stage_fingerprint, stage_keys, stage_values, write_done,
@@ -203,7 +203,7 @@ def test_paper_examples_never_start_s3ac_from_a_fresh_head(path):
 
 
 def test_stage_fault_seam():
-    code = ("from megatron_s3ac.testing import faults; faults.in_stage('warmup'); print('past warmup', flush=True); "
+    code = ("from megatron_s3ac import faults; faults.in_stage('warmup'); print('past warmup', flush=True); "
             "faults.after_step(0); print('past step 0', flush=True); faults.after_step(1); print('past 1')")
     env = {k: v for k, v in os.environ.items() if not k.startswith("S3AC_TESTING")}
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,

@@ -8,10 +8,10 @@ requests byte-identical with the key on and off.
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.batch import collate, micro_batches, per_token
-from megatron_s3ac.trainer.config import load_config
-from megatron_s3ac.trainer.data import CharVocab
+from megatron_s3ac.config import load_config
+from megatron_s3ac.data.prompts import CharVocab
 from megatron_s3ac.trainer.privileged import PrivilegedBlocks, block_text, critic_view
 from tests.trainer.test_layouts_packing import _whole
 from tests.trainer.test_trainer import SMALL, capture_batches
@@ -133,7 +133,7 @@ def test_actor_and_engine_never_see_the_block(tmp_path):
     for a, b in zip(on["actor"], off["actor"]):
         assert torch.equal(a, b)
     # the critic's rows: the actor's prompt, the reference + "=" (CharVocab ids), the actor's response
-    from megatron_s3ac.trainer.data import CharVocab
+    from megatron_s3ac.data.prompts import CharVocab
 
     actor, crit = on["actor"][0], on["critic"][0]
     for i, (pid, P, R) in enumerate(zip(on["pid"].tolist(), on["prompt_len"].tolist(), on["resp_len"].tolist())):

@@ -9,8 +9,8 @@ import torch
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import ConfigError, load_config
 
 COIN = "test_recipe_coin"
 BASE = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=8", "rollout.k=4", "rollout.max_new_tokens=4",
@@ -109,7 +109,7 @@ def _multistep_run(out_dir):
 def test_multistep_task_trains_world2(tmp_path):
     """The multistep task builds its vocabulary (17 ids), prompts and model; a random model earns no
     reward, so refill draws its whole budget (floor(1.5 x 8) = 12 groups) and the step is empty."""
-    from megatron_s3ac.rollout.rewards.multistep import multistep_reference
+    from megatron_s3ac.tasks.multistep import multistep_reference
 
     r0 = run_distributed(_multistep_run, 2, str(tmp_path))[0]
     assert r0["vocab"] == 17 and r0["n_eval"] == 16
@@ -137,7 +137,7 @@ def _chain_run(out_dir):
 def test_chain_task_builds_and_steps(tmp_path):
     """The chain task builds its vocabulary (16 ids), prompts whose references are the chain, and a model
     with room for prompt + answer; a random model's rollouts are scored by the chain reward (all wrong)."""
-    from megatron_s3ac.rollout.rewards.chain import chain_answer
+    from megatron_s3ac.tasks.chain import chain_answer
 
     r0 = run_distributed(_chain_run, 1, str(tmp_path))[0]
     assert r0["vocab"] == 16 and r0["n_eval"] == 16 and r0["pos"] >= 1 + 16 + 15

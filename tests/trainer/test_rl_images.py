@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import load_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -19,7 +19,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 @pytest.fixture(scope="module")
 def miniature(tmp_path_factory):
     from megatron_s3ac.convert import hf_to_mcore
-    from megatron_s3ac.trainer.tasks_vision import save_vision_miniature
+    from megatron_s3ac.tasks.vision import save_vision_miniature
 
     root = tmp_path_factory.mktemp("rl_images")
     paths = save_vision_miniature(str(root / "data"), num_prompts=8, eval_prompts=2)

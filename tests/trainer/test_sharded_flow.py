@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_s3ac.algorithms.registry import AdvInputs, get_adv_est
-from megatron_s3ac.testing.dist import run_distributed
+from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.trainer.batch import collate
 from megatron_s3ac.trainer.metrics import reduce_sums, s3ac_gae_metric_sums, s3ac_gae_metrics
 from megatron_s3ac.trainer.sharding import RankRole, RowShard, class_sources, owned_rows, plan_shares
@@ -152,7 +152,7 @@ def test_metadata_mask_and_shard_width_match_the_whole_batch():
 
 
 def _algo_step(algo, out_dir):
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from tests.trainer.test_trainer import SMALL, capture_batches
 

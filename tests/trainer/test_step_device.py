@@ -8,8 +8,8 @@ here and on CUDA by tools/device_checks/train_loop_cuda.py; the dtype half is fu
 import pytest
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import load_config
 from tests.trainer.test_trainer import SMALL
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",

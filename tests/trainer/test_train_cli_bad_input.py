@@ -20,9 +20,9 @@ SMALL = ["rollout.k=2", "rollout.prompts_per_step=2", "algo.actor_minibatches=1"
 def char_model(tmp_path_factory):
     """A tiny HF model with the CPU demo's character tokenizer (WordLevel, no unknown token) + its torch_dist copy."""
     from megatron_s3ac.convert import hf_to_mcore
-    from megatron_s3ac.testing.tiny_models import save_tiny_hf
-    from megatron_s3ac.trainer.char_tokenizer import save_char_tokenizer
-    from megatron_s3ac.trainer.data import CharVocab
+    from megatron_s3ac.models.tiny_models import save_tiny_hf
+    from megatron_s3ac.data.char_tokenizer import save_char_tokenizer
+    from megatron_s3ac.data.prompts import CharVocab
 
     d = tmp_path_factory.mktemp("char_model")
     vocab = CharVocab()

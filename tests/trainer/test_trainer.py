@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=8", "rollout.k=4", "rollout.max_new_tokens=4",
@@ -65,7 +65,7 @@ def test_config_errors(overrides, msg):
 
 
 def test_config_layout_checked_against_model():
-    from megatron_s3ac.trainer.config import validate
+    from megatron_s3ac.config import validate
 
     cfg = load_config(None, SMALL + ["actor_layout.ep=3"])
     with pytest.raises(ConfigError, match="num_experts 4 is not divisible by ep 3"):
@@ -84,7 +84,7 @@ def test_gpu_example_configs_match_the_schema():
 
     from omegaconf import OmegaConf
 
-    from megatron_s3ac.trainer.config import Config
+    from megatron_s3ac.config import Config
 
     paths = glob.glob(os.path.join(ROOT, "examples", "*", "*.yaml"))
     assert len(paths) >= 6
@@ -289,13 +289,13 @@ def test_r3_replays_engine_routes_world2(tmp_path):
 
 
 def test_r3_config_refusals():
-    from megatron_s3ac.trainer.config import validate
+    from megatron_s3ac.config import validate
     from megatron_s3ac.trainer.loop import _r3_setting  # noqa: F401 (train.r3 -> R3 switch)
 
     with pytest.raises(ConfigError, match="train.r3"):
         load_config(None, SMALL + ["train.r3=sometimes"])
     cfg = load_config(None, SMALL + ["train.r3=off"])
-    from megatron_s3ac.trainer.config import model_info_for
+    from megatron_s3ac.config import model_info_for
 
     assert _r3_setting(cfg, model_info_for(cfg))[1] is False
     cfg = load_config(None, SMALL)
@@ -365,7 +365,7 @@ def test_standalone_eval_reproduces_demo_pass_rates_world2(tmp_path):
     from megatron_s3ac.eval.runner import BenchmarkSpec, evaluate
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
-    from megatron_s3ac.trainer.data import CharVocab
+    from megatron_s3ac.data.prompts import CharVocab
 
     res = run_distributed(_mini_demo, 2, str(tmp_path))[0]
     e = res["eval"]
@@ -385,7 +385,7 @@ def test_standalone_eval_reproduces_demo_pass_rates_world2(tmp_path):
 
 
 def test_fault_seam_exits_at_the_named_step_only():
-    code = ("from megatron_s3ac.testing import faults; faults.after_step(2); print('after 2', flush=True); "
+    code = ("from megatron_s3ac import faults; faults.after_step(2); print('after 2', flush=True); "
             "faults.after_step(3); print('after 3', flush=True)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, S3AC_TESTING_FAIL_AT_STEP="3"))

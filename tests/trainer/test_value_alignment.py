@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["model.tiny=arithmetic_moe", "data.num_prompts=50", "data.eval_prompts=4", "train.progress=false",

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.config import ConfigError, load_config
 from tests.trainer.test_trainer import SMALL
 
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None

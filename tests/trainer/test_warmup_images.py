@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import load_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 STEPS = 12
@@ -54,7 +54,7 @@ def _warmup(paths, mcore, out_dir):
 
 def test_warmup_on_image_prompts_feeds_the_images_and_lowers_the_sft_loss(tmp_path):
     from megatron_s3ac.convert import hf_to_mcore
-    from megatron_s3ac.trainer.tasks_vision import save_vision_miniature
+    from megatron_s3ac.tasks.vision import save_vision_miniature
 
     paths = save_vision_miniature(str(tmp_path / "data"), num_prompts=16, eval_prompts=2)
     mcore = str(tmp_path / "mcore")

@@ -3,8 +3,8 @@ intervals past its target, snapshotting each as a stronger coverage policy, and 
 of the step where it stopped. Reference: the same warm-up without overshoot (it stops at that step)."""
 import pytest
 
-from megatron_s3ac.testing.dist import run_distributed
-from megatron_s3ac.trainer.config import ConfigError, load_config
+from megatron_s3ac.models.gloo_ranks import run_distributed
+from megatron_s3ac.config import ConfigError, load_config
 
 BASE = ["model.tiny=arithmetic_moe", "actor_layout.ep=1", "data.num_prompts=64", "data.eval_prompts=8",
         "demo.warmup_batch=8", "demo.warmup_eval_every=3", "demo.warmup_max_steps=30", "demo.target_pass_rate=0.0",

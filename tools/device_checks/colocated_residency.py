@@ -40,7 +40,7 @@ MIB = 1 << 20
 def planned(tr) -> dict:
     from megatron_s3ac.plan.memory import Cluster, Workload, estimate
     from megatron_s3ac.plan.preflight import trainer_knobs
-    from megatron_s3ac.trainer.config import layout_of
+    from megatron_s3ac.config import layout_of
 
     knobs = trainer_knobs(tr.cfg)
     knobs.critic = tr.critic_ddp is not None
@@ -60,9 +60,9 @@ def main(argv=None) -> int:
     if not cuda and not a.stand_in:
         print(json.dumps({"check": "device", "ok": False, "error": "no CUDA GPU (use --stand-in for a CPU dry run)"}))
         return 1
-    from megatron_s3ac.testing.dist import free_port, init_single_process
+    from megatron_s3ac.models.gloo_ranks import free_port, init_single_process
     from megatron_s3ac.testing.residency import ResidencyAudit
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
 
     init_single_process("nccl" if cuda else "gloo", free_port())

@@ -12,11 +12,11 @@ import sys
 
 import torch
 
-from megatron_s3ac.testing.tiny_models import next_token_nll
+from megatron_s3ac.models.tiny_models import next_token_nll
 
 
 def _setup(backend):
-    from megatron_s3ac.testing.dist import init_single_process
+    from megatron_s3ac.models.gloo_ranks import init_single_process
 
     init_single_process(backend, port=29555)
 
@@ -25,7 +25,7 @@ def _model(dtype=torch.float32, device="cpu"):
     from megatron_s3ac.models.actor_critic import build_actor, build_transformer_config
     from megatron_s3ac.models.parallel import ParallelLayout, initialize_model_parallel
     from megatron_s3ac.models.registry import model_info
-    from megatron_s3ac.testing.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_models import tiny_config
 
     info = model_info(tiny_config("qwen3_moe", vocab_size=512, hidden_size=256, moe_intermediate_size=128,
                                   num_experts=8, num_attention_heads=8, num_key_value_heads=4,

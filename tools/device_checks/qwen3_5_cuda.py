@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from megatron_s3ac.testing.tiny_models import next_token_nll
+from megatron_s3ac.models.tiny_models import next_token_nll
 
 TEXT = dict(vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=64,
@@ -28,7 +28,7 @@ B, S = 2, 96
 
 
 def _setup(backend):
-    from megatron_s3ac.testing.dist import init_single_process
+    from megatron_s3ac.models.gloo_ranks import init_single_process
 
     init_single_process(backend, port=29556)
 
@@ -50,7 +50,7 @@ def prepare(d):
     from megatron_s3ac.convert import hf_to_mcore
     from megatron_s3ac.convert.verify import hf_logits
     from megatron_s3ac.models.registry import load_hf_config
-    from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5
+    from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5
 
     os.makedirs(d, exist_ok=True)
     hf = save_tiny_qwen3_5(os.path.join(d, "hf"), "vl", "fused", seed=0, **TEXT)

@@ -8,7 +8,7 @@ under a short NCCL timeout. <= 3 min.
         # CPU dry run of the same script: gloo (which honours the same timeout), the CPU engine
 
 Rank 0's real engine is made --slow s late to start and --slow s slower per ``generate``
-(``megatron_s3ac.testing.dist_timeout.slow_rank0_engine``), then ``train_loop`` runs one RL step with a periodic
+(``megatron_s3ac.audit.pg_timeout.slow_rank0_engine``), then ``train_loop`` runs one RL step with a periodic
 evaluation: three rank-0-only phases, each longer than the process group's timeout. With the fix the other ranks
 wait them out on the trainer's gloo group (``trainer.rank0``, deadline ``train.dist_timeout_s``); before it they
 waited inside NCCL collectives and the watchdog aborted them (the CPU test: tests/gpu_readiness/
@@ -55,9 +55,9 @@ def main(argv=None) -> int:
     # for a long phase against the default 10 min
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=pg_timeout))
     rank = dist.get_rank()
-    from megatron_s3ac.testing.dist_timeout import slow_rank0_engine
+    from megatron_s3ac.audit.pg_timeout import slow_rank0_engine
     from megatron_s3ac.trainer import build
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.loop import Trainer
     from megatron_s3ac.trainer.run import train_loop
 

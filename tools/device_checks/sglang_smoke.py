@@ -63,7 +63,7 @@ def prepare(out_dir: str, seed: int = 0, **overrides) -> str:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
+    from megatron_s3ac.models.tiny_models import char_tokenizer
 
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(**{**MODEL, **overrides})

@@ -43,7 +43,7 @@ B, N = 2, 250
 
 def _info():
     from megatron_s3ac.models.registry import model_info
-    from megatron_s3ac.testing.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_models import tiny_config
 
     return model_info(tiny_config("qwen3_moe", vocab_size=512, hidden_size=256, moe_intermediate_size=128,
                                   num_experts=8, num_attention_heads=8, num_key_value_heads=4,

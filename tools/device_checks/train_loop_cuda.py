@@ -72,7 +72,7 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermedia
 
 
 def hf_config(tiny: bool):
-    from megatron_s3ac.testing.tiny_models import tiny_config
+    from megatron_s3ac.models.tiny_models import tiny_config
 
     return tiny_config("qwen3_moe", max_position_embeddings=4096, **(TINY if tiny else BIG))
 
@@ -275,7 +275,7 @@ def trainer_overrides(args, bf16: bool, cuda: bool, out_dir: str) -> list[str]:
 def run_trainer(args, bf16: bool) -> dict:
     import tempfile
 
-    from megatron_s3ac.trainer.config import load_config
+    from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.device import trainer_device
     from megatron_s3ac.trainer.loop import Trainer
 

@@ -43,7 +43,7 @@ def prepare(out_dir: str, cpu: bool, seed: int = 0) -> str:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
+    from megatron_s3ac.models.tiny_models import char_tokenizer
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(**DENSE) if cpu else Qwen3MoeConfig(**MODEL)
@@ -87,7 +87,7 @@ def run(model_dir: str, cpu: bool) -> int:
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.factory import make_engine_factory
     from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings
-    from megatron_s3ac.testing.tiny_models import char_tokenizer
+    from megatron_s3ac.models.tiny_models import char_tokenizer
 
     t0 = time.time()
     tok = char_tokenizer(CHARS)

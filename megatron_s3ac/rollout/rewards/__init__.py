@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
-import re
 import time
 from collections import deque
 from multiprocessing.connection import wait
@@ -139,28 +138,6 @@ def math_reward(response: str, reference: str) -> float:
     if not gold or not pred:
         return -1.0
     return 1.0 if verify(gold, pred, timeout_seconds=MATH_VERIFY_TIMEOUT_S) else -1.0
-
-
-# ----------------------------------------------------------------------------------------------
-# Arithmetic reward (CPU demo)
-# ----------------------------------------------------------------------------------------------
-_SUM_PROMPT = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*=\s*$")
-_LEADING_DIGITS = re.compile(r"\s*(\d+)")
-
-
-def arithmetic_reference(prompt: str) -> str:
-    """"12+34=" -> "46"."""
-    m = _SUM_PROMPT.match(prompt)
-    if m is None:
-        raise ValueError(f"not an 'a+b=' prompt: {prompt!r}")
-    return str(int(m.group(1)) + int(m.group(2)))
-
-
-@register_reward("arithmetic", isolate=False)
-def arithmetic_reward(response: str, reference: str) -> float:
-    """+1 iff the digits the response starts with equal the reference sum, else -1."""
-    m = _LEADING_DIGITS.match(response[:64])
-    return 1.0 if m is not None and m.group(1) == str(int(reference)) else -1.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -433,10 +410,8 @@ class RewardStream:
         return out
 
 
-# Task rewards defined in their own modules (pure functions, importing nothing of this package)
-from megatron_s3ac.rollout.rewards.multistep import multistep_reward  # noqa: E402
+# The toy tasks' rewards, each defined beside its prompts (tasks/<task>.py; pure string functions, no torch)
+from megatron_s3ac.tasks import REWARDS as _TASK_REWARDS  # noqa: E402
 
-register_reward("multistep", isolate=False)(multistep_reward)
-from megatron_s3ac.rollout.rewards.chain import chain_reward  # noqa: E402
-
-register_reward("chain", isolate=False)(chain_reward)
+for _task_reward in _TASK_REWARDS:
+    register_reward(_task_reward.name, isolate=_task_reward.isolate)(_task_reward.fn)

@@ -12,7 +12,7 @@ Registration (the API a new engine uses; no trainer edit)::
     register_weight_sync("vllm", "separate", "megatron_s3ac.rollout.engines.vllm.engine:VLLMBroadcastSync")
     register_weight_sync("vllm", "colocated", VLLMColocatedSync)   # or the class itself
 
-``engine`` / ``placement`` may be plain strings or ``str`` Enum members (``trainer.config.EngineKind.vllm``); a
+``engine`` / ``placement`` may be plain strings or ``str`` Enum members (``config.EngineKind.vllm``); a
 target given as ``"module:Class"`` is imported on first lookup, so a registration costs no import (vLLM, sglang or
 NCCL code is only imported on the ranks of a run that uses it). A class is called as
 ``cls(engine, settings=..., quantize=...)``: ``engine`` the rollout engine (rank 0) or None, ``settings`` the

@@ -366,7 +366,7 @@ class CPUEngine(RolloutEngine):
         pad = getattr(self.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self._paused = threading.Event()  # pause_generation / continue_generation (partial rollout)
-        from megatron_s3ac.testing.faults import decode_delay
+        from megatron_s3ac.faults import decode_delay
 
         self._decode_delay = decode_delay()  # a testing seam (0 unless S3AC_TESTING_DECODE_DELAY is set)
 

@@ -1,8 +1,8 @@
 """SGLang's launch plan and argument rules for ``s3ac-train rehearse`` (rollout/rehearsal.py), on a CPU machine.
 
 ``launch_plan`` starts the trainer's own ``EnginePool`` on a local Ray that advertises one node's engine GPUs (the
-ones launch.sh gives ``ray start``: fake GPUs, megatron_s3ac.testing.fake_gpus), with sglang 0.5.23's start-up
-stand-in (megatron_s3ac.testing.sglang_startup) in place of ``sglang.Engine`` asking Ray for the GPUs a real engine
+ones launch.sh gives ``ray start``: fake GPUs, megatron_s3ac.rollout.engines.fake_gpus), with sglang 0.5.23's start-up
+stand-in (megatron_s3ac.rollout.engines.sglang.startup_stand_in) in place of ``sglang.Engine`` asking Ray for the GPUs a real engine
 would; so Ray really places the placement groups, and each actor reports the GPUs Ray gave it. A node holds
 ``gpus_per_node // gpus_per_engine`` engines; every node is alike, so one node's engines are rehearsed and the
 other nodes' are the same (an engine spanning nodes is not rehearsed: said in the plan's ``how``). TP rank r of an
@@ -25,8 +25,8 @@ def launch_plan(factory: Any, shape: ClusterShape) -> list[EngineProcess]:
     import ray
 
     from megatron_s3ac.rollout.engines.pool import EnginePool
-    from megatron_s3ac.testing.fake_gpus import stand_ins_request_gpus, start_ray
-    from megatron_s3ac.testing.sglang_startup import StartupEngine
+    from megatron_s3ac.rollout.engines.fake_gpus import stand_ins_request_gpus, start_ray
+    from megatron_s3ac.rollout.engines.sglang.startup_stand_in import StartupEngine
 
     s = factory.settings
     ray_devices = shape.ray_devices()

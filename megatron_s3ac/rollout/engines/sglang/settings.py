@@ -1,4 +1,4 @@
-"""The ``rollout.sglang`` config section and its checks (``rollout.factory`` and ``trainer.config`` re-export them).
+"""The ``rollout.sglang`` config section and its checks (``rollout.factory`` and ``config`` re-export them).
 
 Import-light (stdlib only): the trainer's config schema imports it. sglang 0.5.23 layout facts the validation encodes
 (``sglang/srt/``): one engine uses tp_size GPUs (x pp_size, not used here); attention data parallelism splits the TP

@@ -1,5 +1,5 @@
-"""Fault injection for the crash-safety tests: the trainer's only testing seam. Both hooks are read
-from the environment (the tests run the trainer under torchrun) and do nothing when unset.
+"""Fault injection for the crash-safety tests: the trainer's only fault seam (production code, inert unless
+set). Both hooks are read from the environment (the tests run the trainer under torchrun) and do nothing when unset.
 
   S3AC_TESTING_FAIL_AT_STEP=N           os._exit(9) after step N is logged and saved (like kill -9)
   S3AC_TESTING_SAVE_PAUSE=SECONDS[@N]   mid-save (after the actor's shards, at step N): touch

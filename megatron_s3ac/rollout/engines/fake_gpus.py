@@ -1,4 +1,5 @@
-"""Ray with fake GPU resources for the engine-pool tests, so placement is real on a CPU machine.
+"""Ray with fake GPU resources for the engine-pool tests and ``s3ac-train rehearse``, so placement is real on a
+CPU machine.
 
 ``ray.init(num_gpus=N)`` makes a local Ray advertise N GPUs it does not have; Ray's scheduler then places
 placement groups and actors against them exactly as on a GPU node (a bundle that asks for more GPUs than are free
@@ -40,9 +41,9 @@ def free_gpus() -> float:
 
 @contextlib.contextmanager
 def stand_ins_request_gpus(pool_cls, start_timeout_s: float = 60.0):
-    """Within: ``pool_cls(factory, ...)`` (``rollout.engines.pool.EnginePool``; passed in: testing/ sits below
-    rollout/ in the import floors) with ``gpus_per_engine=0`` and a stand-in factory requests
-    ``factory.settings.gpus_per_engine`` GPUs per engine; every pool's start waits at most ``start_timeout_s``."""
+    """Within: ``pool_cls(factory, ...)`` (``rollout.engines.pool.EnginePool``, passed in) with ``gpus_per_engine=0``
+    and a stand-in factory requests ``factory.settings.gpus_per_engine`` GPUs per engine; every pool's start waits at
+    most ``start_timeout_s``."""
     orig = pool_cls.__init__
 
     @functools.wraps(orig)

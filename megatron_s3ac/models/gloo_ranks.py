@@ -1,4 +1,5 @@
-"""Run a function on N gloo CPU ranks, so multi-rank tests are ordinary pytest tests.
+"""Run a function on N gloo CPU ranks, so multi-rank tests are ordinary pytest tests
+(and ``s3ac-convert verify`` / ``s3ac-train rehearse`` run on CPU ranks).
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes from a forkserver that has
 already imported torch and megatron-core (the main start-up cost, ~3-5 s per process, is paid once

@@ -1,4 +1,4 @@
-"""The config's choice enums and its error (``trainer.config`` re-exports them)."""
+"""The config's choice enums and its error (``config`` re-exports them)."""
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +34,8 @@ class ConfigError(ValueError):
 # choices OmegaConf checks (a str Enum: members compare equal to their names)
 class Task(str, enum.Enum):
     arithmetic = "arithmetic"
-    multistep = "multistep"  # multi-operand arithmetic written step by step (trainer.tasks_multistep)
-    chain = "chain"  # digit chains with 12-32-token answers: cumsum, add, reverse, sort, runsum (trainer.tasks_chain)
+    multistep = "multistep"  # multi-operand arithmetic written step by step (tasks.multistep)
+    chain = "chain"  # digit chains with 12-32-token answers: cumsum, add, reverse, sort, runsum (tasks.chain)
     math = "math"
 
 

@@ -8,7 +8,7 @@ black, 8 x 16 pixels: a 1 x 4 x 8 grid of the tiny vision tower's 2 x 2 patches 
 file with an ``images`` column (paths relative to the file, the HF datasets / verl convention) or a parquet file
 with embedded PNG bytes ({"bytes", "path"} as HF ``datasets.Image`` stores them); ``load_math_prompts`` with the
 model's ``VisionProcessor`` reads either back into prompts with ``ImageInputs``. ``save_vision_miniature`` writes
-the tiny Qwen3.5-MoE VL checkpoint (``testing.tiny_qwen3_5.save_tiny_qwen3_5_vl_full``) with the character
+the tiny Qwen3.5-MoE VL checkpoint (``models.tiny_qwen3_5.save_tiny_qwen3_5_vl_full``) with the character
 tokenizer of the task, and the train / held-out sets: what ``examples/cpu_demo_vl.yaml`` points at.
 """
 from __future__ import annotations
@@ -277,11 +277,11 @@ def save_vision_miniature(out_dir: str, num_prompts: int = 1000, eval_prompts: i
     its own: ``num_prompts`` / ``eval_prompts`` of them as asked). ``convert``: also ``mcore/``, the checkpoint through hf_to_mcore (what
     ``model.actor_init`` of examples/cpu_demo_vl.yaml names: the actor's vision tower comes from its carried
     ``model.visual.*``). Returns the paths."""
-    from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full
+    from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full
     from transformers import AutoTokenizer
 
-    from megatron_s3ac.trainer.char_tokenizer import char_vocab_tokenizer
-    from megatron_s3ac.trainer.data import CharVocab
+    from megatron_s3ac.data.char_tokenizer import char_vocab_tokenizer
+    from megatron_s3ac.data.prompts import CharVocab
 
     model = os.path.join(out_dir, "model")
     save_tiny_qwen3_5_vl_full(model, seed=seed)

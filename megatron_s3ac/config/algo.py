@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
-from megatron_s3ac.trainer.config.enums import _missing_paths
+from megatron_s3ac.config.enums import _missing_paths
 
 
 @dataclass

@@ -11,7 +11,7 @@ agreement itself the assertion, so a test can run the trainer's code at DP=2 and
 ``dist.all_reduce``..., and megatron's module-level aliases of them) in this process and yields the
 ``CollectiveLog``; ``audited(fn, *args)`` runs ``fn`` under it and returns {"result", "records", "error"} even when
 ``fn`` raised (a rank stuck in a divergent collective ends with its group's timeout), ready for
-``testing.dist.run_distributed``; ``check_consistent(records_by_rank)`` raises ``CollectiveDivergence`` (an AssertionError) naming the group, the index and both ranks' calls with their
+``models.gloo_ranks.run_distributed``; ``check_consistent(records_by_rank)`` raises ``CollectiveDivergence`` (an AssertionError) naming the group, the index and both ranks' calls with their
 call sites. Point-to-point messages (send / recv) are not audited: they pair by peer, not by group order.
 
 Recorded per call: the op, the group (its name, the same on every rank for groups created in the same order, and

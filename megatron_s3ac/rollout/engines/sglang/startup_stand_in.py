@@ -1,4 +1,5 @@
-"""A stand-in for ``sglang.Engine``'s start-up (sglang 0.5.23), for tests of how engines are configured and launched.
+"""A stand-in for ``sglang.Engine``'s start-up (sglang 0.5.23), for tests and ``s3ac-train rehearse``:
+how engines are configured and launched.
 
 ``StartupEngine(**server_args)`` is what ``SGLangEngine(engine_cls=...)`` calls instead of ``sglang.Engine``. It
 serves no requests; it reproduces the start-up checks a real engine makes in its own process and records what it

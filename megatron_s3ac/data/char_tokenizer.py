@@ -1,4 +1,4 @@
-"""The character vocabulary (``trainer.data.CharVocab``) as a real Hugging Face tokenizer.
+"""The character vocabulary (``data.prompts.CharVocab``) as a real Hugging Face tokenizer.
 
 The CPU demo trains on a tokenizer-free vocabulary: ids 0/1/2 are PAD/BOS/EOS and character i of
 ``vocab.chars`` is id 3 + i. A model saved without a tokenizer cannot be evaluated by HF tools:
@@ -25,7 +25,7 @@ def char_vocab_tokenizer(vocab, model_max_length: int | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from megatron_s3ac.trainer.data import BOS, EOS, PAD
+    from megatron_s3ac.data.prompts import BOS, EOS, PAD
 
     ids = {PAD_TOKEN: PAD, BOS_TOKEN: BOS, EOS_TOKEN: EOS}
     for i, c in enumerate(vocab.chars):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
-from megatron_s3ac.trainer.config.enums import Task, path_missing
+from megatron_s3ac.config.enums import Task, path_missing
 
 
 @dataclass
@@ -17,7 +17,7 @@ class DataCfg:
     min_operands: int = 3
     max_operands: int = 5
     ops: str = "+"
-    # chain task: the kind (trainer.tasks_chain.KINDS) and the chain length in [min_len, max_len]
+    # chain task: the kind (tasks.chain.KINDS) and the chain length in [min_len, max_len]
     chain: str = "cumsum"
     min_len: int = 12
     max_len: int = 12
@@ -34,14 +34,14 @@ class DataCfg:
         if self.task == Task.math and (self.path is None or path_missing(self.path)):
             return [f"data.path={self.path!r} does not exist (task=math needs a jsonl/parquet prompt set)"]
         if self.task == Task.multistep:
-            from megatron_s3ac.trainer.tasks_multistep import spec_of
+            from megatron_s3ac.tasks.multistep import spec_of
 
             try:
                 spec_of(self)
             except ValueError as e:
                 return [f"data (task=multistep): {e}"]
         if self.task == Task.chain:
-            from megatron_s3ac.trainer.tasks_chain import spec_of as chain_spec_of
+            from megatron_s3ac.tasks.chain import spec_of as chain_spec_of
 
             try:
                 chain_spec_of(self)

@@ -7,7 +7,7 @@ adds the rules that span sections (and the parallel layout against the model con
 ``ConfigError`` listing every problem.
 
 One module per section (``enums``, ``model``, ``data``, ``rollout``, ``algo``, ``train``); this module holds
-``Config`` and the cross-section checks and re-exports every name, so ``trainer.config.X`` keeps working.
+``Config`` and the cross-section checks and re-exports every name (``megatron_s3ac.config.X``).
 """
 from __future__ import annotations
 
@@ -17,23 +17,23 @@ from typing import Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from megatron_s3ac.rollout.engines.sglang.settings import SGLangSettings  # noqa: F401 - kept importable from here
 from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings  # noqa: F401 - kept importable from here
-from megatron_s3ac.trainer.config.enums import (  # noqa: F401 - re-exported
+from megatron_s3ac.config.enums import (  # noqa: F401 - re-exported
     ConfigError, Task, Placement, EngineKind, WeightsDtype, CriticHead, CriticPrivileged, TinyModel, DType, Recompute, Stage,
     _missing_paths, R3_MODES,
 )
-from megatron_s3ac.trainer.config.model import (  # noqa: F401 - re-exported
+from megatron_s3ac.config.model import (  # noqa: F401 - re-exported
     ModelCfg, LayoutCfg, ModelOptimCfg, OptimCfg,
 )
-from megatron_s3ac.trainer.config.data import (  # noqa: F401 - re-exported
+from megatron_s3ac.config.data import (  # noqa: F401 - re-exported
     DataCfg,
 )
-from megatron_s3ac.trainer.config.rollout import (  # noqa: F401 - re-exported
+from megatron_s3ac.config.rollout import (  # noqa: F401 - re-exported
     RolloutCfg,
 )
-from megatron_s3ac.trainer.config.algo import (  # noqa: F401 - re-exported
+from megatron_s3ac.config.algo import (  # noqa: F401 - re-exported
     AlgoCfg, DAPSCfg, ValuePretrainCfg,
 )
-from megatron_s3ac.trainer.config.train import (  # noqa: F401 - re-exported
+from megatron_s3ac.config.train import (  # noqa: F401 - re-exported
     DemoCfg, PipelineCfg, JudgeCfg, EvalCfg, ClusterCfg, VisionCfg, TrainCfg,
 )
 
@@ -230,7 +230,7 @@ def model_info_for(cfg: Config):
     from megatron_s3ac.models.registry import model_info
 
     if cfg.model.tiny is not None:
-        from megatron_s3ac.trainer.tasks_multistep import tiny_hf_config
+        from megatron_s3ac.tasks import tiny_hf_config
 
         return model_info(tiny_hf_config(cfg.data).to_dict())
     return model_info(cfg.model.hf_config)

@@ -1,26 +1,90 @@
-"""A CPU-sized task where credit assignment matters: multi-operand arithmetic written step by step.
+"""A CPU-sized task where credit assignment matters: multi-operand arithmetic written step by step, and its
+reward "multistep".
 
     prompt  "12+7+30="   ->   response "19,49" <eos>      (every running value, comma separated)
 
-Each step's value is computed from the value written before it, so an early mistake dooms the
-answer (reward "multistep", rollout/rewards/multistep.py: +1 iff the whole chain is right) while the
-steps before it can be right: the response-level signal must be assigned to the step that failed,
-which a token-level critic can do and a response-level baseline cannot. Answers are ~5-30 tokens
-(vs 2-4 for "a+b="), with the same character-vocabulary machinery (trainer.data.CharVocab).
+Each step's value is computed from the value written before it, so an early mistake dooms the answer (reward
+"multistep", ``multistep_reward``: +1 iff the whole chain is right, every step's value right, no step missing or
+extra; registered by rollout.rewards from ``tasks.REWARDS``, inline: a regex and an integer compare on at most
+MAX_RESPONSE_CHARS characters) while the steps before it can be right (``step_accuracy`` reads the correct
+prefix off): the response-level signal must be assigned to the step that failed, which a token-level critic can
+do and a response-level baseline cannot. Operators "+" and "-"; values may be negative ("5-9=" -> "-4").
+Answers are ~5-30 tokens (vs 2-4 for "a+b="), with the same character-vocabulary machinery
+(data.prompts.CharVocab).
 
 Difficulty is configurable (MultistepSpec): number of operands (steps = operands - 1), operand size
 (each prompt draws its digit count uniformly, so 1-digit and max-digit operands are both common) and
 operators; a set spans easy to hard (prompt_difficulty: steps and carries/borrows), as DAPS needs.
+torch is imported only to draw prompts, so the reward path stays torch-free.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import TYPE_CHECKING, Optional
 
-import torch
+from megatron_s3ac.data.prompts import BOS, CharVocab, Prompt, tiny_task_hf_config
+from megatron_s3ac.tasks.chain import common_prefix_len
 
-from megatron_s3ac.rollout.rewards.multistep import multistep_reference, parse_prompt, running_values
-from megatron_s3ac.trainer.data import BOS, CharVocab, Prompt
+if TYPE_CHECKING:
+    import torch
 
+MAX_RESPONSE_CHARS = 256  # a longer response is not a chain of a CPU-sized task: -1
+_PROMPT = re.compile(r"^\s*(\d+)((?:[+-]\d+)+)\s*=\s*$")
+_TERM = re.compile(r"([+-])(\d+)")
+_CHAIN = re.compile(r"^-?\d+(?:,-?\d+)*$")
+
+
+def parse_prompt(prompt: str) -> tuple[list[int], list[str]]:
+    """"12+7-30=" -> ([12, 7, 30], ["+", "-"]); raises ValueError for anything else."""
+    m = _PROMPT.match(prompt)
+    if m is None:
+        raise ValueError(f"not a multi-step prompt 'a+b(+-c...)=': {prompt!r}")
+    terms = _TERM.findall(m.group(2))
+    return [int(m.group(1))] + [int(v) for _, v in terms], [op for op, _ in terms]
+
+
+def running_values(operands: list[int], ops: list[str]) -> list[int]:
+    """The value after each step: [a op1 b, (a op1 b) op2 c, ...] (len = len(ops))."""
+    acc, out = operands[0], []
+    for op, v in zip(ops, operands[1:]):
+        acc = acc + v if op == "+" else acc - v
+        out.append(acc)
+    return out
+
+
+def multistep_reference(prompt: str) -> str:
+    """"12+7+30=" -> "19,49"."""
+    return ",".join(str(v) for v in running_values(*parse_prompt(prompt)))
+
+
+def parse_chain(text: str) -> Optional[list[int]]:
+    """"19,49" -> [19, 49]; None when the text is not a comma-separated list of integers."""
+    text = text.strip()
+    if not text or len(text) > MAX_RESPONSE_CHARS or _CHAIN.match(text) is None:
+        return None
+    return [int(v) for v in text.split(",")]
+
+
+def multistep_reward(response: str, reference: str) -> float:
+    """+1 iff the response's chain of step values equals the reference chain exactly, else -1."""
+    got, want = parse_chain(response), parse_chain(reference)
+    if want is None:
+        raise ValueError(f"reference {reference!r} is not a chain of integers")
+    return 1.0 if got == want else -1.0
+
+
+def step_accuracy(response: str, reference: str) -> float:
+    """Fraction of the reference's steps the response gets right before its first wrong (or missing)
+    step, in [0, 1]; 0 for an unparsable response. A diagnostic of where answers fail, not a reward."""
+    want = parse_chain(reference) or []
+    got = parse_chain(response)
+    if not want or got is None:
+        return 0.0
+    return common_prefix_len(got, want) / len(want)
+
+
+# ---- prompts ------------------------------------------------------------------------------------
 # "0123456789+=" first: the arithmetic task's ids are unchanged (3..14); "," and "-" are 15, 16
 MULTISTEP_CHARS = "0123456789+=,-"
 REWARD = "multistep"
@@ -61,12 +125,12 @@ def multistep_vocab() -> CharVocab:
 
 def tiny_multistep_hf_config(spec: MultistepSpec = MultistepSpec()):
     """The demo model (tiny Qwen3-MoE) with the multistep vocabulary and room for prompt + answer."""
-    from megatron_s3ac.trainer.data import tiny_task_hf_config
-
     return tiny_task_hf_config(multistep_vocab(), spec.max_prompt_tokens(), spec.max_response_tokens())
 
 
 def _operand(g: torch.Generator, max_operand: int) -> int:
+    import torch
+
     digits = int(torch.randint(1, len(str(max_operand)) + 1, (1,), generator=g))
     hi = min(max_operand, 10 ** digits - 1)
     lo = 0 if digits == 1 else 10 ** (digits - 1)
@@ -77,6 +141,8 @@ def multistep_prompts(n: int, spec: MultistepSpec, seed: int, vocab: CharVocab |
                       exclude: set[str] | None = None) -> list[Prompt]:
     """n distinct prompts (seeded), minus ``exclude``; references are the step chains.
     Stops early only if the space is exhausted (tiny specs)."""
+    import torch
+
     vocab = vocab or multistep_vocab()
     g = torch.Generator().manual_seed(seed)
     out, seen, tries = [], set(exclude or ()), 0
@@ -133,20 +199,6 @@ def spec_of(data_cfg) -> MultistepSpec:
     """The MultistepSpec a ``data`` config section describes (raises ValueError when invalid)."""
     return MultistepSpec(min_operands=data_cfg.min_operands, max_operands=data_cfg.max_operands,
                          max_operand=data_cfg.max_operand, ops=data_cfg.ops)
-
-
-def tiny_hf_config(data_cfg):
-    """The tiny demo model's HF config for ``data.task`` (the vocabulary differs per task)."""
-    from megatron_s3ac.trainer.data import tiny_arithmetic_hf_config
-
-    task = str(getattr(data_cfg.task, "value", data_cfg.task))
-    if task == "multistep":
-        return tiny_multistep_hf_config(spec_of(data_cfg))
-    if task == "chain":
-        from megatron_s3ac.trainer import tasks_chain
-
-        return tasks_chain.tiny_chain_hf_config(tasks_chain.spec_of(data_cfg))
-    return tiny_arithmetic_hf_config()
 
 
 def multistep_data(data_cfg) -> tuple[CharVocab, list[Prompt], list[Prompt]]:

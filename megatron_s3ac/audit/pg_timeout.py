@@ -1,11 +1,12 @@
-"""A short distributed timeout and a slow rank-0 engine: the harness of the tests that rank-0-only phases (engine
-start, rollout generation, periodic evaluation) do not hold the other ranks inside a collective.
+"""A short distributed timeout and a slow rank-0 engine: the harness of ``s3ac-train rehearse`` and of the tests
+that rank-0-only phases (engine start, rollout generation, periodic evaluation) do not hold the other ranks inside a
+collective.
 
 On a GPU cluster NCCL's watchdog aborts a rank that waits in one collective longer than the process group's
 timeout (10 min by default) while rank 0 alone starts engines or generates 16K-token responses. Gloo honours the
 same timeout (a blocked collective raises after it), so CPU tests can show it in seconds:
 
-* ``run_with_pg_timeout(fn, world_size, pg_timeout_s, *args)``: ``testing.dist.run_distributed`` with the default
+* ``run_with_pg_timeout(fn, world_size, pg_timeout_s, *args)``: ``models.gloo_ranks.run_distributed`` with the default
   process group created with ``timeout=pg_timeout_s`` (the stand-in for NCCL's watchdog);
 * ``SlowEngine`` / ``slow_rank0_engine(build, start_s, generate_s)``: the trainer's real engine
   (``trainer.build.build_engine`` patched in this process, so only the rank that builds one, rank 0, is slowed),
@@ -21,7 +22,7 @@ import pickle
 import time
 import traceback
 
-from megatron_s3ac.testing.dist import _context, collect_results, free_port
+from megatron_s3ac.models.gloo_ranks import _context, collect_results, free_port
 
 
 def _worker(rank, world_size, port, pg_timeout_s, fn, args, kwargs, out, threads):

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 from megatron_s3ac.rollout.engines.sglang.settings import SGLangSettings
 from megatron_s3ac.rollout.engines.vllm.settings import VLLMSettings
-from megatron_s3ac.trainer.config.enums import Placement, WeightsDtype
+from megatron_s3ac.config.enums import Placement, WeightsDtype
 
 
 @dataclass

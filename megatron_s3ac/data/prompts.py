@@ -4,6 +4,7 @@ A prompt set is a list of ``Prompt(ids, text, reference, images)``; ``images`` i
 ``models.multimodal.ImageInputs`` (None for a text prompt), its placeholders already expanded in ``ids``.
 Rows with images follow the HF datasets / verl convention (see ``VisionProcessor``). ``PromptStream`` yields prompt indices
 in a seeded order (one permutation per epoch); its state is two ints, so a checkpoint restores it.
+torch is imported where prompts are drawn, not at import: tasks/ (which the reward workers load) imports this.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # ---- the CPU demo's task ---------------------------------------------------------------------
 ARITH_CHARS = "0123456789+="
@@ -51,7 +53,7 @@ def tiny_arithmetic_hf_config():
 
 
 def tiny_task_hf_config(vocab: CharVocab, max_prompt_tokens: int, max_response_tokens: int):
-    """The demo model for a character-vocabulary task (trainer.tasks_multistep, trainer.tasks_chain): its
+    """The demo model for a character-vocabulary task (tasks.multistep, tasks.chain): its
     vocabulary, and positions for the longest prompt + response (at least the demo's 64)."""
     cfg = tiny_arithmetic_hf_config()
     cfg.vocab_size = vocab.size
@@ -71,6 +73,8 @@ class Prompt:
 def arithmetic_prompts(n: int, max_operand: int, seed: int, vocab: CharVocab | None = None,
                        exclude: set[str] | None = None) -> list[Prompt]:
     """n distinct "a+b=" prompts with a, b uniform in [0, max_operand] (seeded), minus ``exclude``."""
+    import torch
+
     vocab = vocab or CharVocab()
     g = torch.Generator().manual_seed(seed)
     out, seen = [], set(exclude or ())
@@ -343,9 +347,13 @@ class PromptStream:
         self._perm = self._make_perm()
 
     def _make_perm(self) -> torch.Tensor:
+        import torch
+
         return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + self.epoch))
 
     def take(self, k: int) -> torch.Tensor:
+        import torch
+
         out = []
         while k > 0:
             chunk = self._perm[self.pos:self.pos + k]
