@@ -1,9 +1,8 @@
 """Checkpoint files load without unpickling arbitrary objects (trainer/checkpoint.py ``safe_load``): a file
 carrying a pickle payload is refused naming it, before the payload runs; the files the trainer writes load."""
+import contextlib
 import os
 import random
-
-import contextlib
 from types import SimpleNamespace
 
 import numpy as np
