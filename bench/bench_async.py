@@ -43,7 +43,7 @@ ARMS = {"sync": (0, []), "async": (1, []), "partial": (None, ["rollout.partial_r
 
 def _run(n, overrides, steps, out_dir):
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, overrides + [f"train.max_staleness={n}", f"train.steps={steps}",
                                                 f"train.out_dir={out_dir}"]))

@@ -14,10 +14,10 @@ make. Logical bytes per rank, group size n: broadcast: the source sends (n-1) x 
 receives them once; all_reduce: ring, 2 (n-1)/n x bytes each way; all_gather: (n-1) x the input each
 way; reduce_scatter: (n-1)/n x the input; send / recv / isend / irecv: the tensor. Every call is
 attributed to the first megatron_s3ac file on its stack:
-  rollout bcast  trainer/rollout_phases.py: before, the whole batch (samples, routes) broadcast to
+  rollout bcast  trainer/step/rollout_phases.py: before, the whole batch (samples, routes) broadcast to
                  every rank; after, only the samples' metadata (pid, reward, lengths, finish reason)
-  rollout rows   trainer/scatter.py: after, each rank's own rows (rank 0 -> class sources -> peers)
-  fwd outputs    trainer/minibatch.py forward_only, trainer/metrics.py, shard_metrics.py, loop.py, r3/
+  rollout rows   trainer/step/scatter.py: after, each rank's own rows (rank 0 -> class sources -> peers)
+  fwd outputs    trainer/step/minibatch.py forward_only, trainer/step/metrics.py, shard_metrics.py, loop.py, r3/
                  (old log-probs, values, metric reductions, micro-batch counts)
   model          megatron-core's own calls (gradient reductions, optimizer, EP all-to-alls, PP
                  activations) and the rest of the project (the weight sync to the engine)
@@ -140,7 +140,7 @@ def rank_main(out: str, overrides: list[str]) -> None:
     counter = Counter()
     install(counter)
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, CONFIG + overrides + [f"train.out_dir={out}/run"]))
     if hasattr(tr, "rank_roles"):  # the sharded flow gathers every rank's layout once per run: not a step cost

@@ -5,7 +5,7 @@ set). Both hooks are read from the environment (the tests run the trainer under 
   S3AC_TESTING_SAVE_PAUSE=SECONDS[@N]   mid-save (after the actor's shards, at step N): touch
                                         <tmp>/PAUSED_rank<r>, sleep, remove it (a window to SIGKILL)
   S3AC_TESTING_FAIL_IN_STAGE=STAGE      os._exit(9) inside pipeline stage STAGE, after part of its output
-                                        is written and before its DONE.json (trainer.pipeline); for rl: after
+                                        is written and before its DONE.json (trainer.stages.pipeline); for rl: after
                                         RL step 1 is logged and saved
   S3AC_TESTING_DECODE_DELAY=SECONDS     the CPU engine sleeps this long after each decode step (generation
                                         slower than training, so a weight sync finds requests in flight: the

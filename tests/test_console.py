@@ -29,7 +29,7 @@ def test_known_warnings_are_filtered_and_nothing_else(monkeypatch):
         for module in k.modules or ("megatron.core.anything",):
             assert _emitted(k.message + " (rest of the text)", k.category, module) == 0, k.message
         if k.modules:  # scoped: the same text from our own code still shows
-            assert _emitted(k.message, k.category, "megatron_s3ac.trainer.loop") == 1, k.message
+            assert _emitted(k.message, k.category, "megatron_s3ac.trainer.step.trainer") == 1, k.message
         assert _emitted(k.message, DeprecationWarning, k.modules[0] if k.modules else "m") == 1  # category matters
     assert _emitted("something new happened", UserWarning, "megatron.core.x") == 1
     assert all("," not in k.message for k in KNOWN)  # PYTHONWARNINGS is comma-separated

@@ -1,6 +1,6 @@
 """Coverage data for value pretraining (paper §3.3): roll out several policy checkpoints (HF dirs) over the
 trainer config's prompts and pool (prompt ids, response ids, reward) into one jsonl — what the pipeline's
-coverage stage writes (``s3ac-train pipeline``; both call megatron_s3ac.trainer.coverage.build_coverage).
+coverage stage writes (``s3ac-train pipeline``; both call megatron_s3ac.trainer.stages.coverage.build_coverage).
 
     python tools/build_coverage_data.py --config examples/paper/qwen25_math_1p5b_k16.yaml \
         --checkpoints ckpt_step0 ckpt_step800 ckpt_step1600 --out coverage.jsonl [key=value ...]
@@ -29,9 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     a = ap.parse_args(argv)
     from megatron_s3ac.rollout.factory import ConfigError as EngineConfigError, validate_rollout_engine
-    from megatron_s3ac.trainer.build import build_data
+    from megatron_s3ac.trainer.step.build import build_data
     from megatron_s3ac.config import ConfigError, load_config
-    from megatron_s3ac.trainer.coverage import resolve_policies
+    from megatron_s3ac.trainer.stages.coverage import resolve_policies
 
     try:  # refuse before any rollout: no partial output
         try:
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"--config {a.config}: {err}") from None
         if a.checkpoints is not None:
             cfg.pipeline.policies = list(a.checkpoints)
-        from megatron_s3ac.trainer.pipeline import stage_dirs
+        from megatron_s3ac.trainer.stages.pipeline import stage_dirs
 
         policies = resolve_policies(cfg, a.warmup_dir or stage_dirs(cfg)["warmup"])
         for ck in policies:
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         print(f"build_coverage_data: {err}", file=sys.stderr)
         return 2
     from megatron_s3ac.rollout.rewards import RewardPool, get_reward, score_answers
-    from megatron_s3ac.trainer.coverage import build_coverage
+    from megatron_s3ac.trainer.stages.coverage import build_coverage
 
     r = cfg.rollout
     with RewardPool(num_workers=r.reward_workers, timeout_s=r.reward_timeout_s) as pool:

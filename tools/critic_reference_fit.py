@@ -4,7 +4,7 @@
 
 Reads RUN_DIR/stages/coverage/coverage.jsonl (the value-pretraining data) and RUN_DIR/hf_warmup (the RL start
 policy, which initialises the critic) and fits, on the *same positions* value pretraining uses (response token t
-is valued at sequence position P - 1 + t, i.e. from the prefix prompt + o_<t; trainer.batch.collate's idx):
+is valued at sequence position P - 1 + t, i.e. from the prefix prompt + o_<t; trainer.step.batch.collate's idx):
 
 - ``probe``: closed-form ridge regression of the target on the frozen backbone's final hidden states (what a
   linear value head on the untouched backbone can reach at best);
@@ -52,7 +52,7 @@ def _reference_ids(prompt_ids: list[int], tok) -> list[int]:
 def build(rows: list[dict], tok, privileged: bool = False):
     """tokens [n, L], pos [n, T] (P - 1 + t), mask [n, T], R [n, T], err [n, T] (error among o_<t).
     ``privileged``: the critic's view of model.critic_privileged=answer: prompt + the reference answer + "=" +
-    response (trainer.privileged's character template), positions shifted by the block."""
+    response (trainer.step.privileged's character template), positions shifted by the block."""
     n = len(rows)
     blocks = [(_reference_ids(r["prompt_ids"], tok) + [tok.convert_tokens_to_ids("=")]) if privileged else []
               for r in rows]
@@ -150,8 +150,8 @@ def ours(run: str, rows: list[dict], targets: dict, out_dir: str) -> dict:
     Returns per target the EV of its last 10 steps (each step's own mini-batch, as value_pretrain logs it)."""
     from megatron_s3ac.convert.carried import load_model
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
-    from megatron_s3ac.trainer.value_pretrain import value_pretrain
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from megatron_s3ac.trainer.stages.value_pretrain import value_pretrain
 
     cfg = load_config(os.path.join(run, "config.yaml"), ["actor_layout.ep=1", f"train.out_dir={out_dir}",
                                                            "model.actor_init=null", "model.critic_init=null",

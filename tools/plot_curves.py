@@ -1,7 +1,7 @@
 """Draw paper-style curves from a run directory: python tools/plot_curves.py runs/cpu_demo [--out DIR]."""
 import argparse
 
-from megatron_s3ac.trainer.plotting import plot_run
+from megatron_s3ac.trainer.run.plotting import plot_run
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)

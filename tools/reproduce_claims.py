@@ -12,7 +12,7 @@ the report adds the Figure-2-style credit plot of S3AC vs GRPO-X (plots/credit.p
 Every arm x seed is one ``s3ac-train pipeline`` job (``torchrun -m megatron_s3ac.trainer.cli pipeline
 CONFIG overrides``: warm-up -> coverage -> value pretraining -> RL). Arms of one seed share stages
 through the pipeline's stage directories: each stage lives in ``OUT/stages/seed<S>/<stage>-<fingerprint>``
-(``megatron_s3ac.trainer.pipeline.stage_fingerprint``), so arms that only change RL settings reuse one
+(``megatron_s3ac.trainer.stages.pipeline.stage_fingerprint``), so arms that only change RL settings reuse one
 warm-up / coverage / value pretraining, an arm that changes a value-pretraining setting gets its own
 value pretraining on the shared coverage data, and nothing is shared that differs in a key the stage
 depends on. Arms whose metric is a value-pretraining figure stop there (``pipeline.stop_after``); arms
@@ -385,7 +385,7 @@ def plan_arm(config: str, out: str, arm: str, a: Arm, seeds: list[int], base: li
     """The arm's job per seed: overrides and directories; raises ConfigError when the trainer rejects
     the arm. (The config is loaded once per arm: only train.seed differs between its seeds.)"""
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.pipeline import planned_stages, stage_fingerprint
+    from megatron_s3ac.trainer.stages.pipeline import planned_stages, stage_fingerprint
 
     length = {"main": [f"train.steps={size.steps}"], "first": [f"train.steps={size.first}"],
               "vpt": ["pipeline.stop_after=value_pretrain"]}[a.length]

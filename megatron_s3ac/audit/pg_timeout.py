@@ -9,7 +9,7 @@ same timeout (a blocked collective raises after it), so CPU tests can show it in
 * ``run_with_pg_timeout(fn, world_size, pg_timeout_s, *args)``: ``models.gloo_ranks.run_distributed`` with the default
   process group created with ``timeout=pg_timeout_s`` (the stand-in for NCCL's watchdog);
 * ``SlowEngine`` / ``slow_rank0_engine(build, start_s, generate_s)``: the trainer's real engine
-  (``trainer.build.build_engine`` patched in this process, so only the rank that builds one, rank 0, is slowed),
+  (``trainer.step.build.build_engine`` patched in this process, so only the rank that builds one, rank 0, is slowed),
   started ``start_s`` late and sleeping ``generate_s`` before every ``generate`` (rollouts and evaluation alike);
   everything else is the engine's own. ``SlowEngine.events`` records (what, seconds) of each slowed call.
 """
@@ -127,7 +127,7 @@ class SlowEngine:
 
 @contextlib.contextmanager
 def slow_rank0_engine(build, start_s: float, generate_s: float):
-    """While inside, ``build.build_engine`` (``build``: the module ``megatron_s3ac.trainer.build``, passed in: this
+    """While inside, ``build.build_engine`` (``build``: the module ``megatron_s3ac.trainer.step.build``, passed in: this
     floor does not import the trainer; the trainer calls it on rank 0 only) takes ``start_s`` longer and returns a
     ``SlowEngine``; yields the list of (what, seconds) events of the slowed calls."""
     real = build.build_engine

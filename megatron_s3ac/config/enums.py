@@ -88,7 +88,7 @@ def _missing_paths(section: str, obj, keys) -> list[str]:
             if path_missing(getattr(obj, k))]
 
 
-class Stage(str, enum.Enum):  # trainer.pipeline's stages, in order
+class Stage(str, enum.Enum):  # trainer.stages.pipeline's stages, in order
     warmup = "warmup"
     coverage = "coverage"
     value_pretrain = "value_pretrain"

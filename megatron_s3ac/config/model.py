@@ -13,7 +13,7 @@ class ModelCfg:
     actor_init: Optional[str] = None  # megatron torch_dist dir (checkpoints_convert hf->mcore)
     critic_init: Optional[str] = None  # torch_dist dir of a (value-pretrained) critic
     critic_head: CriticHead = CriticHead.linear
-    # the critic's privileged input (trainer.privileged): every critic forward sees prompt + a block built from the
+    # the critic's privileged input (trainer.step.privileged): every critic forward sees prompt + a block built from the
     # row's reference (+ its solution) + response; the actor, the engines and the evaluation never see it
     critic_privileged: CriticPrivileged = CriticPrivileged.none
     # the longest block the trainer accepts (a longer one is an error naming the prompt): the planner's critic

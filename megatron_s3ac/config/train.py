@@ -17,7 +17,7 @@ class DemoCfg:
     target_pass_rate: float = 0.2  # stop SFT once greedy pass rate reaches this (band 10-60%)
     coverage_checkpoints: int = 3  # warm-up checkpoints rolled out for coverage data (the last ones)
     # evaluation intervals trained past the target, each a stronger coverage snapshot; the RL start stays the
-    # target's policy (trainer.warmup.supervised_warmup)
+    # target's policy (trainer.stages.warmup.supervised_warmup)
     coverage_overshoot_evals: int = 0
     coverage_prompts: int = 128
     coverage_k: int = 2
@@ -35,7 +35,7 @@ class DemoCfg:
 
 @dataclass
 class PipelineCfg:
-    """``s3ac-train pipeline`` (trainer.pipeline; docs/trainer.md "Pipeline"): warm-up (model.tiny only) ->
+    """``s3ac-train pipeline`` (trainer.stages.pipeline; docs/trainer.md "Pipeline"): warm-up (model.tiny only) ->
     coverage data -> value pretraining -> RL, each stage in its own dir, skipped when its DONE.json
     matches. ``train`` / ``value-pretrain`` ignore this section."""
     # where each stage lives (None: {train.out_dir}/stages/<stage>); runs may share a dir (one at a time)
@@ -174,7 +174,7 @@ class TrainCfg:
     keep_last: int = 2
     resume: bool = True
     eval_every: int = 10  # periodic held-out evaluation (see EvalCfg); 0 = never
-    credit_every: int = 0  # every N RL steps: per-token advantages to out_dir/credit.jsonl (trainer.credit_record)
+    credit_every: int = 0  # every N RL steps: per-token advantages to out_dir/credit.jsonl (trainer.step.credit_record)
     threads: int = 1
     tensorboard: bool = True
     wandb_project: Optional[str] = None  # also log to Weights & Biases (pip install 'megatron_s3ac[wandb]')
@@ -193,7 +193,7 @@ class TrainCfg:
     # move the idle model's params, grads and optimizer state to host memory (models.offload): both
     # while the colocated engine generates, the critic during the actor update and vice versa
     offload_idle: bool = False
-    # optimizer state in checkpoints (trainer.checkpoint): fully_reshardable (megatron's layout-free
+    # optimizer state in checkpoints (trainer.run.checkpoint): fully_reshardable (megatron's layout-free
     # distributed-optimizer format: resumes at any tp/pp/ep/dp) | dp_reshardable (no gather on save;
     # reshards in DP only) | per_rank (torch Adam state per rank: same layout only). Where megatron
     # refuses a dist format (e.g. before the first optimizer step on CPU), per_rank is used and said once.
@@ -202,10 +202,10 @@ class TrainCfg:
     # seconds: the process groups' collective timeout (init_process_group, megatron's groups; NCCL's watchdog aborts
     # a rank that waits longer) and the deadline of the other ranks' wait for a rank-0-only phase (engine start,
     # rollout generation, periodic evaluation), which they wait out on a gloo group, not inside an NCCL collective
-    # (trainer.rank0). Longer than the longest of those phases; a real hang is reported after it
+    # (trainer.step.rank0). Longer than the longest of those phases; a real hang is reported after it
     dist_timeout_s: float = 3600.0
 
-    # bounded-staleness asynchronous rollout (trainer.async_loop; docs/trainer.md "Asynchronous rollout"): 0 = the
+    # bounded-staleness asynchronous rollout (trainer.step.async_loop; docs/trainer.md "Asynchronous rollout"): 0 = the
     # synchronous loop; 1 = one-step off-policy (the next batch generates while this one trains); N: a sample
     # generated with weights version v trains at step s only if s - v <= N. Needs rollout.placement=separate
     max_staleness: int = 0

@@ -1,5 +1,5 @@
 """Credit assignment by response position (paper Figure 2b) from a run's ``credit.jsonl``
-(trainer/credit_record.py: per RL step, every trajectory's per-token advantages, reward and V(s0)).
+(trainer/step/credit_record.py: per RL step, every trajectory's per-token advantages, reward and V(s0)).
 
 Each step's prompts are split at the step's median difficulty estimate into easy (above) and hard
 (at or below): the critic's V(s0) where the run has a critic (S3AC), else (or with ``by="group"``) the

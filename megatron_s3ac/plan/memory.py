@@ -547,7 +547,7 @@ ALL_KINDS = ("params", "grads", "optimizer")
 
 def residency(st: StageEstimate, knobs: Knobs, colocated: bool) -> dict:
     """{phase: {"actor" | "critic": {params, grads, optimizer: bytes}}} of model states on one GPU of the stage in
-    each phase, as the trainer keeps them (trainer.loop.step, trainer.engine_side). Without train.offload_idle
+    each phase, as the trainer keeps them (trainer.step.trainer.step, trainer.step.engine_side). Without train.offload_idle
     everything stays. With it: nothing in the rollout (the engine generates); the critic's values, the actor's old
     log-probs and each update: their own model only; the weight sync, colocated: the actor's params only (the critic
     and the actor's grads and optimizer states leave before the engine wakes, the params before its KV cache does),
@@ -642,7 +642,7 @@ def estimate(info: ModelInfo, layout, cluster: Cluster, w: Workload, knobs: Knob
             cp = c_params[min(p, len(c_params) - 1)]
             st.critic_params = cp
             st.critic = model_states(cp, critic_layout, train_gpus, knobs)
-            if p == 0:  # the critic's tower is the actor's, always frozen (trainer/build.py build_critic)
+            if p == 0:  # the critic's tower is the actor's, always frozen (trainer/step/build.py build_critic)
                 add_vision(st.critic, vision_params(info.hf), critic_layout, train_gpus, knobs, False)
             c_in = min(critic_layout.pp - min(p, critic_layout.pp - 1), c_micro)
             held, rebuild, work_c = activation_bytes(info, cp.layers, critic_layout, knobs, c_tokens, c_in, kinds)

@@ -1,7 +1,7 @@
 """Partial rollout: responses interrupted at a weight sync keep what they have and resume on the new weights.
 
 ``rollout.partial_rollout: true`` (with ``train.max_staleness >= 1``; docs/rollout.md "Partial rollout"). At each
-weight sync of the asynchronous loop (trainer/async_loop.py) the engine is paused instead of waited for:
+weight sync of the asynchronous loop (trainer/step/async_loop.py) the engine is paused instead of waited for:
 
 1. ``engine.pause_generation()``: every request still generating returns what it has (finish_reason "abort", its
    tokens, behaviour log-probs and R3 routes so far); a request not started yet returns empty and aborted. This is

@@ -2,7 +2,7 @@
 
 Each engine kind registers how to find its launch plan (``register_launch_plan(kind, "module:function")``, in its
 own folder's ``rehearsal.py``), so ``s3ac-train rehearse`` (trainer/rehearse.py) never branches on an engine's name.
-A launch plan function takes the engine factory the trainer itself built (``trainer.build.build_engine``) and the
+A launch plan function takes the engine factory the trainer itself built (``trainer.step.build.build_engine``) and the
 cluster's ``ClusterShape``, runs the engine's own start-up code up to the point where a process would be started on
 a GPU, and returns one ``EngineProcess`` per engine: the physical GPUs its workers use on its node (in worker
 order) and the arguments it is started with. ``engine_rules`` are each kind's checks of those arguments against

@@ -2,7 +2,7 @@
 inline: a regex on the response's first 64 characters).
 
 Its prompts (``arithmetic_prompts``), vocabulary (``CharVocab``) and demo model (``tiny_arithmetic_hf_config``)
-stay in data/prompts.py for now: ``trainer.build.build_data`` reads them from there.
+stay in data/prompts.py for now: ``trainer.step.build.build_data`` reads them from there.
 """
 from __future__ import annotations
 

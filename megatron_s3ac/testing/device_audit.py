@@ -5,7 +5,7 @@ and fails only on a GPU (e.g. this project's own norm modules allocate on the ho
 trainable params). The audit points the target device at ``meta`` (a non-CPU device torch makes without any
 accelerator) and builds each model through the trainer's own code:
 
-* ``target_device(device)``: ``trainer.device.trainer_device()`` returns ``device`` in every module that bound it;
+* ``target_device(device)``: ``trainer.step.device.trainer_device()`` returns ``device`` in every module that bound it;
 * ``stop_at_ddp()``: the build stops where the model is handed to megatron's DDP (``models.optim.wrap_ddp``),
   which is where it must already be placed; the module is kept (``Captured.module``);
 * ``off_device(module, device)``: names of parameters and buffers elsewhere (empty = placed);
@@ -50,7 +50,7 @@ def _rebind(attr: str, original, replacement):
 @contextlib.contextmanager
 def target_device(device):
     """``trainer_device()`` returns ``torch.device(device)`` inside the block, wherever it was imported."""
-    from megatron_s3ac.trainer import device as D
+    from megatron_s3ac.trainer.step import device as D
 
     dev = torch.device(device)
     undo = _rebind("trainer_device", D.trainer_device, lambda: dev)
@@ -96,9 +96,9 @@ def audit_trainer_models(cfg, device="meta") -> dict[str, list[str]]:
     the target device pointed at ``device``. The value-pretraining critic is built from a host critic (as
     ``value_pretrain`` copies the trainer's critic into it)."""
     from megatron_s3ac.models.actor_critic import build_transformer_config
-    from megatron_s3ac.trainer import build as B
+    from megatron_s3ac.trainer.step import build as B
     from megatron_s3ac.config import layout_of, model_info_for
-    from megatron_s3ac.trainer.value_pretrain import value_pretrain
+    from megatron_s3ac.trainer.stages.value_pretrain import value_pretrain
 
     info = model_info_for(cfg)
     layout = layout_of(cfg.actor_layout)

@@ -7,7 +7,7 @@
     s3ac-train check cfg.yaml [key=value ...] [--strict] [--for train|pipeline]   # validate + plan memory
     s3ac-train rehearse cfg.yaml [key=value ...] [--report FILE]   # the cluster job's start-up, on CPU
 
-``pipeline`` runs the paper's recipe as resumable stages in one job (trainer.pipeline; docs/trainer.md
+``pipeline`` runs the paper's recipe as resumable stages in one job (trainer.stages.pipeline; docs/trainer.md
 "Pipeline"): warm-up (model.tiny) -> coverage data -> value pretraining -> RL; a stage whose DONE.json
 matches the config is skipped. ``demo`` = the pipeline + the CPU demo's before/after table.
 ``train`` with a critic-using algorithm, no ``model.critic_init`` and so a fresh value head prints a
@@ -37,7 +37,7 @@ import sys
 
 _USAGE = {
     "train": ("s3ac-train train CONFIG.yaml [key=value ...]   (under torchrun)",
-              "RL training (trainer.loop / trainer.run): resumes from the latest complete checkpoint in "
+              "RL training (trainer.step.trainer / trainer.run.train_loop): resumes from the latest complete checkpoint in "
               "train.out_dir unless train.resume=false."),
     "value-pretrain": ("s3ac-train value-pretrain CONFIG.yaml value_pretrain.coverage_path=cov.jsonl [key=value ...]",
                        "pretrain the critic on a coverage jsonl; saves <out_dir>/critic_pretrained (torch_dist) "
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
 
             return rehearse(cfg, report=report, max_ranks=max_ranks, run=run_job)
         if cmd in ("pipeline", "demo"):
-            from megatron_s3ac.trainer.pipeline import pipeline_errors
+            from megatron_s3ac.trainer.stages.pipeline import pipeline_errors
 
             errs = pipeline_errors(cfg)
             if errs:
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
             from megatron_s3ac.plan.preflight import preflight
 
             rep = preflight(cfg, world)
-            from megatron_s3ac.trainer.pipeline import fresh_critic_warning, pipeline_errors
+            from megatron_s3ac.trainer.stages.pipeline import fresh_critic_warning, pipeline_errors
 
             if check_for == "pipeline":
                 rep.errors += pipeline_errors(cfg)
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         print(f"s3ac-train: {err}", file=sys.stderr)
         return 2
     if cmd == "train" and not cfg.train.resume:
-        from megatron_s3ac.trainer.checkpoint import latest_checkpoint
+        from megatron_s3ac.trainer.run.checkpoint import latest_checkpoint
 
         old = latest_checkpoint(cfg.train.out_dir)
         if old is not None:  # a fresh run would interleave its checkpoints with the old run's
@@ -170,17 +170,17 @@ def main(argv=None) -> int:
         with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
     if cmd == "demo":
-        from megatron_s3ac.trainer.demo import run_demo
+        from megatron_s3ac.trainer.stages.demo import run_demo
 
         run_demo(cfg)
     elif cmd == "pipeline":
-        from megatron_s3ac.trainer.pipeline import run_pipeline
+        from megatron_s3ac.trainer.stages.pipeline import run_pipeline
 
         run_pipeline(cfg)
     elif cmd == "train":
-        from megatron_s3ac.trainer.loop import Trainer
-        from megatron_s3ac.trainer.pipeline import banner, fresh_critic_warning
-        from megatron_s3ac.trainer.run import train_loop
+        from megatron_s3ac.trainer.step.trainer import Trainer
+        from megatron_s3ac.trainer.stages.pipeline import banner, fresh_critic_warning
+        from megatron_s3ac.trainer.run.train_loop import train_loop
 
         fresh = fresh_critic_warning(cfg, "train")
         if fresh and int(os.environ.get("RANK", "0")) == 0:  # before the (long) build: seen at once
@@ -225,8 +225,8 @@ def _value_pretrain_cmd(cfg) -> None:
     from megatron.core import dist_checkpointing
 
     from megatron_s3ac.data.prompts import read_coverage
-    from megatron_s3ac.trainer.loop import Trainer
-    from megatron_s3ac.trainer.value_pretrain import value_pretrain
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from megatron_s3ac.trainer.stages.value_pretrain import value_pretrain
 
     if not cfg.value_pretrain.coverage_path:
         raise SystemExit("value-pretrain needs value_pretrain.coverage_path")

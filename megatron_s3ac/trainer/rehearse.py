@@ -167,7 +167,7 @@ class Rehearsal:
     def engines(self, p: Phase) -> None:
         from megatron_s3ac.rollout import factory as factory_mod
         from megatron_s3ac.rollout.rehearsal import device_defects, engine_rules, launch_plan
-        from megatron_s3ac.trainer import build
+        from megatron_s3ac.trainer.step import build
         from megatron_s3ac.config import model_info_for
 
         made = {}

@@ -157,12 +157,12 @@ def _rank(config_path: str, overrides: list, command: str, slow_s: float = 0.0) 
     def run():
         cfg = load_config(config_path, overrides)
         if command == "pipeline":
-            from megatron_s3ac.trainer.pipeline import run_pipeline
+            from megatron_s3ac.trainer.stages.pipeline import run_pipeline
 
             run_pipeline(cfg)
         else:
-            from megatron_s3ac.trainer.loop import Trainer
-            from megatron_s3ac.trainer.run import train_loop
+            from megatron_s3ac.trainer.step.trainer import Trainer
+            from megatron_s3ac.trainer.run.train_loop import train_loop
 
             tr = Trainer(cfg)
             try:
@@ -176,7 +176,7 @@ def _rank(config_path: str, overrides: list, command: str, slow_s: float = 0.0) 
     if not slow_s:
         return audited(run)
     from megatron_s3ac.audit.pg_timeout import slow_rank0_engine
-    from megatron_s3ac.trainer import build
+    from megatron_s3ac.trainer.step import build
 
     with slow_rank0_engine(build, slow_s, slow_s):
         return audited(run)

@@ -194,7 +194,7 @@ def test_declared_reward_rules(tmp_path):
 
 
 def test_demo_export_is_scored_by_the_plain_cli(demo_fitted, tmp_path):
-    """trainer.demo.export_eval_inputs (the demo's own writer) + the issue's exact command
+    """trainer.stages.demo.export_eval_inputs (the demo's own writer) + the issue's exact command
     `s3ac-eval --model OUT/hf_final --bench heldout=OUT/heldout.jsonl` (no --reward, no --tokenizer):
     exit 0 and the independent greedy score."""
     import types
@@ -203,7 +203,7 @@ def test_demo_export_is_scored_by_the_plain_cli(demo_fitted, tmp_path):
 
     from megatron_s3ac.config import load_config
     from megatron_s3ac.data.prompts import Prompt
-    from megatron_s3ac.trainer.demo import export_eval_inputs
+    from megatron_s3ac.trainer.stages.demo import export_eval_inputs
 
     hf, rows, model = demo_fitted
     cfg = load_config(None, ["model.tiny=arithmetic_moe"])

@@ -4,7 +4,7 @@ GPQA-D and IMO-AnswerBench, avg@1 elsewhere; Minerva by an LLM judge), and every
 `s3ac-train check FILE` with its paths stood in (model dirs -> examples/hf_configs, data and checkpoints ->
 temporary files, eval sets -> fixtures of their release schema). The Qwen3.5 examples list the paper's image
 benchmarks (MMMU-Pro, MathVision, MathVista-mini, avg@1) among their evaluation sets, which
-``trainer.build.image_eval_sets`` finds (the rollout engine then serves the VL checkpoint multimodal)."""
+``trainer.step.build.image_eval_sets`` finds (the rollout engine then serves the VL checkpoint multimodal)."""
 import os
 import shutil
 
@@ -88,7 +88,7 @@ def test_eval_section_is_the_papers_and_the_example_checks(path, tmp_path, capsy
 
     for name, p in yaml.safe_load(out.read_text())["eval"]["benchmarks"].items():
         assert as_spec(name, p)[1].items
-    from megatron_s3ac.trainer.build import image_eval_sets
+    from megatron_s3ac.trainer.step.build import image_eval_sets
     from megatron_s3ac.config import load_config
 
     assert sorted(image_eval_sets(load_config(str(out)))) == sorted(set(MULTIMODAL) & set(ks))

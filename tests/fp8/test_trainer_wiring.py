@@ -8,7 +8,7 @@ import torch
 from megatron_s3ac.algorithms.registry import get_algo
 from megatron_s3ac.convert.fp8 import DEFAULT_KEEP, SCALE_SUFFIX
 from megatron_s3ac.config import ConfigError, load_config
-from megatron_s3ac.trainer.loop import Trainer
+from megatron_s3ac.trainer.step.trainer import Trainer
 
 
 def _cfg(*overrides):
@@ -99,7 +99,7 @@ def test_gap_metrics_without_r3():
 def _fp8_step(out_dir):
     from tests.trainer.test_trainer import SMALL
 
-    from megatron_s3ac.trainer.loop import Trainer as T
+    from megatron_s3ac.trainer.step.trainer import Trainer as T
 
     cfg = load_config(None, SMALL + ["algo.dynamic_sampling=false", "actor_layout.ep=2", "rollout.weights_dtype=fp8",
                                      f"train.out_dir={out_dir}"])

@@ -1,6 +1,6 @@
 """Finding 1 (issue 24): the trainer's SGLang engines ask for routed-expert capture only when R3 replays it.
 
-At 2c164be ``trainer/build.py`` never passed ``return_routed_experts`` (factory default True), so every SGLang
+At 2c164be ``trainer/step/build.py`` never passed ``return_routed_experts`` (factory default True), so every SGLang
 engine of a dense model died at construction (``SGLangEngine`` refuses routes without experts) and MoE runs with
 ``train.r3=off`` paid for a capture they never used. Each case builds the engine exactly as ``Trainer.__init__``
 does (``build.build_engine`` from a paper config, one in-process engine), with ``sglang.Engine`` replaced by the
@@ -12,7 +12,7 @@ import pytest
 
 from megatron_s3ac.rollout import factory
 from megatron_s3ac.rollout.engines.sglang.startup_stand_in import StartupEngine
-from megatron_s3ac.trainer import build as B
+from megatron_s3ac.trainer.step import build as B
 from megatron_s3ac.config import load_config, model_info_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

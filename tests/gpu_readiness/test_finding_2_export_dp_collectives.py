@@ -71,7 +71,7 @@ def test_export_plan_path_is_the_groups_not_the_first_tensors():
 
 def _trainer_dp2(out):
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     def run():
         cfg = load_config(None, SMALL + [f"train.out_dir={out}"])

@@ -2,7 +2,7 @@
 (and, before the weight sync, for every batch still in flight) and then tells every rank whether the engine died.
 That verdict was a ``broadcast_object_list`` of the default process group, so the other ranks sat inside a
 default-group collective for as long as rank 0 waited on the engine (NCCL's watchdog aborts them after the group's
-timeout). It now goes through ``Trainer.rank0`` (``trainer.rank0.Rank0Phases``: the gloo group whose deadline is
+timeout). It now goes through ``Trainer.rank0`` (``trainer.step.rank0.Rank0Phases``: the gloo group whose deadline is
 ``train.dist_timeout_s``), as the synchronous rollout's hand-over does.
 
 As in test_finding_4_rank0_phase_timeout.py: the default group times out after 4 s (the watchdog's stand-in), rank
@@ -24,9 +24,9 @@ def _run(out_dir, overrides, generate_s):
 
     import torch.distributed as dist
 
-    from megatron_s3ac.trainer import build
+    from megatron_s3ac.trainer.step import build
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(None, SMALL + ASYNC + overrides + [f"train.out_dir={out_dir}"])
     with slow_rank0_engine(build, 0.0, generate_s) as events:

@@ -1,10 +1,10 @@
 """Finding 4 (issue 24): while rank 0 alone starts its engines, generates a rollout or runs the periodic evaluation,
 the other ranks waited inside collectives of the default process group (the first sync's ``all_gather`` in
-``rollout/sync/weight_sync.py``, the rollout's ``broadcast_object_list`` in ``trainer/rollout_phases.py``, the
-"best evaluation" ``broadcast`` in ``trainer/run.py``), so NCCL's watchdog (10 min by default; no timeout was set)
+``rollout/sync/weight_sync.py``, the rollout's ``broadcast_object_list`` in ``trainer/step/rollout_phases.py``, the
+"best evaluation" ``broadcast`` in ``trainer/run/train_loop.py``), so NCCL's watchdog (10 min by default; no timeout was set)
 aborted them during a long engine start or a 16K-token rollout. The fix: a configurable ``train.dist_timeout_s``
 given to ``init_process_group`` and megatron's groups, and the other ranks wait for rank 0's phases on a gloo
-group with that deadline (``trainer.rank0``), never inside a collective of the default group.
+group with that deadline (``trainer.step.rank0``), never inside a collective of the default group.
 
 Gloo honours a process group's timeout as NCCL's watchdog does (a blocked collective raises after it), so CPU
 shows it: the default process group gets a 4 s timeout (``audit.pg_timeout.run_with_pg_timeout``), rank 0's
@@ -42,10 +42,10 @@ def _has_key(key: str) -> bool:
 def _run(out_dir, overrides, start_s, generate_s):
     import torch.distributed as dist
 
-    from megatron_s3ac.trainer import build
+    from megatron_s3ac.trainer.step import build
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
-    from megatron_s3ac.trainer.run import train_loop
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from megatron_s3ac.trainer.run.train_loop import train_loop
 
     cfg = load_config(None, SMALL + overrides + [f"train.out_dir={out_dir}"])
     with slow_rank0_engine(build, start_s, generate_s) as events:

@@ -51,7 +51,7 @@ def _coverage_rank(overrides, gpus):
     from megatron_s3ac.rollout.engines.pool import EnginePool
     from megatron_s3ac.rollout.engines.fake_gpus import free_gpus, stand_ins_request_gpus, start_ray
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.pipeline import Pipeline
+    from megatron_s3ac.trainer.stages.pipeline import Pipeline
 
     F.SGLANG_ENGINE_CLS = fake_sglang.FakeSGLangEngine
     start_ray(gpus, num_cpus=4, by_value=(fake_sglang, rollout_fixtures))
@@ -101,9 +101,9 @@ def _waiting_rank(overrides, rank0_delay_s):
 
     import torch.distributed as dist
 
-    import megatron_s3ac.trainer.coverage as C
+    import megatron_s3ac.trainer.stages.coverage as C
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.pipeline import Pipeline
+    from megatron_s3ac.trainer.stages.pipeline import Pipeline
 
     cfg = load_config(None, overrides)
     cfg.pipeline.coverage_timeout_s = 3.0  # the ranks' deadline (an attribute code without one never reads)
@@ -168,9 +168,9 @@ def _wait_in_thread(tmp_path, verdict, timeout_s):
     """Rank 1's coverage stage in a thread; returns (finished, exception) after at most 20 s."""
     import threading
 
-    import megatron_s3ac.trainer.coverage  # noqa: F401 (imported here, not on the clock: torch takes seconds)
+    import megatron_s3ac.trainer.stages.coverage  # noqa: F401 (imported here, not on the clock: torch takes seconds)
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.pipeline import Pipeline
+    from megatron_s3ac.trainer.stages.pipeline import Pipeline
 
     cfg = load_config(None, BASE + [f"train.out_dir={tmp_path / 'run'}", "rollout.engine=cpu"], check=False)
     cfg.pipeline.coverage_timeout_s = timeout_s

@@ -10,7 +10,7 @@ update has only its own model, and every figure equals the planner's (params and
 most the planner's padded share). Value pretraining never builds its third model beside an awake engine.
 
 What CPU cannot show: that the freed memory reaches the driver before the engine wakes (``torch.cuda.empty_cache``
-after every offload, trainer.placement.release_device_cache, is a no-op here), and SGLang's KV pool size. The device
+after every offload, trainer.step.placement.release_device_cache, is a no-op here), and SGLang's KV pool size. The device
 check tools/device_checks/colocated_residency.py runs the same audit on a GPU and checks the caching allocator holds
 no unused memory at the engine's wake (``--stand-in``: its CPU dry run); the KV pool is SGLang's own
 (tools/device_checks/sglang_colocated.py starts one beside the trainer).
@@ -49,9 +49,9 @@ def _audit(out_dir):
     from megatron_s3ac.rollout.rewards import register_reward
     from megatron_s3ac.testing.residency import ResidencyAudit, snapshot
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
-    import megatron_s3ac.trainer.build as B
+    import megatron_s3ac.trainer.step.build as B
 
     register_reward("test_nonzero", isolate=False)(lambda resp, ref: float(len(resp) % 2) * 2 - 1)
     seen, real_models, real_engine = {}, Trainer._build_models, B.build_engine
@@ -89,7 +89,7 @@ def _audit(out_dir):
     out = {"at_engine_start": seen["at_engine_start"], "full0": full0, "full": full, "log": audit.log[n:], "after": after, "planned": planned_residency(tr),
            "opt_steps": [m.get("actor/opt_steps") for m in steps]}
     # a checkpoint between steps needs both models: saved, loaded, and the run goes on
-    from megatron_s3ac.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_s3ac.trainer.run.checkpoint import load_checkpoint, save_checkpoint
 
     load_checkpoint(tr, save_checkpoint(tr, 2))
     out["after_ckpt"] = snapshot(tr)
@@ -158,9 +158,9 @@ def test_measured_residency_equals_the_planners(audited):
 
 def _vpt(over):
     """The pipeline's value pretraining (coverage given) with a spy on what the engine does meanwhile."""
-    import megatron_s3ac.trainer.value_pretrain as V
+    import megatron_s3ac.trainer.stages.value_pretrain as V
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.pipeline import Pipeline
+    from megatron_s3ac.trainer.stages.pipeline import Pipeline
 
     seen = {}
     real = V.value_pretrain

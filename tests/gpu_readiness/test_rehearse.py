@@ -79,7 +79,7 @@ def test_run_phase_names_the_failing_rank_and_where(monkeypatch, tmp_path):
     from megatron_s3ac.trainer.rehearse import Phase
 
     tb = ('Traceback (most recent call last):\n  File "/x/site-packages/torch/a.py", line 1, in f\n'
-          '  File "/r/megatron_s3ac/trainer/pipeline.py", line 502, in _run_value_pretrain\n'
+          '  File "/r/megatron_s3ac/trainer/stages/pipeline.py", line 502, in _run_value_pretrain\n'
           '  File "/x/site-packages/torch/b.py", line 9, in g\nRuntimeError: boom\n')
     monkeypatch.setattr(rr, "run_with_pg_timeout", lambda fn, world, pg_timeout, *a, **k: [
         {"result": None, "records": [], "error": tb}, {"result": None, "records": [], "error": None}])
@@ -88,7 +88,7 @@ def test_run_phase_names_the_failing_rank_and_where(monkeypatch, tmp_path):
     p = Phase("run")
     rr.run_phase(cfg, str(tmp_path / "job"), 8, p)
     assert p.defects == ["pipeline: coverage -> value pretraining -> RL, eval + checkpoint each step: rank 0: "
-                         "RuntimeError: boom (at trainer/pipeline.py:502 in _run_value_pretrain)"]
+                         "RuntimeError: boom (at trainer/stages/pipeline.py:502 in _run_value_pretrain)"]
     assert p.tracebacks == [tb]
 
 

@@ -1,5 +1,5 @@
 """Second review, finding 3: partial rollout resumed an image prompt's response on SGLang with ``image_data=None``
-(trainer/async_partial.py -> SGLangEngine.generate_continuations). sglang then skips its multimodal processor
+(trainer/step/async_partial.py -> SGLangEngine.generate_continuations). sglang then skips its multimodal processor
 (``contains_mm_input``, managers/io_struct.py:399-404; tokenizer_manager.py:1159-1163): the image pad tokens are
 prefilled as text, and the tail is generated image-blind. A processor_output item with token ids keeps the ids
 (base_processor.py:1293-1304) and finds the image at its pad tokens (1997-2004), mRoPE over the whole prefix
@@ -61,7 +61,7 @@ def test_resume_sends_each_continuation_its_prompts_images():
     order, and none for a text-only batch (engines without image prompts keep their three arguments)."""
     from megatron_s3ac.models.multimodal import ImageInputs
     from megatron_s3ac.rollout.base import PendingGeneration, Sample, SamplingParams
-    from megatron_s3ac.trainer.async_partial import PartialRollout
+    from megatron_s3ac.trainer.step.async_partial import PartialRollout
 
     im = ImageInputs(np.zeros((4, 12), np.float32), np.array([[1, 2, 2]]))
 

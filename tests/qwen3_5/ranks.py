@@ -75,8 +75,8 @@ def carried_through_training(hf_dir, actor_init, out_dir, tp, ep):
     import torch.distributed as dist
 
     from megatron_s3ac.convert import export_hf_weights
-    from megatron_s3ac.trainer import build as B
-    from megatron_s3ac.trainer.checkpoint import save_checkpoint
+    from megatron_s3ac.trainer.step import build as B
+    from megatron_s3ac.trainer.run.checkpoint import save_checkpoint
     from megatron_s3ac.config import model_info_for
 
     cfg = _trainer_cfg(hf_dir, actor_init, out_dir, tp, ep)

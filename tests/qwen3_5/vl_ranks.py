@@ -61,12 +61,12 @@ def vl_trainer_path(hf_dir, actor_init, out_dir, tp, ep, trainable, samples):
     from megatron_s3ac.convert import export_hf_weights
     from megatron_s3ac.convert.carried import ATTR, model_sharded_state_dict
     from megatron_s3ac.models.vision import VISION_ATTR, vision_of
-    from megatron_s3ac.trainer import build as B
-    from megatron_s3ac.trainer.batch import collate, per_token, next_token_targets
+    from megatron_s3ac.trainer.step import build as B
+    from megatron_s3ac.trainer.step.batch import collate, per_token, next_token_targets
     from megatron_s3ac.config import (AlgoCfg, Config, LayoutCfg, ModelCfg, TrainCfg, VisionCfg,
                                               model_info_for)
-    from megatron_s3ac.trainer.losses import forward_outputs
-    from megatron_s3ac.trainer.minibatch import MicroBatcher, forward_only, run_minibatches
+    from megatron_s3ac.trainer.step.losses import forward_outputs
+    from megatron_s3ac.trainer.step.minibatch import MicroBatcher, forward_only, run_minibatches
 
     cfg = Config(model=ModelCfg(hf_config=hf_dir, actor_init=actor_init), algo=AlgoCfg(actor_lr=1e-2),
                  actor_layout=LayoutCfg(tp=tp, ep=ep, etp=1 if ep > 1 else None),

@@ -116,9 +116,9 @@ def trainer_separate_rank(hf_dir, overrides, n_engines):
     |engine - trainer export| over all tensors and the served names nobody sent (rank 0); bytes each rank broadcast."""
     import torch.distributed as dist
 
-    import megatron_s3ac.trainer.build as B
+    import megatron_s3ac.trainer.step.build as B
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
     from process_engine_pool import TrainerTestPool
 
     from fake_sglang import FakeSGLangEngine

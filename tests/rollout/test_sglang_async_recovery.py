@@ -1,4 +1,4 @@
-"""Engine failure recovery of the asynchronous loop (trainer/async_loop.py ``recover``) with an SGLang
+"""Engine failure recovery of the asynchronous loop (trainer/step/async_loop.py ``recover``) with an SGLang
 ``EnginePool`` of 0.5.23 stand-ins: the engine's scheduler dies mid-generation and, as in sglang, the process
 holding the engine dies with it (fake_sglang.py ``debug_crash_scheduler_at_forward``: scheduler.py:6370-6373 ->
 SIGQUIT -> kill_process_tree(os.getpid()), entrypoints/engine.py:1976-1982, utils/common.py:2548-2552). The pool
@@ -19,7 +19,7 @@ def _sglang_killed_run(hf_dir, overrides):
     import rollout_fixtures
     import megatron_s3ac.rollout.factory as F
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
     from stage_broadcast_ranks import _export
 
     F.SGLANG_ENGINE_CLS = fake_sglang.FakeSGLangEngine  # the factory seam: every pool built from here on

@@ -52,7 +52,7 @@ def _three_steps(path, out_dir):
     import megatron_s3ac.rollout.factory as F
     from fake_sglang import FakeSGLangEngine
     from megatron_s3ac.convert.export import export_hf_weights
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     F.SGLANG_ENGINE_CLS = FakeSGLangEngine
     tr = Trainer(load_config(None, BASE + sglang_overrides(path) + COLOCATED_TP2 + [f"train.out_dir={out_dir}"]))
@@ -157,7 +157,7 @@ def _vl_with_sglang(paths, mcore, out_dir, trainable):
     from megatron_s3ac.convert.export import export_hf_weights
     from megatron_s3ac.models.vision import vision_of
     from megatron_s3ac.rollout.base import SamplingParams
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
     from tests.trainer.test_rl_images import ROOT, _overrides
 
     F.SGLANG_ENGINE_CLS = FakeSGLangEngine

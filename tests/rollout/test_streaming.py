@@ -17,7 +17,7 @@ from megatron_s3ac.rollout.base import RolloutEngine, SamplingParams, StreamingG
 from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
 from megatron_s3ac.rollout.engines.cpu.remote import RemoteEngine
 from megatron_s3ac.rollout.rewards import RewardPool
-from megatron_s3ac.trainer.async_loop import reward_overlap
+from megatron_s3ac.trainer.step.async_loop import reward_overlap
 from rollout_fixtures import local_ray_by_value, tiny_moe_config
 import slow_reward  # noqa: F401 (registers test_slow_when_a)
 

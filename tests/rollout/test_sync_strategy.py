@@ -13,7 +13,7 @@ from megatron_s3ac.rollout.engines.sglang.colocated import SGLangColocatedSync
 from megatron_s3ac.rollout.factory import ConfigError, SGLangSettings, make_engine_factory, make_sync_strategy
 from megatron_s3ac.rollout.sync.weight_sync import ColocatedRankZeroSync, RankZeroSync
 from megatron_s3ac.config import EngineKind, Placement, load_config
-from megatron_s3ac.trainer.engine_side import EngineSide, sync_strategy_for
+from megatron_s3ac.trainer.step.engine_side import EngineSide, sync_strategy_for
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_a_new_engine_plugs_in_by_registering(registry, rank0):
 
 
 def test_sglang_colocated_wake_order(monkeypatch):
-    """Moved unchanged from trainer/engine_side.py: sleep -> wake(["weights"]) -> ColocatedIPCSync.sync ->
+    """Moved unchanged from trainer/step/engine_side.py: sleep -> wake(["weights"]) -> ColocatedIPCSync.sync ->
     wake(["kv_cache", "cuda_graph"]); a sync with the engine awake wakes nothing."""
     import megatron_s3ac.rollout.engines.sglang.colocated as colocated
 

@@ -79,7 +79,7 @@ def test_vllm_registers_its_weight_sync(placement, cls_name, qwen3_dir):
     """rollout.sync.strategy finds vLLM's strategies by (engine, placement); built on every rank from the config."""
     from megatron_s3ac.rollout.engines.vllm import sync as vllm_sync
     from megatron_s3ac.rollout.factory import make_sync_strategy
-    from megatron_s3ac.trainer.engine_side import sync_strategy_for
+    from megatron_s3ac.trainer.step.engine_side import sync_strategy_for
 
     s = make_sync_strategy("vllm", placement)
     assert type(s) is getattr(vllm_sync, cls_name) and not s.sleeps  # no engine on this rank: nothing to sleep

@@ -38,7 +38,7 @@ def three_steps(path, out_dir, dtype, extra=(), steps=3):
     sys.path.insert(0, HERE)
     from megatron_s3ac.convert.export import export_hf_weights
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
     from vllm_fixtures import hf_model, teacher_forced
 
     tr = Trainer(load_config(None, BASE + [f"model.hf_config={path}", f"model.engine_hf_dir={path}",

@@ -1,4 +1,4 @@
-"""Bounded-staleness asynchronous rollout (trainer.async_loop, ``train.max_staleness``): config rules; the
+"""Bounded-staleness asynchronous rollout (trainer.step.async_loop, ``train.max_staleness``): config rules; the
 staleness and busy-time arithmetic by hand; on 2 ranks with the CPU engine in its own process (Ray actor): each
 trained sample's version, the bound, behaviour log-probs that are the generating version's (checked by a forward
 pass of the saved version-0 weights), and generation that runs while the trainer trains."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_s3ac.models.gloo_ranks import run_distributed
-from megatron_s3ac.trainer.async_loop import busy_seconds, staleness_metrics
+from megatron_s3ac.trainer.step.async_loop import busy_seconds, staleness_metrics
 from megatron_s3ac.config import ConfigError, load_config
 from tests.trainer.test_trainer import SMALL, capture_batches
 
@@ -34,7 +34,7 @@ def test_staleness_and_busy_arithmetic():
 
 
 def _async_run(n, extra, out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, SMALL + SEP + [f"train.max_staleness={n}", "train.steps=3",
                                                   f"train.out_dir={out_dir}"] + extra))
@@ -104,7 +104,7 @@ def test_streamed_rewards_equal_the_batch_path_world2(tmp_path):
     """rollout.stream_rewards on (each group scored as the engine hands it back) vs off (the batch scored after its
     slowest group): every metric but timings equal; with streaming, groups were handed back one by one and scored
     as they came (each group's "scored" follows its own "generated", before the next one arrives: a cheap reward)."""
-    from megatron_s3ac.trainer.async_loop import reward_overlap
+    from megatron_s3ac.trainer.step.async_loop import reward_overlap
 
     on, _ = run_distributed(_async_run, 2, 1, ["algo.dynamic_sampling=false"], str(tmp_path / "on"))
     off, _ = run_distributed(_async_run, 2, 1, ["algo.dynamic_sampling=false", "rollout.stream_rewards=false"],
@@ -126,7 +126,7 @@ def test_streamed_rewards_equal_the_batch_path_world2(tmp_path):
 def test_async_panels_are_plotted(tmp_path):
     import json
 
-    from megatron_s3ac.trainer.plotting import plot_run
+    from megatron_s3ac.trainer.run.plotting import plot_run
 
     rows = [{"step": s, "async/staleness_mean": min(s, 1) * 0.9, "async/staleness_max": float(min(s, 1)),
              "time/engine_busy_frac": 0.8, "time/trainer_wait": 0.1, "time/tokens_per_s": 100.0 + s}
@@ -141,8 +141,8 @@ def test_queue_round_trips_through_a_checkpoint_file(tmp_path):
     import numpy as np
 
     from megatron_s3ac.rollout.base import PendingGeneration, Sample
-    from megatron_s3ac.trainer import async_loop as AL
-    from megatron_s3ac.trainer.checkpoint import safe_load
+    from megatron_s3ac.trainer.step import async_loop as AL
+    from megatron_s3ac.trainer.run.checkpoint import safe_load
 
     smp = Sample([1, 2, 3], [4, 5], np.array([-0.5, -1.25], dtype=np.float32), "length",
                  routed_experts=np.arange(4 * 2 * 2, dtype=np.uint8).reshape(4, 2, 2))
@@ -193,7 +193,7 @@ def _killed_run(out_dir, when="generation", extra=()):
     import os
     import signal
 
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, SMALL + SEP + ["train.max_staleness=1", "train.steps=3", f"train.out_dir={out_dir}"]
                              + (["algo.dynamic_sampling=false"] if when != "refill" else []) + list(extra)))
@@ -252,8 +252,8 @@ def test_async_submission_passes_the_prompts_images(tmp_path):
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
     from megatron_s3ac.data.prompts import Prompt
     from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5_vl_full, tiny_image_prompt
-    from megatron_s3ac.trainer.async_loop import AsyncSource, Submitted
-    from megatron_s3ac.trainer.rollout_phases import RolloutPhases
+    from megatron_s3ac.trainer.step.async_loop import AsyncSource, Submitted
+    from megatron_s3ac.trainer.step.rollout_phases import RolloutPhases
 
     engine = CPUEngine.from_pretrained(save_tiny_qwen3_5_vl_full(str(tmp_path / "vl")), multimodal=True,
                                        tokenizer=None)

@@ -1,12 +1,12 @@
-"""Partial rollout in the asynchronous loop (``rollout.partial_rollout``; trainer/async_partial.py): config rules,
+"""Partial rollout in the asynchronous loop (``rollout.partial_rollout``; trainer/step/async_partial.py): config rules,
 the per-token staleness arithmetic, and a few RL steps on 2 gloo ranks with the CPU engine in its own process, its
 decode slowed (testing seam S3AC_TESTING_DECODE_DELAY) so that every weight sync finds the next batch generating:
 the batch is interrupted, resumed on the new weights, and trained with per-token versions within the bounds."""
 import pytest
 
 from megatron_s3ac.models.gloo_ranks import run_distributed
-from megatron_s3ac.trainer.async_loop import staleness_metrics
-from megatron_s3ac.trainer.async_partial import versions_metrics
+from megatron_s3ac.trainer.step.async_loop import staleness_metrics
+from megatron_s3ac.trainer.step.async_partial import versions_metrics
 from megatron_s3ac.config import ConfigError, load_config
 from tests.trainer.test_trainer import SMALL
 
@@ -45,7 +45,7 @@ def test_token_staleness_uses_each_tokens_version():
 
 
 def _partial_run(n, extra, out_dir, steps):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, SMALL + SEP + [f"train.max_staleness={n}", f"train.steps={steps}",
                                                   "rollout.max_new_tokens=8", "rollout.partial_rollout=true",
@@ -105,7 +105,7 @@ def test_version_bound_world2(tmp_path, monkeypatch):
 def test_partial_panel_is_plotted(tmp_path):
     import json
 
-    from megatron_s3ac.trainer.plotting import PANELS, plot_run
+    from megatron_s3ac.trainer.run.plotting import PANELS, plot_run
 
     rows = [{"step": s, "async/partial_resumes": 3 * s, "async/partial_regenerated": s % 2,
              "async/versions_per_response_max": 1.0 + (s > 0)} for s in range(4)]
@@ -123,8 +123,8 @@ def test_partial_responses_round_trip_through_a_checkpoint_file(tmp_path):
 
     from megatron_s3ac.rollout.base import PendingGeneration, Sample
     from megatron_s3ac.rollout.partial import PartialPending, continuation_requests
-    from megatron_s3ac.trainer import async_loop as AL
-    from megatron_s3ac.trainer.checkpoint import safe_load
+    from megatron_s3ac.trainer.step import async_loop as AL
+    from megatron_s3ac.trainer.run.checkpoint import safe_load
 
     cut = Sample([1, 2, 3], [4, 5], np.array([-0.5, -1.25], np.float32), "abort",
                  routed_experts=np.zeros((4, 2, 2), np.uint8))
@@ -152,7 +152,7 @@ def test_a_resumed_batch_is_not_scored_as_a_stream():
 
     from megatron_s3ac.rollout.base import Sample
     from megatron_s3ac.rollout.partial import PartialPending
-    from megatron_s3ac.trainer.async_loop import AsyncSource, Submitted
+    from megatron_s3ac.trainer.step.async_loop import AsyncSource, Submitted
 
     ar = AsyncSource.__new__(AsyncSource)
     ar.stream, ar.wait_s, ar.spans, ar.log = True, 0.0, [], []

@@ -130,7 +130,7 @@ def test_bad_input_exits_2_naming_the_file_and_writes_nothing(case, policy, tmp_
 
 def test_a_failure_mid_run_leaves_no_partial_file(policy, tmp_path):
     """The first policy's rows are in cov.jsonl.tmp when the second one fails: the .tmp is removed too."""
-    from megatron_s3ac.trainer.coverage import CoverageSettings, generate_coverage
+    from megatron_s3ac.trainer.stages.coverage import CoverageSettings, generate_coverage
     from megatron_s3ac.data.prompts import Prompt
 
     calls = []

@@ -1,4 +1,4 @@
-"""Optimizer checkpoints at scale (trainer/checkpoint.py): megatron's layout-free distributed-optimizer
+"""Optimizer checkpoints at scale (trainer/run/checkpoint.py): megatron's layout-free distributed-optimizer
 format resumes at another layout with the same Adam moments; where megatron refuses (no optimizer step
 yet on the TE/Apex-free path) the per-rank format is used, said once on rank 0 and recorded in the
 checkpoint's metadata; a per-rank checkpoint at another layout fails with a clear error, or resumes with
@@ -76,9 +76,9 @@ def full_moments(tr, name: str) -> dict:
 
 
 def _save_side(out_dir):
-    from megatron_s3ac.trainer.checkpoint import read_meta, save_checkpoint
+    from megatron_s3ac.trainer.run.checkpoint import read_meta, save_checkpoint
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(None, SMALL + ["actor_layout.ep=2", f"train.out_dir={out_dir}/fresh"])
     tr = Trainer(cfg)
@@ -97,7 +97,7 @@ def _save_side(out_dir):
     tr.cfg.train.out_dir, tr.cfg.train.optimizer_checkpoint = f"{out_dir}/dp", "dp_reshardable"
     res["dp"] = save_checkpoint(tr, keep_last=3)
     # dp_reshardable round trip at the same layout, into cleared optimizers (so a no-op load would fail)
-    from megatron_s3ac.trainer.checkpoint import load_checkpoint
+    from megatron_s3ac.trainer.run.checkpoint import load_checkpoint
 
     for opt in (tr.actor_opt, tr.critic_opt):
         tr.reset_optimizer(opt, opt.param_groups[0]["lr"])
@@ -107,9 +107,9 @@ def _save_side(out_dir):
 
 
 def _load_side(saved):
-    from megatron_s3ac.trainer.checkpoint import CheckpointLayoutError, load_checkpoint
+    from megatron_s3ac.trainer.run.checkpoint import CheckpointLayoutError, load_checkpoint
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(None, SMALL + ["actor_layout.ep=1", f"train.out_dir={os.path.dirname(saved['dist'])}/../../b"])
     tr = Trainer(cfg)

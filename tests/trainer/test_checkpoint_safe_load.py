@@ -1,4 +1,4 @@
-"""Checkpoint files load without unpickling arbitrary objects (trainer/checkpoint.py ``safe_load``): a file
+"""Checkpoint files load without unpickling arbitrary objects (trainer/run/checkpoint.py ``safe_load``): a file
 carrying a pickle payload is refused naming it, before the payload runs; the files the trainer writes load."""
 import contextlib
 import os
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_s3ac.trainer import checkpoint as ck
+from megatron_s3ac.trainer.run.train_loop import checkpoint as ck
 
 
 class _Payload:

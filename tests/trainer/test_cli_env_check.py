@@ -6,7 +6,7 @@ import torch
 
 from megatron_s3ac import env as s3ac_env
 from megatron_s3ac.trainer import cli as train_cli
-from megatron_s3ac.trainer import demo as demo_mod
+from megatron_s3ac.trainer.stages import demo as demo_mod
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 DEMO = os.path.join(ROOT, "examples", "cpu_demo.yaml")

@@ -1,9 +1,9 @@
 """Issue 27: coverage data and value pretraining on image prompts (the multimodal miniature).
 
-Coverage (trainer.coverage.generate_coverage, the pipeline's coverage stage): the CPU engine is loaded multimodal
+Coverage (trainer.stages.coverage.generate_coverage, the pipeline's coverage stage): the CPU engine is loaded multimodal
 and given each prompt's images; greedy rows equal transformers' own greedy generate of
 Qwen3_5MoeForConditionalGeneration on the same pixels (the independent reference), and every row of an image
-prompt records its ``prompt_index``. Value pretraining (trainer.value_pretrain) takes those rows: the critic's
+prompt records its ``prompt_index``. Value pretraining (trainer.stages.value_pretrain) takes those rows: the critic's
 vision tower is fed exactly the rows' pixels (the prompts' ``ImageInputs``, by a hook on the tower), and rows
 that do not belong to the trainer's prompts are refused naming the row."""
 import json
@@ -42,7 +42,7 @@ def test_coverage_rows_of_image_prompts_match_transformers_greedy_and_name_their
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     from megatron_s3ac.models.tiny_qwen3_5 import VL_TOKENS
-    from megatron_s3ac.trainer.coverage import CoverageSettings, generate_coverage
+    from megatron_s3ac.trainer.stages.coverage import CoverageSettings, generate_coverage
 
     paths, root = miniature
     m = paths["model"]
@@ -71,8 +71,8 @@ def test_coverage_rows_of_image_prompts_match_transformers_greedy_and_name_their
 
 def _vpt(paths, mcore, out_dir, rows):
     from megatron_s3ac.models.vision import vision_of
-    from megatron_s3ac.trainer.loop import Trainer
-    from megatron_s3ac.trainer.value_pretrain import attach_row_images, value_pretrain
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from megatron_s3ac.trainer.stages.value_pretrain import attach_row_images, value_pretrain
 
     m = paths["model"]
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"), [

@@ -1,6 +1,6 @@
 """tools/build_coverage_data.py --config TRAINER.yaml: engine, prompts, reward and response length come
 from the trainer config (rollout.max_new_tokens, not a 1,024-token default); bad input exits 2 with
-nothing written. The pipeline's coverage stage runs the same function (trainer.coverage.build_coverage;
+nothing written. The pipeline's coverage stage runs the same function (trainer.stages.coverage.build_coverage;
 the slow pipeline test compares the two files)."""
 import json
 import os

@@ -35,9 +35,9 @@ def _weights(tr):
 
 
 def _save_cp2(out_dir):
-    from megatron_s3ac.trainer.checkpoint import save_checkpoint
+    from megatron_s3ac.trainer.run.checkpoint import save_checkpoint
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, CKPT_SMALL + ["actor_layout.ep=2"] + CP2 + [f"train.out_dir={out_dir}"]))
     m = tr.step()
@@ -47,9 +47,9 @@ def _save_cp2(out_dir):
 
 
 def _load_cp1(path, out_dir):
-    from megatron_s3ac.trainer.checkpoint import load_checkpoint
+    from megatron_s3ac.trainer.run.checkpoint import load_checkpoint
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, CKPT_SMALL + ["actor_layout.ep=2", f"train.out_dir={out_dir}"]))
     load_checkpoint(tr, path)

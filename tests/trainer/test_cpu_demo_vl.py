@@ -9,7 +9,7 @@ import pytest
 from megatron_s3ac.eval.benchmarks import load_benchmark
 from megatron_s3ac.rollout.base import SamplingParams
 from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
-from megatron_s3ac.trainer.build import build_data
+from megatron_s3ac.trainer.step.build import build_data
 from megatron_s3ac.config import load_config
 from megatron_s3ac.tasks.vision import save_vision_miniature
 

@@ -1,5 +1,5 @@
 """train.credit_every: the trainer writes each step's per-token advantages, rewards and V(s0) to
-credit.jsonl (trainer/credit_record.py). Checked against hand formulas: GRPO-X's advantage is the
+credit.jsonl (trainer/step/credit_record.py). Checked against hand formulas: GRPO-X's advantage is the
 group-normalised reward on every token; S3AC's V(s0) is the critic's value of the prompt alone
 (Trainer.critic_v0 before the step's update). One gloo rank, a coin-flip reward (informative groups)."""
 import json
@@ -29,7 +29,7 @@ def coin(response: str, reference: str) -> float:
 def _run(out_dir, algo):
     import torch
 
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(None, BASE + [f"algo.name={algo}", f"train.out_dir={out_dir}"])
     tr = Trainer(cfg)
@@ -80,7 +80,7 @@ def test_negative_credit_every_is_refused():
 
 
 def _one_step(out_dir, algo):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(None, BASE + [f"algo.name={algo}", f"train.out_dir={out_dir}"])
     tr = Trainer(cfg)
@@ -90,7 +90,7 @@ def _one_step(out_dir, algo):
 
 def test_sharded_gather_at_dp2_records_the_same_rows_as_one_rank(tmp_path):
     """DP = 2 (two gloo ranks, each owning half of the step's rows): credit.jsonl (written by rank 0 after
-    gathering every rank's rows, trainer/credit_record.py) holds the same rows as the same run at one rank,
+    gathering every rank's rows, trainer/step/credit_record.py) holds the same rows as the same run at one rank,
     where nothing is gathered. Step 0 only: its rollout comes from the same initial weights and seed at both
     world sizes (later steps follow updates whose DP reductions differ in rounding). S3AC: both the actor's
     rows (advantages, rewards) and the critic's (V(s0)) are gathered."""

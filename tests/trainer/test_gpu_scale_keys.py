@@ -27,7 +27,7 @@ def test_config_errors(overrides, msg):
 
 
 def test_config_keys_reach_the_builders():
-    from megatron_s3ac.trainer.build import _config_kw, _optim_kw, model_dtype
+    from megatron_s3ac.trainer.step.build import _config_kw, _optim_kw, model_dtype
     from megatron_s3ac.config import layout_of
 
     cfg = load_config(None, SMALL + ["model.dtype=bf16", "train.recompute=full", "train.recompute_num_layers=2",
@@ -48,7 +48,7 @@ def _same(a, b) -> bool:
 
 
 def _runs(out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     common = SMALL + ["actor_layout.ep=2", "algo.dynamic_sampling=false"]
     res = {}

@@ -60,7 +60,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def _folder(module: str) -> str:
-    """The folder (or root module) a module lives in: ``megatron_s3ac.trainer.loop`` -> ``trainer``, the package
+    """The folder (or root module) a module lives in: ``megatron_s3ac.trainer.step.trainer`` -> ``trainer``, the package
     root -> ``""``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
@@ -80,9 +80,9 @@ def test_every_folder_has_a_floor():
 
 def test_graph_sees_known_edges():
     g = import_graph()
-    assert "megatron_s3ac.trainer.batch" in g["megatron_s3ac.trainer.loop"]
-    assert "megatron_s3ac.r3.glue" in g["megatron_s3ac.trainer.build"]  # a function-level import
-    assert "megatron_s3ac.algorithms" in g["megatron_s3ac.trainer.loop"]  # from megatron_s3ac import algorithms
+    assert "megatron_s3ac.trainer.step.batch" in g["megatron_s3ac.trainer.step.trainer"]
+    assert "megatron_s3ac.r3.glue" in g["megatron_s3ac.trainer.step.build"]  # a function-level import
+    assert "megatron_s3ac.algorithms" in g["megatron_s3ac.trainer.step.trainer"]  # from megatron_s3ac import algorithms
     assert len(g) > 60
 
 
@@ -123,6 +123,30 @@ def test_no_package_module_imports_testing():
     launcher, tiny models and the rehearse audits live in production folders)."""
     up = sorted(f"{m} imports {t}" for m, ts in import_graph().items() if _folder(m) != "testing"
                 for t in ts if _folder(t) == "testing")
+    assert not up, "\n".join(up)
+
+
+# trainer/ in rooms by role, each importing only the rooms before it: the step (the Trainer, its rollout sources and
+# phases), the run (the loop of steps, checkpoints, logs), the stages around RL (pipeline, coverage, value
+# pretraining, warm-up, demo), then the commands at trainer/'s root (cli, input checks, rehearse).
+TRAINER_ROOMS = {"step": 0, "run": 1, "stages": 2, "": 3}
+
+
+def _room(module: str):
+    """The trainer room of a module (None outside trainer/): its subfolder, or "" for trainer/'s root modules."""
+    parts = module.split(".")
+    if parts[:2] != [PKG, "trainer"]:
+        return None
+    return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in TRAINER_ROOMS) else ""
+
+
+def test_trainer_rooms_import_only_earlier_rooms():
+    g = import_graph()
+    rooms = {_room(m) for m in g if _room(m) is not None}
+    assert rooms == set(TRAINER_ROOMS), f"trainer/ rooms without a place in TRAINER_ROOMS: {rooms ^ set(TRAINER_ROOMS)}"
+    up = sorted(f"{m} (room {_room(m)!r}) imports {t} (room {_room(t)!r})" for m, ts in g.items()
+                if _room(m) is not None for t in ts
+                if _room(t) is not None and TRAINER_ROOMS[_room(t)] > TRAINER_ROOMS[_room(m)])
     assert not up, "\n".join(up)
 
 

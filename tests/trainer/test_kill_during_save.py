@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from megatron_s3ac.trainer.checkpoint import latest_checkpoint
+from megatron_s3ac.trainer.run.checkpoint import latest_checkpoint
 from tests.trainer.test_trainer import ROOT, SMALL, _metrics
 
 COMMON = SMALL + ["actor_layout.ep=2", "train.steps=4", "train.save_every=1", "train.keep_last=2",
@@ -188,7 +188,7 @@ def test_rotation_never_leaves_a_half_deleted_step_dir(tmp_path, monkeypatch):
     """A rotated / replaced checkpoint leaves the ``step_N`` namespace (rename) before it is deleted: a
     kill during the deletion (here: rmtree never runs) leaves a ``.tmp`` entry, never a ``step_N`` with
     ``COMPLETE`` but missing files; the next save deletes the leftover without renaming it again."""
-    from megatron_s3ac.trainer import checkpoint as ck
+    from megatron_s3ac.trainer.run.train_loop import checkpoint as ck
 
     root = tmp_path / "checkpoints"
     old = root / "step_000001"
@@ -211,7 +211,7 @@ def test_rotation_never_leaves_a_half_deleted_step_dir(tmp_path, monkeypatch):
 def test_fsync_ownership_of_checkpoint_files():
     """Every rank fsyncs the files it wrote; files of no rank (torch_dist metadata, trainer state) are
     rank 0's."""
-    from megatron_s3ac.trainer.checkpoint import _OWNER_RE
+    from megatron_s3ac.trainer.run.checkpoint import _OWNER_RE
 
     owner = lambda f: int(m[1]) if (m := _OWNER_RE.search(f)) else 0  # noqa: E731
     assert {f: owner(f) for f in ("rank1.pt", "rank12.pt", "rng_rank1.pt", "__1_0.distcp", "__0_3.distcp",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_s3ac.models.gloo_ranks import run_distributed
-from megatron_s3ac.trainer.batch import collate, micro_batches, pack_rows, per_token
+from megatron_s3ac.trainer.step.batch import collate, micro_batches, pack_rows, per_token
 from megatron_s3ac.config import load_config
 from tests.trainer.test_trainer import SMALL, capture_batches
 
@@ -85,7 +85,7 @@ def test_typed_batch_select_and_typos():
 def _save_init(out_dir, actor_dir, critic_dir):
     from megatron.core import dist_checkpointing
 
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, BASE + [f"train.out_dir={out_dir}"]))
     for d, m in ((actor_dir, tr.actor), (critic_dir, tr.critic)):
@@ -94,7 +94,7 @@ def _save_init(out_dir, actor_dir, critic_dir):
 
 
 def _one_step(overrides, out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, BASE + overrides + [f"train.out_dir={out_dir}"]))
     seen = capture_batches(tr)

@@ -12,7 +12,7 @@ from tests.trainer.test_trainer import SMALL
 
 
 def _score(reward, out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, SMALL + [f"rollout.reward={reward}", "rollout.reward_timeout_s=20",
                                             f"train.out_dir={out_dir}"]))
@@ -51,7 +51,7 @@ def test_fresh_run_refuses_a_dir_with_checkpoints(tmp_path, capsys):
 
 
 def _colocated(out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, SMALL + ["algo.dynamic_sampling=false", "actor_layout.ep=2",
                                             f"train.out_dir={out_dir}"]))
@@ -78,7 +78,7 @@ def test_colocated_engine_sleeps_while_models_train(tmp_path):
 
 
 def _step_metrics(placement, out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, SMALL + ["algo.dynamic_sampling=false", "actor_layout.ep=2", "train.eval_every=0",
                                             f"rollout.placement={placement}", f"train.out_dir={out_dir}"]))

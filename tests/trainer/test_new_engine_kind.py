@@ -72,7 +72,7 @@ register_weight_sync("toy_cpu", "colocated", ToyEngineSync)
 
 
 def _one_step(out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(None, SMALL + ["rollout.engine=toy_cpu", f"train.out_dir={out_dir}"])
     tr = Trainer(cfg)

@@ -1,4 +1,4 @@
-"""``s3ac-train pipeline`` (trainer.pipeline): which keys each stage depends on, the DONE.json skip /
+"""``s3ac-train pipeline`` (trainer.stages.pipeline): which keys each stage depends on, the DONE.json skip /
 mismatch rule, the stage plan, the fresh-value-head warning (train banner, ``check``), and, under torchrun
 (slow), a kill inside every stage followed by a re-run that completes with the uninterrupted run's results."""
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron_s3ac.config import ConfigError, load_config
-from megatron_s3ac.trainer.pipeline import (
+from megatron_s3ac.trainer.stages.pipeline import (
     STAGES, StageMismatch, fresh_critic_warning, pipeline_errors, planned_stages, read_done, stage_dirs,
     stage_fingerprint, stage_keys, stage_values, write_done,
 )
@@ -156,7 +156,8 @@ def test_check_reports_the_fresh_head_and_strict_refuses(capsys):
 
 
 def test_train_prints_the_banner_on_rank0_before_building(monkeypatch, capsys, tmp_path):
-    from megatron_s3ac.trainer import cli, loop
+    from megatron_s3ac.trainer import cli
+    from megatron_s3ac.trainer.step import trainer as loop
 
     class Stop(Exception):
         pass

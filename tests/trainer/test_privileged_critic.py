@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from megatron_s3ac.models.gloo_ranks import run_distributed
-from megatron_s3ac.trainer.batch import collate, micro_batches, per_token
+from megatron_s3ac.trainer.step.batch import collate, micro_batches, per_token
 from megatron_s3ac.config import load_config
 from megatron_s3ac.data.prompts import CharVocab
-from megatron_s3ac.trainer.privileged import PrivilegedBlocks, block_text, critic_view
+from megatron_s3ac.trainer.step.privileged import PrivilegedBlocks, block_text, critic_view
 from tests.trainer.test_layouts_packing import _whole
 from tests.trainer.test_trainer import SMALL, capture_batches
 
@@ -65,7 +65,7 @@ BASE = SMALL + ["algo.name=s3ac", "actor_layout.ep=1", "daps.enabled=false", "al
 
 
 def _alignment(out_dir, packed):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     extra = ["algo.max_tokens_per_micro_batch=40"] if packed else []
     tr = Trainer(load_config(None, BASE + extra + ["model.critic_privileged=answer", f"train.out_dir={out_dir}"]))
@@ -100,7 +100,7 @@ def test_privileged_value_of_token_t_sees_prompt_block_and_earlier_tokens(tmp_pa
 
 def _step_seen(out_dir, privileged):
     """One RL step; what the engine was asked, what the actor read, and the step's metrics."""
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, BASE + [f"model.critic_privileged={privileged}", f"train.out_dir={out_dir}"]))
     requests, actor_inputs, critic_inputs = [], [], []
@@ -175,7 +175,7 @@ def test_privileged_values_are_layout_free(overrides, priv_init, tmp_path):
 def _subset_and_whitening(out_dir, subset_path):
     import json
 
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, BASE + ["model.critic_privileged=answer", "algo.normalize_advantages=true",
                                            "daps.enabled=true", f"train.out_dir={out_dir}"]))
@@ -204,7 +204,7 @@ def test_prompt_subset_restricts_rl_and_advantages_are_whitened(tmp_path):
 
 
 def test_prompt_subset_and_block_bound_bad_input(tmp_path):
-    from megatron_s3ac.trainer.build import read_prompt_subset
+    from megatron_s3ac.trainer.step.build import read_prompt_subset
 
     bad = tmp_path / "bad.json"
     bad.write_text('{"prompt_ids": [["a"]]}')

@@ -44,7 +44,7 @@ def test_config_refusals(overrides, msg):
 
 
 def _refill_run(out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(None, BASE + [f"rollout.reward={COIN}", "algo.dynamic_sampling_refill=true",
                                     "algo.refill_max_factor=2", "algo.entropy_control=gepo_candidate",
@@ -94,7 +94,7 @@ def test_refill_entropy_hook_lambda_and_head_init_world2(tmp_path):
 
 
 def _multistep_run(out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(None, BASE + ["data.task=multistep", "rollout.reward=multistep", "rollout.max_new_tokens=16",
                                     "data.min_operands=3", "data.max_operands=4", "algo.dynamic_sampling_refill=true",
@@ -121,7 +121,7 @@ def test_multistep_task_trains_world2(tmp_path):
 
 
 def _chain_run(out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(None, BASE + ["data.task=chain", "rollout.reward=chain", "data.chain=add", "data.min_len=6",
                                     "data.max_len=7", "rollout.max_new_tokens=15", "actor_layout.ep=1",

@@ -43,7 +43,7 @@ def _rl_steps(paths, mcore, out_dir, trainable, steps, tp=1):
     import numpy as np
 
     from megatron_s3ac.models.vision import vision_of
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
     from tests.trainer.test_trainer import capture_batches
 
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"), _overrides(paths, mcore, out_dir, trainable, steps, tp))
@@ -132,7 +132,7 @@ def test_kill_and_resume_with_carried_tensors(miniature, tmp_path, trainable):
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     from megatron_s3ac.convert import mcore_to_hf
-    from megatron_s3ac.trainer.checkpoint import latest_checkpoint
+    from megatron_s3ac.trainer.run.checkpoint import latest_checkpoint
     from tests.qwen3_5.test_vl_checkpoint import _side_files, _tensors
     from tests.trainer.test_trainer import _metrics, _torchrun
 
@@ -178,7 +178,7 @@ def _critic_tower_from_actor(paths, mcore, out_dir):
     from safetensors.torch import load_file
 
     from megatron_s3ac.models.vision import unwrap_gpt, vision_of
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"), _overrides(paths, mcore, out_dir, True, 1)
                       + ["actor_layout.ep=1", "actor_layout.pp=2", "critic_layout.tp=2"])
@@ -230,7 +230,7 @@ def test_text_rl_evaluates_image_benchmarks(miniature, tmp_path):
     over = _overrides(paths, mcore, str(out), False, 1) + [f"data.path={text}", "train.eval_every=1",
                                                            "train.save_every=1"]
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"), over)
-    from megatron_s3ac.trainer.build import build_data, image_eval_sets, image_prompts
+    from megatron_s3ac.trainer.step.build import build_data, image_eval_sets, image_prompts
 
     assert image_eval_sets(cfg) == ["heldout"] and not image_prompts(build_data(cfg, use_daps=False).prompts)
     r = _torchrun([os.path.join(ROOT, "examples", "cpu_demo_vl.yaml")] + over, timeout=900)

@@ -8,9 +8,9 @@ import torch
 
 from megatron_s3ac.algorithms.registry import AdvInputs, get_adv_est
 from megatron_s3ac.models.gloo_ranks import run_distributed
-from megatron_s3ac.trainer.batch import collate
-from megatron_s3ac.trainer.metrics import reduce_sums, s3ac_gae_metric_sums, s3ac_gae_metrics
-from megatron_s3ac.trainer.sharding import RankRole, RowShard, class_sources, owned_rows, plan_shares
+from megatron_s3ac.trainer.step.batch import collate
+from megatron_s3ac.trainer.step.metrics import reduce_sums, s3ac_gae_metric_sums, s3ac_gae_metrics
+from megatron_s3ac.trainer.step.sharding import RankRole, RowShard, class_sources, owned_rows, plan_shares
 
 
 def test_owned_rows_are_contiguous_whole_groups():
@@ -97,7 +97,7 @@ def test_s3ac_metrics_from_shard_sums_equal_the_whole_batch():
 def _distribute_rank(n, group):
     import torch.distributed as dist
 
-    from megatron_s3ac.trainer.scatter import distribute
+    from megatron_s3ac.trainer.step.scatter import distribute
 
     rank = dist.get_rank()
     roles = _roles_pp2_dp2()
@@ -139,7 +139,7 @@ def test_distribute_sends_each_rank_its_rows_and_layers():
 
 
 def test_metadata_mask_and_shard_width_match_the_whole_batch():
-    from megatron_s3ac.trainer.batch import RolloutMeta, collate
+    from megatron_s3ac.trainer.step.batch import RolloutMeta, collate
 
     samples = [{"prompt_ids": [1, 2], "response_ids": [3] * n, "logprobs": [-1.0] * n, "reward": float(n), "pid": n,
                 "plen": 2, "rlen": n} for n in (1, 4, 2)]
@@ -153,7 +153,7 @@ def test_metadata_mask_and_shard_width_match_the_whole_batch():
 
 def _algo_step(algo, out_dir):
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
     from tests.trainer.test_trainer import SMALL, capture_batches
 
     k = [] if algo == "grpo_x" else ["rollout.k=1", "algo.actor_minibatches=2"]

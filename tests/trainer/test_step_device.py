@@ -21,9 +21,9 @@ def _step(out_dir):
     from torch.distributed import distributed_c10d as c10d
 
     import megatron_s3ac.models.pipeline as pipeline
-    import megatron_s3ac.trainer.loop as loop
-    from megatron_s3ac.trainer.device import trainer_device
-    from megatron_s3ac.trainer.loop import Trainer
+    import megatron_s3ac.trainer.step.trainer as loop
+    from megatron_s3ac.trainer.step.device import trainer_device
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, SMALL + ["actor_layout.ep=2", "algo.dynamic_sampling=false", "model.dtype=bf16",
                                             f"train.out_dir={out_dir}"]))

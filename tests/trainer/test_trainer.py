@@ -94,7 +94,7 @@ def test_gpu_example_configs_match_the_schema():
 
 # ---- end to end on 2 ranks ---------------------------------------------------------------------
 def _e2e(overrides, out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     # a random model gets (almost) no rewards: without the group filter every step updates
     cfg = load_config(None, SMALL + ["algo.dynamic_sampling=false"] + overrides + [f"train.out_dir={out_dir}"])
@@ -159,8 +159,8 @@ def test_baselines_run(algo, tmp_path):
 
 # ---- value pretraining ---------------------------------------------------------------------------
 def _vpt(out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
-    from megatron_s3ac.trainer.value_pretrain import value_pretrain
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from megatron_s3ac.trainer.stages.value_pretrain import value_pretrain
 
     cfg = load_config(None, SMALL + ["actor_layout.ep=2", f"train.out_dir={out_dir}", "value_pretrain.batch_size=8"])
     tr = Trainer(cfg)
@@ -192,7 +192,7 @@ def test_value_pretrain_freezes_attention_and_router(tmp_path):
 
 # ---- checkpoints -------------------------------------------------------------------------------
 def test_latest_checkpoint_ignores_partial_saves(tmp_path):
-    from megatron_s3ac.trainer.checkpoint import latest_checkpoint
+    from megatron_s3ac.trainer.run.checkpoint import latest_checkpoint
 
     root = tmp_path / "checkpoints"
     (root / "step_000002").mkdir(parents=True)
@@ -243,7 +243,7 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
 def _r3(out_dir, extra=()):
     import numpy as np
 
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cfg = load_config(None, SMALL + ["actor_layout.ep=2", "algo.name=grpo_x", "daps.enabled=false",
                                      "algo.dynamic_sampling=false", f"train.out_dir={out_dir}", *extra])
@@ -290,7 +290,7 @@ def test_r3_replays_engine_routes_world2(tmp_path):
 
 def test_r3_config_refusals():
     from megatron_s3ac.config import validate
-    from megatron_s3ac.trainer.loop import _r3_setting  # noqa: F401 (train.r3 -> R3 switch)
+    from megatron_s3ac.trainer.step.trainer import _r3_setting  # noqa: F401 (train.r3 -> R3 switch)
 
     with pytest.raises(ConfigError, match="train.r3"):
         load_config(None, SMALL + ["train.r3=sometimes"])
@@ -312,8 +312,8 @@ def test_r3_config_refusals():
 
 # ---- periodic evaluation ----------------------------------------------------------------------
 def _eval_vs_no_eval(out_dir):
-    from megatron_s3ac.trainer.run import train_loop
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.run.train_loop import train_loop
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     common = SMALL + ["actor_layout.ep=2", "train.steps=3", "algo.dynamic_sampling=false"]
     runs = {}
@@ -328,7 +328,7 @@ def _eval_vs_no_eval(out_dir):
 
 
 def test_eval_mid_training_leaves_training_identical_world2(tmp_path):
-    from megatron_s3ac.trainer.plotting import plot_run
+    from megatron_s3ac.trainer.run.plotting import plot_run
 
     history = run_distributed(_eval_vs_no_eval, 2, str(tmp_path))[0]
     with_eval, plain = _metrics(tmp_path / "eval"), _metrics(tmp_path / "plain")
@@ -347,7 +347,7 @@ def test_eval_mid_training_leaves_training_identical_world2(tmp_path):
 
 
 def _mini_demo(out_dir):
-    from megatron_s3ac.trainer.demo import run_demo
+    from megatron_s3ac.trainer.stages.demo import run_demo
 
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo.yaml"), [
         "rollout.prompts_per_step=16", "rollout.k=4", "data.num_prompts=300", "data.eval_prompts=24",

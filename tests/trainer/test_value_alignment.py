@@ -1,6 +1,6 @@
 """Issue 29's controlled check, the alignment half: which prefix the critic's value of response token t sees.
 
-The batched values (collate's idx = P - 1 + t, trainer.batch.per_token) must equal a per-token loop that runs the
+The batched values (collate's idx = P - 1 + t, trainer.step.batch.per_token) must equal a per-token loop that runs the
 bare critic model (no collate, no idx) on the prefix prompt + o_<t alone and reads its last position: V(s_t) is the value of the state *before*
 o_t is chosen, the one value pretraining regresses on R and GAE uses. An off-by-one (reading P + t, which sees o_t,
 or P - 2 + t) fails here. And the oracle target of tools/critic_reference_fit.py against hand-derived values.
@@ -19,8 +19,8 @@ SMALL = ["model.tiny=arithmetic_moe", "data.num_prompts=50", "data.eval_prompts=
 
 
 def _alignment(out_dir):
-    from megatron_s3ac.trainer.batch import collate
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.batch import collate
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     tr = Trainer(load_config(None, SMALL + ["actor_layout.ep=1", f"train.out_dir={out_dir}"]))
     g = torch.Generator().manual_seed(0)
@@ -71,9 +71,9 @@ def test_reference_fit_targets_hand_derived():
 
 
 def _vpt_returns(out_dir):
-    from megatron_s3ac.trainer.batch import collate
-    from megatron_s3ac.trainer.loop import Trainer
-    from megatron_s3ac.trainer.value_pretrain import value_pretrain
+    from megatron_s3ac.trainer.step.batch import collate
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from megatron_s3ac.trainer.stages.value_pretrain import value_pretrain
 
     tr = Trainer(load_config(None, SMALL + ["actor_layout.ep=1", f"train.out_dir={out_dir}",
                                             "value_pretrain.batch_size=8", "value_pretrain.epochs=1"]))

@@ -19,7 +19,7 @@ def test_wandb_project_without_wandb_is_a_config_error():
 
 @pytest.mark.skipif(not HAVE_WANDB, reason="optional extra: pip install 'megatron_s3ac[wandb]'")
 def test_wandb_offline_run_logs_and_resumes(tmp_path, monkeypatch):
-    from megatron_s3ac.trainer.logging import MetricsLogger
+    from megatron_s3ac.trainer.run.logging import MetricsLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

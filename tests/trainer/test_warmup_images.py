@@ -1,4 +1,4 @@
-"""Issue 27: the supervised warm-up (trainer/warmup.py) on the multimodal miniature's image prompts. Its samples
+"""Issue 27: the supervised warm-up (trainer/stages/warmup.py) on the multimodal miniature's image prompts. Its samples
 carry ``Prompt.images`` into the actor's forward (checked by a hook on the actor's vision tower: one call per
 micro-batch, fed exactly the prompts' pixel rows) and their answers are the checkpoint's HF tokenizer ids + its
 EOS (reference: the tokenizer called directly); a few steps at the demo's learning rate lower the per-token
@@ -16,8 +16,8 @@ STEPS = 12
 
 def _warmup(paths, mcore, out_dir):
     from megatron_s3ac.models.vision import vision_of
-    from megatron_s3ac.trainer import warmup as W
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.stages import warmup as W
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     m = paths["model"]
     cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"), [

@@ -1,4 +1,4 @@
-"""demo.coverage_overshoot_evals (trainer/warmup.py): the supervised warm-up trains on for n evaluation
+"""demo.coverage_overshoot_evals (trainer/stages/warmup.py): the supervised warm-up trains on for n evaluation
 intervals past its target, snapshotting each as a stronger coverage policy, and then hands RL the weights
 of the step where it stopped. Reference: the same warm-up without overshoot (it stops at that step)."""
 import pytest
@@ -14,8 +14,8 @@ BASE = ["model.tiny=arithmetic_moe", "actor_layout.ep=1", "data.num_prompts=64",
 def _warmup(out_dir, overshoot):
     import torch
 
-    from megatron_s3ac.trainer.loop import Trainer
-    from megatron_s3ac.trainer.warmup import supervised_warmup
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from megatron_s3ac.trainer.stages.warmup import supervised_warmup
 
     cfg = load_config(None, BASE + [f"demo.coverage_overshoot_evals={overshoot}", f"train.out_dir={out_dir}"])
     tr = Trainer(cfg)
@@ -52,8 +52,8 @@ def test_negative_overshoot_is_refused():
 
 
 def _capped(out_dir):
-    from megatron_s3ac.trainer.loop import Trainer
-    from megatron_s3ac.trainer.warmup import supervised_warmup
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from megatron_s3ac.trainer.stages.warmup import supervised_warmup
 
     cfg = load_config(None, BASE + ["demo.coverage_overshoot_evals=2", "demo.target_pass_rate=1.0",
                                     "demo.warmup_max_steps=6", f"train.out_dir={out_dir}"])

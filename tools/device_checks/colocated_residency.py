@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     from megatron_s3ac.models.gloo_ranks import free_port, init_single_process
     from megatron_s3ac.testing.residency import ResidencyAudit
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     init_single_process("nccl" if cuda else "gloo", free_port())
     out = a.out or tempfile.mkdtemp(prefix="colocated_residency_")

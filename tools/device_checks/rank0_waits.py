@@ -10,7 +10,7 @@ under a short NCCL timeout. <= 3 min.
 Rank 0's real engine is made --slow s late to start and --slow s slower per ``generate``
 (``megatron_s3ac.audit.pg_timeout.slow_rank0_engine``), then ``train_loop`` runs one RL step with a periodic
 evaluation: three rank-0-only phases, each longer than the process group's timeout. With the fix the other ranks
-wait them out on the trainer's gloo group (``trainer.rank0``, deadline ``train.dist_timeout_s``); before it they
+wait them out on the trainer's gloo group (``trainer.step.rank0``, deadline ``train.dist_timeout_s``); before it they
 waited inside NCCL collectives and the watchdog aborted them (the CPU test: tests/gpu_readiness/
 test_finding_4_rank0_phase_timeout.py). One JSON line per rank (survived, steps, seconds); exit 0 when every
 rank finished.
@@ -56,10 +56,10 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=pg_timeout))
     rank = dist.get_rank()
     from megatron_s3ac.audit.pg_timeout import slow_rank0_engine
-    from megatron_s3ac.trainer import build
+    from megatron_s3ac.trainer.step import build
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.loop import Trainer
-    from megatron_s3ac.trainer.run import train_loop
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from megatron_s3ac.trainer.run.train_loop import train_loop
 
     out = tempfile.mkdtemp(prefix=f"rank0_waits_{rank}_")
     cfg = load_config(None, [

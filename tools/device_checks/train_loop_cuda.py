@@ -276,8 +276,8 @@ def run_trainer(args, bf16: bool) -> dict:
     import tempfile
 
     from megatron_s3ac.config import load_config
-    from megatron_s3ac.trainer.device import trainer_device
-    from megatron_s3ac.trainer.loop import Trainer
+    from megatron_s3ac.trainer.step.device import trainer_device
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     cuda = torch.cuda.is_available()
     if cuda:

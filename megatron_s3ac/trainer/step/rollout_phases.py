@@ -1,13 +1,13 @@
 """The rollout phases of one step: prompt selection (DAPS or the seeded stream), generation and scoring
 on rank 0, the DAPO group filter, DAPO refill rounds, and the sharded hand-out of the kept rows.
-A mixin of ``trainer.loop.Trainer``: it uses the Trainer's engine, prompts, DAPS sampler and critic, and its
-rollout source (``Trainer.source``, trainer.source) around every generation: the asynchronous source restarts an
+A mixin of ``trainer.step.trainer.Trainer``: it uses the Trainer's engine, prompts, DAPS sampler and critic, and its
+rollout source (``Trainer.source``, trainer.step.source) around every generation: the asynchronous source restarts an
 engine that died in it.
 
 Data flow: rank 0 keeps the samples (token ids, log-probs, R3 routes); every rank receives only their
 metadata (prompt id, reward, lengths, finish reason: a few numbers per sample, what the filter, DAPS
 and the rollout metrics need). After the filter, ``distribute`` sends each rank its own rows
-(trainer.sharding, trainer.scatter) and the step runs on that shard.
+(trainer.step.sharding, trainer.step.scatter) and the step runs on that shard.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.algorithms.registry import clamp_values
-from megatron_s3ac.trainer.batch import RolloutBatch, RolloutMeta, collate
+from megatron_s3ac.trainer.step.batch import RolloutBatch, RolloutMeta, collate
 
 
 def sampling_params(cfg, step: int, round_idx: int = 0):
@@ -69,8 +69,8 @@ class RolloutResult:
 class RolloutPhases:
     @property
     def device(self) -> torch.device:
-        """Where this rank's models and the step's tensors live (trainer.device.trainer_device)."""
-        from megatron_s3ac.trainer.device import trainer_device
+        """Where this rank's models and the step's tensors live (trainer.step.device.trainer_device)."""
+        from megatron_s3ac.trainer.step.device import trainer_device
 
         return trainer_device()
 
@@ -125,7 +125,7 @@ class RolloutPhases:
                     if all(s.finish_reason != "abort" for s in g)]
             aborted = (n_aborted, len(groups) - len(kept))
             flat = [(pid, s) for _, pid, group in kept for s in group]
-            if rewards is not None:  # scored group by group as they came back (trainer.async_loop)
+            if rewards is not None:  # scored group by group as they came back (trainer.step.async_loop)
                 rewards = [float(x) for gi, _, _ in kept for x in rewards[gi]]
             else:
                 rewards = self.score([self.decode(s.response_ids) for _, s in flat],
@@ -151,9 +151,9 @@ class RolloutPhases:
         """The kept samples (rank 0: whole; elsewhere metadata) -> this rank's shard of the step's
         batch, on the model's device: the rows its actor and critic own (whole groups when the
         algorithm needs them) and R3 routes of its actor rows cut to its pipeline stage's MoE layers
-        (collective; trainer.sharding / trainer.scatter)."""
-        from megatron_s3ac.trainer.scatter import distribute
-        from megatron_s3ac.trainer.sharding import RowShard
+        (collective; trainer.step.sharding / trainer.step.scatter)."""
+        from megatron_s3ac.trainer.step.scatter import distribute
+        from megatron_s3ac.trainer.step.sharding import RowShard
 
         group = self.cfg.rollout.k if self.spec.needs_groups else 1
         local, shares = distribute(samples, group, self.rank_roles(), routes=self.r3_on)
@@ -168,8 +168,8 @@ class RolloutPhases:
         if getattr(self, "_roles", None) is None:
             from megatron.core import parallel_state as ps
 
-            from megatron_s3ac.trainer.scatter import gather_roles
-            from megatron_s3ac.trainer.sharding import RankRole
+            from megatron_s3ac.trainer.step.scatter import gather_roles
+            from megatron_s3ac.trainer.step.sharding import RankRole
 
             with self.model_scope("actor"):
                 a = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

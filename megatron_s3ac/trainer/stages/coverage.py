@@ -2,7 +2,7 @@
 prompt set at the RL response length and pool (prompt ids, response ids, reward) into one jsonl.
 
 The one implementation behind ``tools/build_coverage_data.py`` and the pipeline's ``coverage`` stage
-(trainer.pipeline). The engine comes from the rollout factory (``rollout.engine``: cpu | hf | sglang), the
+(trainer.stages.pipeline). The engine comes from the rollout factory (``rollout.engine``: cpu | hf | sglang), the
 response length is ``rollout.max_new_tokens`` (the RL length: coverage exists to supply the long correct
 responses a short cut would drop), the reward is ``rollout.reward``.
 """
@@ -37,7 +37,7 @@ class CoverageSettings:
 def coverage_settings(cfg) -> CoverageSettings:
     """The coverage settings a trainer config implies: its engine, RL response length and sampling;
     ``pipeline.coverage_k`` (else ``demo.coverage_k``) samples per prompt."""
-    from megatron_s3ac.trainer.build import model_dtype
+    from megatron_s3ac.trainer.step.build import model_dtype
 
     r = cfg.rollout
     return CoverageSettings(engine=getattr(r.engine, "value", r.engine), sglang=r.sglang, vllm=r.vllm,
@@ -131,7 +131,7 @@ def generate_coverage(policies: Sequence[str], prompts: Sequence, settings: Cove
     Image prompts (``Prompt.images``, models.multimodal.ImageInputs): the engines load the checkpoint multimodal and
     are given each prompt's images; the row of an image prompt records ``prompt_index`` (``prompt_index[j]`` for
     ``prompts[j]``, default j: its index in the prompt set the trainer loads), from which value pretraining takes
-    the same pixels back (trainer.value_pretrain.attach_row_images): the jsonl holds ids, never pixels."""
+    the same pixels back (trainer.stages.value_pretrain.attach_row_images): the jsonl holds ids, never pixels."""
     from megatron_s3ac.rollout.base import SamplingParams
     from megatron_s3ac.rollout.engines.registry import EngineRequest, engine_spec
     from megatron_s3ac.rollout.factory import build_rollout_engine

@@ -1,6 +1,6 @@
 """Where a step's batch comes from: the one thing that differs between the synchronous and the asynchronous loop.
 
-``Trainer.step`` is the only step frame (trainer.loop)::
+``Trainer.step`` is the only step frame (trainer.step.trainer)::
 
     result = source.next_batch(m)      # select, generate, score, filter, distribute (RolloutResult)
     trainer.train_on(result.batch, m)  # critic values, old log-probs, advantages, actor + critic updates
@@ -8,7 +8,7 @@
     source.end_step(m, t0, result)     # the source's own metrics (time/step, async/*)
 
 A source also guards every generation the rollout phases start (``generate``): the synchronous source calls the
-engine (rank 0), the asynchronous one (trainer.async_loop.AsyncSource: submission, staleness, engine restart,
+engine (rank 0), the asynchronous one (trainer.step.async_loop.AsyncSource: submission, staleness, engine restart,
 partial rollout) restarts an engine that died and generates again. ``state_dict`` is what a checkpoint keeps of it
 (None: nothing).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from megatron_s3ac.trainer.rollout_phases import RolloutResult
+from megatron_s3ac.trainer.step.rollout_phases import RolloutResult
 
 
 class RolloutSource(Protocol):
@@ -68,10 +68,10 @@ class SyncSource:
 
 
 def make_source(tr) -> RolloutSource:
-    """``train.max_staleness > 0``: the asynchronous source (trainer.async_loop); else the synchronous one."""
+    """``train.max_staleness > 0``: the asynchronous source (trainer.step.async_loop); else the synchronous one."""
     n = int(getattr(tr.cfg.train, "max_staleness", 0) or 0)
     if n > 0:
-        from megatron_s3ac.trainer.async_loop import AsyncSource
+        from megatron_s3ac.trainer.step.async_loop import AsyncSource
 
         return AsyncSource(tr, n)
     return SyncSource(tr)

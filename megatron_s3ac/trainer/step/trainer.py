@@ -1,7 +1,7 @@
 """The S3AC online loop (paper §3.1-3.4) and its critic-free baselines, on megatron-core.
 
 ``Trainer.step()`` is the one step frame, for the synchronous and the asynchronous loop alike: its batch comes
-from the rollout source (trainer.source: ``SyncSource`` rolls out now, trainer.async_loop's ``AsyncSource`` keeps
+from the rollout source (trainer.step.source: ``SyncSource`` rolls out now, trainer.step.async_loop's ``AsyncSource`` keeps
 ``train.max_staleness`` batches in flight), then the training phases, then the weight sync. Every phase below is
 one method with typed inputs and outputs (every rank runs the same code; rank 0 also hosts the engine):
 
@@ -14,13 +14,13 @@ one method with typed inputs and outputs (every rank runs the same code; rank 0 
   update_critic    clipped value loss, ``critic_epochs`` epochs (S3AC only)
   sync_weights     actor -> engine (the one weight path: the engine kind's registered sync strategy)
 
-The rollout phases (select_prompts .. rollout_refilled) live in trainer.rollout_phases, the engine side
-(sync_weights, sleep, scoring) in trainer.engine_side, both mixins of Trainer; where the models' states live
-between phases (train.offload_idle) in ``Trainer.placement`` (trainer.placement).
-Construction lives in trainer.build, the mini-batch runner and forward pass in trainer.minibatch,
-per-micro-batch losses in trainer.losses, R3 in r3.glue, evaluation in eval.periodic. Parallelism:
-each rank holds only the rows its models' DP ranks own (trainer.sharding) and computes their outputs,
-advantages and metric sums (trainer.shard_metrics); the critic may use its own layout
+The rollout phases (select_prompts .. rollout_refilled) live in trainer.step.rollout_phases, the engine side
+(sync_weights, sleep, scoring) in trainer.step.engine_side, both mixins of Trainer; where the models' states live
+between phases (train.offload_idle) in ``Trainer.placement`` (trainer.step.placement).
+Construction lives in trainer.step.build, the mini-batch runner and forward pass in trainer.step.minibatch,
+per-micro-batch losses in trainer.step.losses, R3 in r3.glue, evaluation in eval.periodic. Parallelism:
+each rank holds only the rows its models' DP ranks own (trainer.step.sharding) and computes their outputs,
+advantages and metric sums (trainer.step.shard_metrics); the critic may use its own layout
 (``critic_layout``), installed around every critic operation by ``model_scope("critic")``.
 """
 from __future__ import annotations
@@ -35,18 +35,18 @@ import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.algorithms.registry import get_algo
-from megatron_s3ac.trainer import build as B
-from megatron_s3ac.trainer.batch import RolloutBatch, collate
+from megatron_s3ac.trainer.step import build as B
+from megatron_s3ac.trainer.step.batch import RolloutBatch, collate
 from megatron_s3ac.config import Config, model_info_for, validate
-from megatron_s3ac.trainer.engine_side import EngineSide, sync_strategy_for
-from megatron_s3ac.trainer.losses import actor_loss, critic_loss, forward_outputs
-from megatron_s3ac.trainer import shard_metrics as S
-from megatron_s3ac.trainer.metrics import masked_sums, ratio, token_means, world_mean
-from megatron_s3ac.trainer.minibatch import MicroBatcher, forward_only, run_minibatches, shuffled_minibatches
-from megatron_s3ac.trainer.placement import Placement
-from megatron_s3ac.trainer.privileged import PrivilegedBlocks, critic_view
-from megatron_s3ac.trainer.rollout_phases import RolloutPhases
-from megatron_s3ac.trainer.source import SyncSource, make_source
+from megatron_s3ac.trainer.step.engine_side import EngineSide, sync_strategy_for
+from megatron_s3ac.trainer.step.losses import actor_loss, critic_loss, forward_outputs
+from megatron_s3ac.trainer.step import shard_metrics as S
+from megatron_s3ac.trainer.step.metrics import masked_sums, ratio, token_means, world_mean
+from megatron_s3ac.trainer.step.minibatch import MicroBatcher, forward_only, run_minibatches, shuffled_minibatches
+from megatron_s3ac.trainer.step.placement import Placement
+from megatron_s3ac.trainer.step.privileged import PrivilegedBlocks, critic_view
+from megatron_s3ac.trainer.step.rollout_phases import RolloutPhases
+from megatron_s3ac.trainer.step.source import SyncSource, make_source
 
 
 def _r3_setting(cfg: Config, info):
@@ -59,7 +59,7 @@ class Trainer(EngineSide, RolloutPhases):
 
     def __init__(self, cfg: Config):
         from megatron_s3ac.models.parallel import init_distributed
-        from megatron_s3ac.trainer.rank0 import Rank0Phases
+        from megatron_s3ac.trainer.step.rank0 import Rank0Phases
 
         torch.set_num_threads(cfg.train.threads)
         init_distributed(timeout_s=cfg.train.dist_timeout_s)
@@ -222,7 +222,7 @@ class Trainer(EngineSide, RolloutPhases):
 
     def critic_input(self, batch: RolloutBatch) -> RolloutBatch:
         """What the critic reads of ``batch``: the batch itself, or with each row's privileged block between
-        prompt and response (``model.critic_privileged``; trainer.privileged.critic_view)."""
+        prompt and response (``model.critic_privileged``; trainer.step.privileged.critic_view)."""
         if self.privileged is None:
             return batch
         return critic_view(batch, [self._priv_ids[int(i)] for i in batch.pid.tolist()], self.pad_to)
@@ -269,7 +269,7 @@ class Trainer(EngineSide, RolloutPhases):
     # ---- the phases of one step ----------------------------------------------------------------
     def old_logprobs(self, batch: RolloutBatch) -> dict:
         """batch.old_logp := the actor's log-probs before this step's updates (+ entropy, R3 metrics);
-        metrics over the actor's rows, reduced over its DP ranks (trainer.shard_metrics)."""
+        metrics over the actor's rows, reduced over its DP ranks (trainer.step.shard_metrics)."""
         old = self._forward_only("actor", batch, "logp")
         batch.old_logp = old["logp"]
         batch.old_entropy = old["entropy"]  # [N, T] for the entropy-control hook
@@ -293,7 +293,7 @@ class Trainer(EngineSide, RolloutPhases):
 
     def advantages(self, batch: RolloutBatch) -> dict:
         """batch.adv (+ old_values, returns with a critic; is_w, keep with IS corrections). A sharded
-        batch: each rank computes its own rows' (trainer.shard_metrics.shard_advantages). The critic's values:
+        batch: each rank computes its own rows' (trainer.step.shard_metrics.shard_advantages). The critic's values:
         batch.old_values when the step computed them already (critic_values), else computed here."""
         a, mask = self.cfg.algo, batch.mask
         values = getattr(batch, "old_values", None)
@@ -373,7 +373,7 @@ class Trainer(EngineSide, RolloutPhases):
         m.update(self.old_logprobs(batch))
         m.update(self.advantages(batch))
         if self.cfg.train.credit_every and self.step_idx % self.cfg.train.credit_every == 0:
-            from megatron_s3ac.trainer.credit_record import record_credit
+            from megatron_s3ac.trainer.step.credit_record import record_credit
 
             record_credit(self, batch)  # per-token advantages for the credit plot (tools/plot_credit.py)
         m["time/old_logp_values"] = time.time() - t1
@@ -389,7 +389,7 @@ class Trainer(EngineSide, RolloutPhases):
         m["skipped_steps_total"] = self.skipped_steps
 
     def step(self) -> dict:
-        """One RL step: the source's batch (trainer.source), the training phases on it, the weight sync. A step whose
+        """One RL step: the source's batch (trainer.step.source), the training phases on it, the weight sync. A step whose
         batch is empty (every group aborted or filtered out) trains nothing and syncs nothing."""
         t0 = time.time()
         m: dict = {"step": self.step_idx}

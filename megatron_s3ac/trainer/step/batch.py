@@ -61,7 +61,7 @@ class RolloutBatch:
     keep: Optional[Tensor] = None
     old_values: Optional[Tensor] = None
     returns: Optional[Tensor] = None
-    # sharded data flow (trainer.sharding): which global rows this rank holds and which of them each
+    # sharded data flow (trainer.step.sharding): which global rows this rank holds and which of them each
     # model owns (None: every rank holds the whole batch); the MoE layers the routes were cut to
     # (global indices, in order; None: all layers)
     shard: Optional[Any] = None

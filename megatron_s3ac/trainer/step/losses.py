@@ -3,7 +3,7 @@
 Losses are sums; megatron divides by the global ``count`` (calculate_per_token_loss), so a mini-batch
 is a true token (or sequence) mean over micro-batches and DP ranks (with CP, ``per_token`` gathers the
 sequence and ``cp_count`` reports the count once per CP group). ``metrics["num_tokens"]`` weighs
-this micro-batch's metrics (trainer.metrics.token_means); ``loss_sum`` lets the runner skip a step
+this micro-batch's metrics (trainer.step.metrics.token_means); ``loss_sum`` lets the runner skip a step
 whose loss is not finite.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from megatron_s3ac import algorithms as A
 from megatron_s3ac.algorithms.registry import PolicyLossInputs, get_policy_loss
-from megatron_s3ac.trainer.batch import MicroBatch, cp_count, next_token_targets, per_token
+from megatron_s3ac.trainer.step.batch import MicroBatch, cp_count, next_token_targets, per_token
 
 
 def actor_loss(mb: MicroBatch, logits: torch.Tensor, *, policy_loss: str, algo_cfg, vocab_size: int,

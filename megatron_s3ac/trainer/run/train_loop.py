@@ -10,8 +10,8 @@ def train_loop(tr) -> None:
     """Resume if a checkpoint exists, run to ``train.steps``; held-out evaluation every ``eval_every``
     steps (rank 0, logged in that step's metrics row); checkpoint every ``save_every`` steps, and also
     at a step whose evaluation is the best so far (kept from the keep-last-K rotation)."""
-    from megatron_s3ac.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from megatron_s3ac.trainer.logging import MetricsLogger, truncate_after
+    from megatron_s3ac.trainer.run.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from megatron_s3ac.trainer.run.logging import MetricsLogger, truncate_after
 
     cfg = tr.cfg.train
     if tr.cfg.data.prompt_subset:  # before a resume: the stream and DAPS state are the subset's
@@ -36,7 +36,7 @@ def train_loop(tr) -> None:
     while tr.step_idx < cfg.steps:
         m = tr.step()
         m.update(tr.periodic_eval())  # rank 0 only; after the step's weight sync
-        # saving is collective: every rank must agree (eval runs on rank 0, the others wait: trainer.rank0)
+        # saving is collective: every rank must agree (eval runs on rank 0, the others wait: trainer.step.rank0)
         best = tr.rank0.share("periodic evaluation", float(m.get("eval/is_best", 0.0)))
         if log is not None:
             log.log(m)

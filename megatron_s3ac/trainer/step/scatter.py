@@ -1,4 +1,4 @@
-"""Sharded data flow, the transport: rank 0's kept samples -> each rank's own rows (trainer.sharding).
+"""Sharded data flow, the transport: rank 0's kept samples -> each rank's own rows (trainer.step.sharding).
 
 Two hops, point to point: rank 0 sends each class of ranks (ranks that hold the same rows: the TP /
 PP / EP peers of one DP rank) one copy of its rows, with routes cut to the union of the class's MoE
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch.distributed as dist
 
-from megatron_s3ac.trainer.sharding import RankRole, RankShare, class_sources, plan_shares
+from megatron_s3ac.trainer.step.sharding import RankRole, RankShare, class_sources, plan_shares
 
 def gather_roles(role: RankRole) -> list[RankRole]:
     """Every rank's role (collective; once per run)."""

@@ -1,6 +1,6 @@
 """The trainer's engine side: the one weight path actor -> engine (the engine kind's registered sync strategy,
-FP8 quantizer), colocated sleep, the models' residency around it (``Trainer.placement``, trainer.placement), and
-reward scoring (rank 0). A mixin of ``trainer.loop.Trainer``: it uses the Trainer's engine, models, config and
+FP8 quantizer), colocated sleep, the models' residency around it (``Trainer.placement``, trainer.step.placement), and
+reward scoring (rank 0). A mixin of ``trainer.step.trainer.Trainer``: it uses the Trainer's engine, models, config and
 reward pool."""
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_s3ac.trainer.batch import RolloutBatch
+from megatron_s3ac.trainer.step.batch import RolloutBatch
 
 TEXT_ANSWER = "\n\n[Reference answer]\n{answer}\n\n"
 TEXT_SOLUTION = "\n\n[Reference solution]\n{solution}\n[Reference answer]\n{answer}\n\n"

@@ -24,7 +24,7 @@ def _full(tr, batch, x: torch.Tensor, model: str) -> torch.Tensor:
     """[N, ...] of the whole step's batch on every rank (a sharded batch's rows gathered)."""
     if getattr(batch, "shard", None) is None:
         return x
-    from megatron_s3ac.trainer.shard_metrics import gather_full
+    from megatron_s3ac.trainer.step.shard_metrics import gather_full
 
     return gather_full(batch, x, model)
 

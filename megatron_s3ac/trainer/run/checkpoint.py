@@ -458,7 +458,7 @@ def _write_best_marker(root: str, step: int) -> None:
 
 def _resident(tr):
     """Both models on the device while they are saved or loaded (colocated offload keeps them on the host while the
-    engine is awake: trainer.engine_side.models_resident)."""
+    engine is awake: trainer.step.engine_side.models_resident)."""
     return tr.models_resident()
 
 

@@ -1,7 +1,7 @@
 """The CPU demo, end to end in one torchrun job (so megatron starts once): the pipeline's stages
-(trainer.pipeline) — supervised warm-up of a tiny Qwen3-MoE on "a+b=" until the greedy pass rate enters
+(trainer.stages.pipeline) — supervised warm-up of a tiny Qwen3-MoE on "a+b=" until the greedy pass rate enters
 the 10-60% band -> coverage data from several warm-up snapshots -> value pretraining -> S3AC (or GRPO-X)
-— then the before/after pass-rate table and curve PNGs. The warm-up itself lives in trainer.warmup."""
+— then the before/after pass-rate table and curve PNGs. The warm-up itself lives in trainer.stages.warmup."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import os
 import shutil
 import time
 
-from megatron_s3ac.trainer.warmup import save_engine_hf, supervised_warmup  # noqa: F401 (the demo's API)
+from megatron_s3ac.trainer.stages.warmup import save_engine_hf, supervised_warmup  # noqa: F401 (the demo's API)
 
 
 def export_eval_inputs(tr, out: str, tag: str) -> None:
@@ -33,9 +33,9 @@ def export_eval_inputs(tr, out: str, tag: str) -> None:
 
 
 def run_demo(cfg) -> dict:
-    """The pipeline's stages (trainer.pipeline: warm-up -> coverage -> value pretraining -> RL, each
+    """The pipeline's stages (trainer.stages.pipeline: warm-up -> coverage -> value pretraining -> RL, each
     resumable and skipped when done) + the before/after table, curves and ``demo_result.json``."""
-    from megatron_s3ac.trainer.pipeline import Pipeline
+    from megatron_s3ac.trainer.stages.pipeline import Pipeline
 
     t_start = time.time()
     out = cfg.train.out_dir
@@ -67,7 +67,7 @@ def run_demo(cfg) -> dict:
                     "seed": e.seed, "batch_size": e.batch_size, "sampled_temperature": e.temperature, "sampled_k": e.k,
                     "max_new_tokens": e.max_new_tokens or cfg.rollout.max_new_tokens}, **vpt}
     if tr.rank == 0:
-        from megatron_s3ac.trainer.plotting import plot_run
+        from megatron_s3ac.trainer.run.plotting import plot_run
 
         # the stages' logs next to metrics.jsonl, where plot_run and tools/reproduce_claims.py read them
         for stage, name in (("warmup", "warmup.jsonl"), ("value_pretrain", "value_pretrain.jsonl")):

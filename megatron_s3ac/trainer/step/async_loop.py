@@ -25,11 +25,11 @@ Engine failure: rank 0 waits for the engine at two points of a step and broadcas
 rebuilt, re-synced (every rank) and its unreturned batches resubmitted, at most ``rollout.max_engine_restarts``
 times a step (``rollout/engine_restarts``). The queue is saved with the checkpoint (``state_dict``).
 
-Partial rollout (``rollout.partial_rollout: true``; trainer/async_partial.py): at the sync the engine is paused
+Partial rollout (``rollout.partial_rollout: true``; trainer/step/async_partial.py): at the sync the engine is paused
 instead of waited for, and the unfinished responses resume on the new weights, each token tagged with its version;
 a sample's staleness is then its oldest token's.
 
-This is a rollout source (trainer.source): ``Trainer.step`` is the one step frame and calls ``next_batch``,
+This is a rollout source (trainer.step.source): ``Trainer.step`` is the one step frame and calls ``next_batch``,
 ``sync_weights`` and ``end_step`` here when ``train.max_staleness > 0``; every rank runs them (prompt selection, the
 DAPO filter and the training phases are collective); rank 0 owns the engine, submits and waits.
 """
@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from megatron_s3ac.trainer.batch import RolloutMeta
+from megatron_s3ac.trainer.step.batch import RolloutMeta
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity (pids is a tensor)
@@ -142,14 +142,14 @@ class AsyncSource:
         self._step_restarts = 0  # in the current step (bounded by rollout.max_engine_restarts)
         self._trained = False  # the current step's update is done: a re-sync sends version step + 1
         self.version = 0  # the weights version the engine holds (the trainer step whose weights it last received)
-        from megatron_s3ac.trainer.async_partial import make_partial
+        from megatron_s3ac.trainer.step.async_partial import make_partial
 
         self.partial = make_partial(self)  # rollout.partial_rollout: None unless on
 
     # ---- submission ---------------------------------------------------------------------------
     def _params(self, step: int):
-        """The sampling params of ``step``'s first round (trainer.rollout_phases.sampling_params: one seed rule)."""
-        from megatron_s3ac.trainer.rollout_phases import sampling_params
+        """The sampling params of ``step``'s first round (trainer.step.rollout_phases.sampling_params: one seed rule)."""
+        from megatron_s3ac.trainer.step.rollout_phases import sampling_params
 
         return sampling_params(self.tr.cfg, step)
 
@@ -190,7 +190,7 @@ class AsyncSource:
                 except engine_death_types() as err:
                     verdict = [(f"{type(err).__name__}: {err}", self.lost_steps(entries))]
             # the other ranks wait for rank 0's wait on the engine on the gloo group with the run's deadline
-            # (trainer.rank0: never inside a default-group collective that NCCL's watchdog would abort)
+            # (trainer.step.rank0: never inside a default-group collective that NCCL's watchdog would abort)
             verdict = self._share(verdict[0])
             if verdict is None:
                 return
@@ -257,7 +257,7 @@ class AsyncSource:
         return tr.rank0.share("asynchronous rollout's engine wait", verdict) if tr.world > 1 else verdict
 
     def _restart(self, why: str, lost: set, entries: list) -> None:
-        from megatron_s3ac.trainer import build as B
+        from megatron_s3ac.trainer.step import build as B
 
         tr = self.tr
         self.restarts += 1
@@ -338,13 +338,13 @@ class AsyncSource:
                 scored(stream.wait_all())
         return [rewards[i] for i in range(len(e.pids))]
 
-    # ---- the source's part of a step (trainer.source) ------------------------------------------------
+    # ---- the source's part of a step (trainer.step.source) ------------------------------------------------
     def next_batch(self, m: dict):
         """Every rank: keep N batches in flight (submitting the new ones with the engine's current weights), wait for
         this step's (a dead engine is restarted here), then the synchronous rollout phases on it: its groups already
         generated (``FirstRound``), DAPO's refill rounds generated now. Checks the staleness bound on the kept
         samples and adds ``async/staleness_*`` (and partial rollout's ``async/versions_per_response_*``)."""
-        from megatron_s3ac.trainer.rollout_phases import FirstRound
+        from megatron_s3ac.trainer.step.rollout_phases import FirstRound
 
         tr = self.tr
         s = tr.step_idx
@@ -375,7 +375,7 @@ class AsyncSource:
                                    f"old would train at step {s}, above train.max_staleness={self.n}")
             r.metrics.update(st)
             if self.partial is not None:
-                from megatron_s3ac.trainer.async_partial import versions_metrics
+                from megatron_s3ac.trainer.step.async_partial import versions_metrics
 
                 r.metrics.update(versions_metrics(r.kept))
         return r

@@ -15,8 +15,8 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_s3ac.trainer.batch import MicroBatch, RolloutBatch, micro_batches, pad_micro_batches, shard_rows
-from megatron_s3ac.trainer.device import trainer_device
+from megatron_s3ac.trainer.step.batch import MicroBatch, RolloutBatch, micro_batches, pad_micro_batches, shard_rows
+from megatron_s3ac.trainer.step.device import trainer_device
 
 
 @dataclasses.dataclass(frozen=True)

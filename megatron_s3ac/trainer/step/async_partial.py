@@ -1,7 +1,7 @@
 """Partial rollout in the asynchronous loop (``rollout.partial_rollout: true``; rollout/partial.py, docs/rollout.md
 "Partial rollout", docs/algorithms.md "Off-policy update").
 
-At the end of step s the synchronous-weights loop (trainer/async_loop.py) waits for every prefetched batch before
+At the end of step s the synchronous-weights loop (trainer/step/async_loop.py) waits for every prefetched batch before
 it syncs. With partial rollout it pauses the engine instead (``interrupt``): the batches come back at once, their
 unfinished responses with finish_reason "abort" and what they have; after the sync (weights version s + 1)
 ``resume`` continues them on the new weights, each new token tagged s + 1. When the batch is collected

@@ -3,7 +3,7 @@
     warmup          (model.tiny only) supervised warm-up of the from-scratch demo model into a policy:
                     policies/step_N/ (HF dir + tokenizer) per evaluation point, actor/ (torch_dist), warmup.jsonl
     coverage        (critic used, value_pretrain.enabled, no model.critic_init) coverage.jsonl from
-                    pipeline.policies, rolled out with rollout.engine at rollout.max_new_tokens (trainer.coverage)
+                    pipeline.policies, rolled out with rollout.engine at rollout.max_new_tokens (trainer.stages.coverage)
     value_pretrain  (as coverage) critic/ (torch_dist; frozen attention + router, value_pretrain.* LR and
                     schedule), value_pretrain.jsonl
     rl              train.out_dir as ``s3ac-train train`` writes it, from the warm-up actor and the pretrained critic
@@ -226,17 +226,17 @@ def release_engine(tr) -> bool:
 
 
 def restore_engine(tr) -> None:
-    """Start rank 0's engine again as the trainer built it (trainer.build.build_engine); the caller syncs weights.
+    """Start rank 0's engine again as the trainer built it (trainer.step.build.build_engine); the caller syncs weights.
     Building draws nothing from the trainer's random stream."""
     import torch
 
-    from megatron_s3ac.trainer import build as B
+    from megatron_s3ac.trainer.step import build as B
 
     with torch.random.fork_rng(devices=[]):
         tr.engine, _ = B.build_engine(tr.cfg, tr.info, multimodal=tr.multimodal)
     tr.sync_strategy.attach(tr.engine)  # its sessions were closed before the old engine went (run_coverage)
     if tr.placement.offload_colocated:
-        tr.engine_sleep()  # the next sync wakes it in the colocated order (trainer.engine_side)
+        tr.engine_sleep()  # the next sync wakes it in the colocated order (trainer.step.engine_side)
 
 
 # ---- the stages -------------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ class Pipeline:
         self.fingerprints = {s: stage_fingerprint(cfg, s) for s in STAGES}
         self._orig_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
         if trainer is None:
-            from megatron_s3ac.trainer.loop import Trainer
+            from megatron_s3ac.trainer.step.trainer import Trainer
 
             trainer = Trainer(cfg)
         self.tr = trainer
@@ -345,7 +345,7 @@ class Pipeline:
         return self.results
 
     def _resident(self, stage: str):
-        """The models on the device for a stage that trains, saves or loads them (trainer.engine_side.models_resident:
+        """The models on the device for a stage that trains, saves or loads them (trainer.step.engine_side.models_resident:
         with colocated offload they live on the host while the engine is awake). Not for coverage (its engines need
         the memory) nor rl (its steps place the models themselves)."""
         return self.tr.models_resident() if stage not in ("coverage", "rl") else contextlib.nullcontext()
@@ -379,7 +379,7 @@ class Pipeline:
 
     # -- warmup
     def _run_warmup(self, t0: float) -> dict:
-        from megatron_s3ac.trainer.warmup import save_engine_hf, supervised_warmup
+        from megatron_s3ac.trainer.stages.warmup import save_engine_hf, supervised_warmup
 
         tr, d = self.tr, self._fresh_dir("warmup")
         log_f = self._jsonl(os.path.join(d, "warmup.jsonl"))
@@ -409,12 +409,12 @@ class Pipeline:
 
     def _bcast(self, obj):
         """Rank 0's ``obj`` (e.g. its evaluation's result) on every rank; the others wait on the trainer's gloo
-        group with the run's deadline (trainer.rank0), not inside a collective of the default group."""
+        group with the run's deadline (trainer.step.rank0), not inside a collective of the default group."""
         return self.tr.rank0.share("pipeline stage (rank 0's result)", obj)
 
     # -- coverage
     def coverage_policies(self) -> list[str]:
-        from megatron_s3ac.trainer.coverage import resolve_policies
+        from megatron_s3ac.trainer.stages.coverage import resolve_policies
 
         try:
             return resolve_policies(self.cfg, self.dirs["warmup"])
@@ -425,7 +425,7 @@ class Pipeline:
         """Rank 0 rolls the policies out; the other ranks wait for its verdict file (a long generation would outlast
         a collective's timeout), with a deadline. An engine pool of the trainer's holds its GPUs in Ray even asleep,
         so the coverage engines could never be placed: it is closed first and started again after."""
-        from megatron_s3ac.trainer.coverage import build_coverage
+        from megatron_s3ac.trainer.stages.coverage import build_coverage
 
         tr, d = self.tr, self._fresh_dir("coverage")
         verdict = os.path.join(d, COVERAGE_VERDICT)
@@ -491,7 +491,7 @@ class Pipeline:
 
     def _run_value_pretrain(self, t0: float) -> dict:
         from megatron_s3ac.data.prompts import read_coverage
-        from megatron_s3ac.trainer.value_pretrain import value_pretrain
+        from megatron_s3ac.trainer.stages.value_pretrain import value_pretrain
 
         tr, d = self.tr, self._fresh_dir("value_pretrain")
         rows, stats = read_coverage(self.coverage_path())
@@ -529,7 +529,7 @@ class Pipeline:
                 f.write(to_yaml(cfg))
 
     def _run_rl(self, t0: float) -> dict:
-        from megatron_s3ac.trainer.run import train_loop
+        from megatron_s3ac.trainer.run.train_loop import train_loop
 
         tr = self.tr
         train_loop(tr)

@@ -1,4 +1,4 @@
-"""The CPU demo's supervised warm-up (the pipeline's ``warmup`` stage, trainer.pipeline): a from-scratch
+"""The CPU demo's supervised warm-up (the pipeline's ``warmup`` stage, trainer.stages.pipeline): a from-scratch
 tiny model is trained by cross-entropy on reference answers until its greedy held-out pass rate enters
 the 10-60% band RL needs; its evaluation points are saved as HF dirs (the coverage policies). With
 ``demo.coverage_overshoot_evals = n`` it trains on for n more evaluation intervals past the target, saving
@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from megatron_s3ac.trainer.batch import collate, cp_count, next_token_targets, per_token
+from megatron_s3ac.trainer.step.batch import collate, cp_count, next_token_targets, per_token
 from megatron_s3ac.data.prompts import EOS
-from megatron_s3ac.trainer.minibatch import run_minibatches
+from megatron_s3ac.trainer.step.minibatch import run_minibatches
 
 
 def supervised_warmup(tr, log, snapshot=None) -> dict:
@@ -63,7 +63,7 @@ def supervised_warmup(tr, log, snapshot=None) -> dict:
                 acc = tr.evaluate()
                 if snapshot is not None:
                     snapshot(step)
-            acc = tr.rank0.share("warm-up evaluation", acc)  # the other ranks wait on gloo (trainer.rank0)
+            acc = tr.rank0.share("warm-up evaluation", acc)  # the other ranks wait on gloo (trainer.step.rank0)
             log({"step": step, "warmup/greedy_pass_rate": acc, "warmup/time": time.time() - t0,
                  "warmup/nll_rank0": sum(nll), **({"warmup/overshoot": True} if stop is not None else {})})
             if stop is not None:
@@ -92,7 +92,7 @@ def warmup_sample(tr, i: int) -> dict:
     """The warm-up's training sample of prompt ``i``: its reference answer + EOS as the response. The character
     vocabulary (text demos) encodes it with its own EOS; an HF tokenizer (a checkpoint's, e.g. the multimodal
     miniature's) with ``add_special_tokens=False`` + its ``eos_token_id`` (what the engine stops on). An image
-    prompt's ``Prompt.images`` travels with the sample into the actor's forward (trainer.batch.collate)."""
+    prompt's ``Prompt.images`` travels with the sample into the actor's forward (trainer.step.batch.collate)."""
     p = tr.prompts[i]
     if hasattr(tr.vocab, "chars"):  # the text demos' path, unchanged
         return {"prompt_ids": p.ids, "response_ids": tr.vocab.encode(p.reference) + [EOS],

@@ -1,4 +1,4 @@
-"""The step's phases on a DP-sharded batch (trainer.sharding): per-model row masks, metric sums reduced
+"""The step's phases on a DP-sharded batch (trainer.step.sharding): per-model row masks, metric sums reduced
 over a model's DP ranks, advantages computed where the rows are, and the rare whole-batch assembly.
 
 Where a row's advantage is computed: critic-free estimators need only the rewards and lengths, which
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac.algorithms.registry import AdvInputs, AdvOutput, get_adv_est
-from megatron_s3ac.trainer.metrics import reduce_sums, s3ac_gae_metric_sums, s3ac_gae_metrics
+from megatron_s3ac.trainer.step.metrics import reduce_sums, s3ac_gae_metric_sums, s3ac_gae_metrics
 
 # estimators whose advantages and returns of a row depend on that row only (and the algo config)
 ROW_LOCAL_WITH_CRITIC = {"s3ac_gae"}

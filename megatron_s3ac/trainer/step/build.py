@@ -89,9 +89,9 @@ def _build_optimizer(name: str, ddp, **kw):
 
 
 def _to_device(module):
-    """The model on the trainer's device (``trainer.device.trainer_device``: CUDA unless absent or
+    """The model on the trainer's device (``trainer.step.device.trainer_device``: CUDA unless absent or
     S3AC_FORCE_CPU; megatron already allocates there)."""
-    from megatron_s3ac.trainer.device import trainer_device
+    from megatron_s3ac.trainer.step.device import trainer_device
 
     return module.to(trainer_device())
 

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_s3ac import algorithms as A
-from megatron_s3ac.trainer.batch import collate, cp_count, per_token
-from megatron_s3ac.trainer.device import trainer_device
-from megatron_s3ac.trainer.minibatch import run_minibatches, shuffled_minibatches
-from megatron_s3ac.trainer.privileged import critic_view
+from megatron_s3ac.trainer.step.batch import collate, cp_count, per_token
+from megatron_s3ac.trainer.step.device import trainer_device
+from megatron_s3ac.trainer.step.minibatch import run_minibatches, shuffled_minibatches
+from megatron_s3ac.trainer.step.privileged import critic_view
 
 
 def value_pretrain(tr, rows: list[dict], log=None) -> dict:
@@ -27,7 +27,7 @@ def value_pretrain(tr, rows: list[dict], log=None) -> dict:
 
 
 def attach_row_images(prompts, rows: list[dict]) -> list[dict]:
-    """Coverage rows of image prompts (trainer.coverage: ``prompt_index`` = the prompt's index in the trainer's
+    """Coverage rows of image prompts (trainer.stages.coverage: ``prompt_index`` = the prompt's index in the trainer's
     prompt set) -> the same rows with ``images`` = that prompt's ``ImageInputs`` (what the critic's vision path
     takes, as in RL). A row whose index is out of range, whose prompt has no images, or whose ``prompt_ids`` are
     not that prompt's ids (coverage data of another prompt set) raises ValueError naming the row. Text rows pass
@@ -80,7 +80,7 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
     ddp = wrap_ddp(critic, tr.critic_config)
     opt = build_optimizer([ddp], lr=vc.lr, clip_grad=vc.clip_grad)
     samples = [dict(r, logprobs=[0.0] * len(r["response_ids"]), pid=0) for r in attach_row_images(tr.prompts, rows)]
-    batch = collate(samples, tr.pad_to).to(tr.device)  # on the models' device (trainer.device)
+    batch = collate(samples, tr.pad_to).to(tr.device)  # on the models' device (trainer.step.device)
     # lambda = 1, gamma = 1: the return of every valid token is the terminal reward R; a row may instead carry
     # per-token "returns" (one per response token): a controlled target (tools/critic_reference_fit.py, issue 29)
     batch.returns = batch.scores[:, None] * batch.mask

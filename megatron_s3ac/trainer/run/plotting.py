@@ -22,13 +22,13 @@ PANELS = [  # (title, metric keys, file); an entry of None = the per-benchmark k
     ("masked by corrections (IcePoP: tokens, MIS: responses)", ["mismatch/icepop_masked_frac",
                                                                 "mismatch/mis_masked_frac"], "masked.png"),
     ("R3 routing agreement (native vs replayed)", ["r3/agreement"], "routing_agreement.png"),
-    # asynchronous rollout (train.max_staleness; trainer.async_loop)
+    # asynchronous rollout (train.max_staleness; trainer.step.async_loop)
     ("async: staleness of trained tokens (weight versions)", ["async/staleness_mean", "async/staleness_max"],
      "async_staleness.png"),
     ("async: engine busy fraction / trainer wait (s)", ["time/engine_busy_frac", "time/trainer_wait"],
      "async_engine.png"),
     ("async: end-to-end trained tokens / s", ["time/tokens_per_s"], "async_throughput.png"),
-    # partial rollout (rollout.partial_rollout; trainer.async_partial): per sync, and versions per trained response
+    # partial rollout (rollout.partial_rollout; trainer.step.async_partial): per sync, and versions per trained response
     ("partial rollout: responses resumed / regenerated at the sync; versions per response",
      ["async/partial_resumes", "async/partial_regenerated", "async/versions_per_response_max"],
      "async_partial.png"),

@@ -1,0 +1,1 @@
+"""A run of steps: the training loop, checkpoints, metrics logs and plots."""

@@ -1,0 +1,1 @@
+"""The pipeline's stages around RL (warm-up, coverage data, value pretraining) and the demo."""
