@@ -171,7 +171,10 @@ def simulate(seed: int = 0) -> dict:
         "decode_step_s": "memory-bound: (all expert + dense weights bytes, every expert is hit at batch >= 32) + "
                          "active x mean context x KV bytes/token) / (4.8 TB/s HBM x 0.5 efficiency)",
         "hbm_tb_s": 4.8, "hbm_efficiency": 0.5,
-        "weight_sync_s": "61 GB of bf16 weights broadcast at 40 GB/s (IB, per-GPU NIC) = 1.5 s",
+        "weight_sync_s": "the planner's weight-sync model (plan/weight_sync.py, s3ac-plan's step_time.weight_sync_s):"
+                         " the sync as built (stage leaders gather the TP/EP shards, then broadcast 61 GB of bf16 "
+                         "HF tensors through one 40 GB/s NIC, engine-side load, per-bucket RPCs), exposed in every "
+                         "arm (the engine stops for it)",
         "kv_capacity": "not binding: the planner's capacity is at the max length; at the mean context (~1/4-1/2 of "
                        "it) an engine holds its 64 sequences",
         "partial_rollout": "rollout.partial_rollout at train.max_staleness >= 2: a weight sync pauses the engines "
@@ -200,13 +203,15 @@ def simulate(seed: int = 0) -> dict:
         tokens = float((lengths + A["prompt_len"]).sum())
         train_tok_s = plan["throughput_proxy_tokens_per_s_per_gpu"] * plan["train_gpus"]
         train = tokens / train_tok_s
-        sync_w = 61e9 / 40e9
+        sync_w = plan["step_time"]["weight_sync_s"]
         t_sync, t_async, t_partial = gen + train + sync_w, max(gen, train) + sync_w, max(gen_partial, train) + sync_w
         out["results"][f"cap_{cap}"] = {
             "response_len_mean": float(lengths.mean()), "response_len_p99": float(np.percentile(lengths, 99)),
             "capped_frac": float((lengths >= cap).mean()),
             "plan_train_tokens_per_s_per_gpu": plan["throughput_proxy_tokens_per_s_per_gpu"],
             "plan_layout": plan["layout"], "engine_capacity_seqs": eng["capacity_seqs_at_max_len"],
+            "plan_weight_sync": {k: plan["weight_sync"][k] for k in ("gather_s", "broadcast_s", "engine_load_s",
+                                                                      "rpc_s", "buckets")},
             "gen_s": gen, "gen_s_partial_rollout": gen_partial, "train_s": train, "weight_sync_s": sync_w,
             "step_s": {"sync": t_sync, "async_one_step": t_async, "async_partial_rollout": t_partial},
             "speedup_vs_sync": {"async_one_step": t_sync / t_async, "async_partial_rollout": t_sync / t_partial},

@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-ep", type=int)
     g.add_argument("--engine-attn-dp", type=int)
     g.add_argument("--engine-mem-fraction", type=float)
+    g.add_argument("--sync-bucket-mb", type=int,
+                   help="weight-sync bucket in MiB (default: the config's rollout.<engine>.bucket_mb, else 512)")
+    g.add_argument("--sync-fp8", action="store_true", default=None,
+                   help="block-FP8 weights on the wire (default: the config's rollout.weights_dtype == fp8)")
     g = p.add_argument_group("layout (omit to enumerate)")
     for name in ("tp", "cp", "pp", "ep", "etp", "first-stage-layers", "last-stage-layers"):
         g.add_argument(f"--{name}", type=int)
@@ -81,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
     g.add_argument("--yaml", action="store_true", help="print the trainer config snippet of the chosen layout")
     g.add_argument("--top", type=int, default=8, help="candidates shown")
+    g.add_argument("--weight-sync", action="store_true",
+                   help="separate engines: print the weight-sync table per pipeline stage (plan/weight_sync.py) and "
+                        "what each change to the transfer would give")
     return p
 
 
@@ -199,6 +206,9 @@ def resolve(args) -> tuple:
         engine_gpus=int(pick(args.engine_gpus, default=0)), engine_tp=int(pick(args.engine_tp, default=0)),
         engine_ep=int(pick(args.engine_ep, default=0)), engine_attn_dp=int(pick(args.engine_attn_dp, default=1)),
         engine_mem_fraction=float(pick(args.engine_mem_fraction, default=0.0)),
+        sync_bucket_mb=int(pick(args.sync_bucket_mb, (ro.get(str(ro.get("engine") or "")) or {}).get("bucket_mb"),
+                                default=512)),
+        sync_fp8=bool(pick(args.sync_fp8, default=str(ro.get("weights_dtype") or "bf16") == "fp8")),
         logprob_chunk=int(pick(args.logprob_chunk, default=0)), backend=pick(args.backend, default="gpu"))
     errs = knobs.validate()
     if errs:
@@ -237,7 +247,8 @@ def _lay(lay) -> dict:
     return d
 
 
-def to_dict(e) -> dict:
+def to_dict(e, info=None) -> dict:
+    """The estimate as JSON; with the model's ``info`` and separate engines also its time per step and weight sync."""
     lay = e.layout
     world = e.train_gpus
     worst_params = max(e.stages, key=lambda s: s.params.total)
@@ -273,10 +284,12 @@ def to_dict(e) -> dict:
                          "mem_fraction": round(g.mem_fraction, 3), "capacity_seqs_at_max_len": g.capacity,
                          "needed_seqs_per_engine": g.needed}
         from megatron_s3ac.plan.async_time import step_times
+        from megatron_s3ac.plan.weight_sync import for_estimate
 
-        st = step_times(e)
+        st = step_times(e, info) if info is not None else None
         if st is not None:  # separate engines: time per step, sync vs one-step async (train.max_staleness: 1)
             out["step_time"] = st
+            out["weight_sync"] = for_estimate(info, e).terms()
     return out
 
 
@@ -359,6 +372,21 @@ def table(results, info, top: int) -> str:
     return "\n".join(out)
 
 
+def _weight_sync_text(e, info) -> str:
+    """``--weight-sync``: the per-stage table of the sync as built and the total of each change to it."""
+    from megatron_s3ac.plan.weight_sync import LADDER, for_estimate, table
+
+    ws = for_estimate(info, e)
+    if ws is None:
+        return "weight sync: modelled for separate engines only (--placement separate)"
+    lines = [f"weight sync, actor {_lay(e.layout)} on {e.train_gpus} GPUs -> {e.engine.engines} engines of TP "
+             f"{e.engine.tp} (plan/weight_sync.py; docs/planner.md \"Weight-sync time\"):", table(ws),
+             "what each change to the transfer gives (cumulative):"]
+    for v in LADDER:
+        lines.append(f"  {v.name:<52} {for_estimate(info, e, variant=v).total_s:6.2f} s")
+    return "\n".join(lines)
+
+
 def _cp_only(args) -> int | None:
     """``--cp N`` given without any other actor layout flag: the CP size the search is restricted to."""
     others = ("tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers")
@@ -408,7 +436,12 @@ def run(argv=None) -> int:
                      f"batch needs {best.engine.needed} per engine (it runs in waves)")
     sugg = [] if best.fits else suggestions(info, cluster, w, knobs, fixed, critic, cps=cps)
     if args.json:
-        d = to_dict(best)
+        d = to_dict(best, info)
+        if args.weight_sync and "weight_sync" in d:
+            from megatron_s3ac.plan.weight_sync import LADDER, for_estimate
+
+            d["weight_sync_variants"] = {v.name: round(for_estimate(info, best, variant=v).total_s, 3)
+                                         for v in LADDER}
         d["model_type"] = info.model_type
         d["suggestions"] = sugg
         d["notes"] = notes
@@ -428,11 +461,14 @@ def run(argv=None) -> int:
         print(f"best: {verdict(best)}")
         from megatron_s3ac.plan.async_time import step_times
 
-        st = step_times(best)
+        st = step_times(best, info)
         if st is not None:
             print(f"time per step (proxy, plan/async_time.py): sync {st['sync_step_s']:g} s = generation "
                   f"{st['generation_s']:g} + training {st['training_s']:g} + weight sync {st['weight_sync_s']:g}; "
-                  f"one-step async (train.max_staleness: 1) {st['async_step_s']:g} s ({st['async_speedup']:g}x)")
+                  f"one-step async (train.max_staleness: 1) {st['async_step_s']:g} s ({st['async_speedup']:g}x); "
+                  f"with the sync overlapped {st['async_overlapped_step_s']:g} s")
+        if args.weight_sync:
+            print(_weight_sync_text(best, info))
         for line in notes + sugg:
             print(line)
     return 0

@@ -37,5 +37,25 @@ IB_GBPS = 40.0  # GB/s per GPU across nodes (400 Gb/s NIC per GPU, assumed effec
 HBM_TBPS = 4.8  # H200 HBM3e TB/s per GPU (sync-vs-async step-time proxy: memory-bound decode; plan.async_time)
 HBM_EFFICIENCY = 0.5  # fraction of HBM bandwidth a decode step sustains (assumed)
 
+# ---- weight sync (plan/weight_sync.py): peak link rates per direction, and what a transfer achieves ------------
+# NVIDIA H100 Tensor Core GPU datasheet (SXM): NVLink 900 GB/s per GPU, counted both ways -> 450 GB/s each way.
+NVLINK_PEAK_GBPS = 450.0
+# NVIDIA ConnectX-7 datasheet: 400 Gb/s NDR InfiniBand per port -> 50 GB/s each way.
+NIC_PEAK_GBPS = 50.0
+# NVIDIA DGX H100 user guide (and HGX H100 reference designs): eight single-port ConnectX-7 on the compute fabric,
+# one on each GPU's PCIe switch. A GPU reaches other nodes through its own NIC: NCCL's PXN routes a remote send to
+# the destination GPU's rail, so one GPU's inter-node traffic in either direction meets one NIC.
+NICS_PER_NODE = 8
+# achieved / peak for large (>= 100 MB) NCCL transfers (assumed; nccl-tests busbw on H100 nodes is commonly quoted at
+# ~0.8-0.95 of these peaks; the low end is taken since a sync also pays kernel launches and stream syncs per bucket)
+NVLINK_EFFICIENCY = 0.8
+NIC_EFFICIENCY = 0.8
+# engine side, per bucket: the controller's two round trips to every engine (check_weights, then
+# update_weights_from_distributed, whose reply ends the bucket); a Ray call into the engine's HTTP server (assumed)
+ENGINE_RPC_S = 0.002
+# engine side, per HF tensor: the model's weight_loader (Python dispatch, narrow to the rank's shard, copy kernel
+# launch), paid on every engine rank in parallel (assumed)
+ENGINE_LOAD_S_PER_TENSOR = 20e-6
+
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 MAX_CP = 16  # largest context-parallel size the layout search tries (powers of two)

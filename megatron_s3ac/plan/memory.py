@@ -84,6 +84,8 @@ class Knobs:
     logprob_chunk: int = 0  # tokens per log-prob / entropy chunk (0 = the whole micro-batch at once)
     backend: str = "gpu"  # gpu: TE / flash / fla kernels; cpu: this project's torch spec (calibration)
     vision_trainable: bool = False  # the vision tower trains (grads + optimizer states); default frozen
+    sync_bucket_mb: int = 512  # weight-sync bucket (rollout.<engine>.bucket_mb; plan.weight_sync)
+    sync_fp8: bool = False  # block-FP8 weights on the wire (rollout.weights_dtype: fp8; plan.weight_sync)
 
     def validate(self) -> list[str]:
         errs = []
@@ -101,6 +103,8 @@ class Knobs:
             errs.append("precision_aware optimizer needs dtype=bf16")
         if self.backend not in ("gpu", "cpu"):
             errs.append(f"backend={self.backend!r} must be gpu or cpu")
+        if self.sync_bucket_mb < 1:
+            errs.append(f"sync_bucket_mb={self.sync_bucket_mb} must be >= 1")
         for key in ("engine_gpus", "engine_tp", "engine_ep", "logprob_chunk"):
             if getattr(self, key) < 0:
                 errs.append(f"{key}={getattr(self, key)} must be >= 0")

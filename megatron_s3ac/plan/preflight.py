@@ -141,6 +141,6 @@ def preflight(cfg: Any, world_size: int | None = None, knobs=None) -> PreflightR
         rep.errors += [f"planner knobs: {e}" for e in errs]
         return rep
     est = estimate(info, actor, cluster, w, knobs, critic)
-    rep.estimate = to_dict(est)
+    rep.estimate = to_dict(est, info)
     rep.warnings += [f"memory: {p}" for p in est.problems]
     return rep
