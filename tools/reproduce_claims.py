@@ -431,7 +431,7 @@ def plan(args, size: Size, chosen: list[Claim]) -> tuple[list[Job], dict[str, st
 
 def _hidden_size(cfg) -> int:
     if cfg.model.tiny is not None:
-        from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
+        from megatron_s3ac.tasks.arithmetic import tiny_arithmetic_hf_config
 
         return int(tiny_arithmetic_hf_config().hidden_size)
     from transformers import AutoConfig

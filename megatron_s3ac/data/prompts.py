@@ -38,29 +38,6 @@ class CharVocab:
         return "".join(self.chars[i - 3] for i in ids if 3 <= i < self.size)
 
 
-def tiny_arithmetic_hf_config():
-    """The demo model: Qwen3-MoE architecture, 2 layers, hidden 64, 4 experts top-2 (~126K params)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=CharVocab().size, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    return cfg
-
-
-def tiny_task_hf_config(vocab: CharVocab, max_prompt_tokens: int, max_response_tokens: int):
-    """The demo model for a character-vocabulary task (tasks.multistep, tasks.chain): its
-    vocabulary, and positions for the longest prompt + response (at least the demo's 64)."""
-    cfg = tiny_arithmetic_hf_config()
-    cfg.vocab_size = vocab.size
-    cfg.max_position_embeddings = max(64, max_prompt_tokens + max_response_tokens)
-    return cfg
-
-
 @dataclass
 class Prompt:
     ids: list[int]
@@ -68,25 +45,6 @@ class Prompt:
     reference: str
     images: Optional[object] = None  # models.multimodal.ImageInputs of an image prompt (ids hold its placeholders)
     solution: Optional[str] = None  # the row's worked solution (a ``solution`` column): the critic's, never the actor's
-
-
-def arithmetic_prompts(n: int, max_operand: int, seed: int, vocab: CharVocab | None = None,
-                       exclude: set[str] | None = None) -> list[Prompt]:
-    """n distinct "a+b=" prompts with a, b uniform in [0, max_operand] (seeded), minus ``exclude``."""
-    import torch
-
-    vocab = vocab or CharVocab()
-    g = torch.Generator().manual_seed(seed)
-    out, seen = [], set(exclude or ())
-    limit = (max_operand + 1) ** 2
-    while len(out) < n and len(seen) < limit:
-        a, b = torch.randint(0, max_operand + 1, (2,), generator=g).tolist()
-        text = f"{a}+{b}="
-        if text in seen:
-            continue
-        seen.add(text)
-        out.append(Prompt([BOS] + vocab.encode(text), text, str(a + b)))
-    return out
 
 
 # ---- math prompt sets (DAPO-Math-17k, MATH-1460) -----------------------------------------------

@@ -116,7 +116,7 @@ def _info_from(hf_src, cfg: dict | None):
             return model_info(hf_src)
         model = (cfg or {}).get("model") or {}
         if model.get("tiny") == "arithmetic_moe":
-            from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
+            from megatron_s3ac.tasks.arithmetic import tiny_arithmetic_hf_config
 
             return model_info(tiny_arithmetic_hf_config().to_dict())
         if model.get("hf_config"):

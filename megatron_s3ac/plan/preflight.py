@@ -77,7 +77,7 @@ def _info(cfg: Any):
 
         return model_info_for(cfg)
     if _get(cfg, "model.tiny") == "arithmetic_moe":
-        from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
+        from megatron_s3ac.tasks.arithmetic import tiny_arithmetic_hf_config
 
         return model_info(tiny_arithmetic_hf_config().to_dict())
     return model_info(_get(cfg, "model.hf_config"))

@@ -28,7 +28,9 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Callable
 
-from megatron_s3ac.data.prompts import BOS, CharVocab, Prompt, tiny_task_hf_config
+from megatron_s3ac.data.prompts import BOS, CharVocab, Prompt
+
+from megatron_s3ac.tasks.arithmetic import tiny_task_hf_config
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,9 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Optional
 
-from megatron_s3ac.data.prompts import BOS, CharVocab, Prompt, tiny_task_hf_config
+from megatron_s3ac.data.prompts import BOS, CharVocab, Prompt
+
+from megatron_s3ac.tasks.arithmetic import tiny_task_hf_config
 from megatron_s3ac.tasks.chain import common_prefix_len
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ from megatron_s3ac.eval.cli import main
 from megatron_s3ac.eval.runner import BenchmarkSpec, resolve_reward
 from megatron_s3ac.tasks.arithmetic import arithmetic_reward
 from megatron_s3ac.data.char_tokenizer import save_char_tokenizer
-from megatron_s3ac.data.prompts import EOS, PAD, CharVocab, arithmetic_prompts, tiny_arithmetic_hf_config
+from megatron_s3ac.data.prompts import EOS, PAD, CharVocab
+from megatron_s3ac.tasks.arithmetic import arithmetic_prompts, tiny_arithmetic_hf_config
 
 N_PROMPTS = 24
 

@@ -134,7 +134,8 @@ def test_cpu_demo_setup_matches_the_trainers_count():
     """The demo's own pieces (CharVocab, BOS-prefixed prompt ids, arithmetic reward, an engine
     without a tokenizer): evaluate() agrees with a count done the way the trainer's evaluate does."""
     from megatron_s3ac.rollout.engines.cpu.engine import CPUEngine
-    from megatron_s3ac.data.prompts import CharVocab, arithmetic_prompts, tiny_arithmetic_hf_config
+    from megatron_s3ac.data.prompts import CharVocab
+    from megatron_s3ac.tasks.arithmetic import arithmetic_prompts, tiny_arithmetic_hf_config
 
     vocab = CharVocab()
     engine = CPUEngine.from_config(tiny_arithmetic_hf_config(), seed=0)

@@ -30,7 +30,8 @@ def _hf_dir(path):
     from transformers import AutoModelForCausalLM
 
     from megatron_s3ac.models.tiny_models import char_tokenizer
-    from megatron_s3ac.data.prompts import ARITH_CHARS, tiny_arithmetic_hf_config
+    from megatron_s3ac.data.prompts import ARITH_CHARS
+    from megatron_s3ac.tasks.arithmetic import tiny_arithmetic_hf_config
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_arithmetic_hf_config()).save_pretrained(path)

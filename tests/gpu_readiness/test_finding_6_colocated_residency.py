@@ -185,7 +185,8 @@ def test_value_pretraining_builds_no_third_model_beside_an_awake_engine(tmp_path
     from transformers import AutoModelForCausalLM
 
     from megatron_s3ac.models.tiny_models import char_tokenizer
-    from megatron_s3ac.data.prompts import ARITH_CHARS, tiny_arithmetic_hf_config
+    from megatron_s3ac.data.prompts import ARITH_CHARS
+    from megatron_s3ac.tasks.arithmetic import tiny_arithmetic_hf_config
 
     hf = str(tmp_path / "hf")
     torch.manual_seed(0)

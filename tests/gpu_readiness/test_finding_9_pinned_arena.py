@@ -75,7 +75,7 @@ def test_planner_counts_each_models_arena_rounded_to_a_power_of_two():
     from megatron_s3ac.models.registry import model_info
     from megatron_s3ac.plan import constants as C
     from megatron_s3ac.plan.memory import Cluster, Knobs, Workload, estimate
-    from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
+    from megatron_s3ac.tasks.arithmetic import tiny_arithmetic_hf_config
 
     info = model_info(tiny_arithmetic_hf_config().to_dict())
     cl = Cluster(gpus=2, gpus_per_node=2)

@@ -22,7 +22,7 @@ TOL = 0.30
 def _models():
     from megatron_s3ac.models.tiny_models import tiny_config
     from megatron_s3ac.models.tiny_qwen3_5 import WIDE, tiny_qwen3_5_config
-    from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
+    from megatron_s3ac.tasks.arithmetic import tiny_arithmetic_hf_config
 
     return {
         "demo": tiny_arithmetic_hf_config().to_dict(),

@@ -18,7 +18,7 @@ WORLD = 4
 
 
 def _demo():
-    from megatron_s3ac.data.prompts import tiny_arithmetic_hf_config
+    from megatron_s3ac.tasks.arithmetic import tiny_arithmetic_hf_config
 
     return tiny_arithmetic_hf_config().to_dict()
 

@@ -27,7 +27,8 @@ def arith_dir(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from megatron_s3ac.models.tiny_models import char_tokenizer
-    from megatron_s3ac.data.prompts import ARITH_CHARS, tiny_arithmetic_hf_config
+    from megatron_s3ac.data.prompts import ARITH_CHARS
+    from megatron_s3ac.tasks.arithmetic import tiny_arithmetic_hf_config
 
     path = str(tmp_path_factory.mktemp("arith_hf"))
     torch.manual_seed(0)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_s3ac.rollout.rewards import register_reward
-from megatron_s3ac.data.prompts import EOS, CharVocab, arithmetic_prompts, tiny_arithmetic_hf_config
+from megatron_s3ac.data.prompts import EOS, CharVocab
+from megatron_s3ac.tasks.arithmetic import arithmetic_prompts, tiny_arithmetic_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "examples", "cpu_demo.yaml")

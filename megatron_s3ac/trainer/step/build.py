@@ -300,22 +300,11 @@ class PromptData:
 
 def build_data(cfg: Config, use_daps: bool) -> PromptData:
     from megatron_s3ac.data import prompts as D
+    from megatron_s3ac.tasks import toy_task
 
-    if cfg.data.task == "arithmetic":
-        vocab = D.CharVocab()
-        eval_prompts = D.arithmetic_prompts(cfg.data.eval_prompts, cfg.data.max_operand, cfg.data.seed + 1)
-        prompts = D.arithmetic_prompts(cfg.data.num_prompts, cfg.data.max_operand, cfg.data.seed,
-                                       exclude={p.text for p in eval_prompts})
-        stats = {"rows": len(prompts), "malformed": 0}
-    elif cfg.data.task == "multistep":
-        from megatron_s3ac.tasks.multistep import multistep_data
-
-        vocab, prompts, eval_prompts = multistep_data(cfg.data)
-        stats = {"rows": len(prompts), "malformed": 0}
-    elif cfg.data.task == "chain":
-        from megatron_s3ac.tasks.chain import chain_data
-
-        vocab, prompts, eval_prompts = chain_data(cfg.data)
+    task = toy_task(cfg.data.task)  # a toy task draws its prompts; else data.path's rows through the tokenizer
+    if task is not None:
+        vocab, prompts, eval_prompts = task.data(cfg.data)
         stats = {"rows": len(prompts), "malformed": 0}
     else:
         from transformers import AutoTokenizer
