@@ -43,7 +43,7 @@ CONFIG = ["model.tiny=arithmetic_moe", "rollout.prompts_per_step=32", "rollout.k
           "algo.dynamic_sampling=false", "daps.enabled=false", "train.eval_every=0", "train.progress=false",
           "train.tensorboard=false"]
 CATEGORY = {"rollout_phases.py": "rollout bcast", "scatter.py": "rollout rows", "minibatch.py": "fwd outputs",
-            "metrics.py": "fwd outputs", "shard_metrics.py": "fwd outputs", "loop.py": "fwd outputs",
+            "metrics.py": "fwd outputs", "shard_metrics.py": "fwd outputs", "trainer.py": "fwd outputs",
             "glue.py": "fwd outputs"}
 
 

@@ -155,10 +155,12 @@ def test_cpu_colocated_engine_is_left_to_its_process():
 
 
 def test_trainer_never_compares_engine_or_placement_names():
-    """The engine side and the loop hold no comparison with an engine kind or placement literal."""
-    root = pathlib.Path(__file__).resolve().parents[2] / "megatron_s3ac" / "trainer"
+    """The step's rooms (the Trainer, its sources, engine side and placement) hold no comparison with an engine kind
+    or placement literal."""
+    root = pathlib.Path(__file__).resolve().parents[2] / "megatron_s3ac" / "trainer" / "step"
     names = {k.value for k in EngineKind} | {p.value for p in Placement} | {"vllm"}
-    for f in ("engine_side.py", "loop.py"):
+    for f in ("engine_side.py", "trainer.py", "source.py", "async_loop.py", "async_partial.py", "placement.py",
+              "rollout_phases.py"):
         for node in ast.walk(ast.parse((root / f).read_text())):
             if isinstance(node, ast.Compare):
                 consts = {c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)}
