@@ -56,7 +56,7 @@ vllm-env-or-skip:
 	     "tests/rollout/test_vllm_*.py will skip"
 
 test: $(STAMP) sglang-wheel vllm-env-or-skip
-	$(VENV)/bin/pytest -m "not slow and not gpu" -q
+	$(VENV)/bin/pytest -m "not slow and not gpu" -q --durations=25
 
 test-all: $(STAMP) sglang-wheel vllm-env-or-skip
 	$(VENV)/bin/pytest -q

@@ -90,6 +90,7 @@ def _step_metrics(placement, out_dir):
         tr.close()
 
 
+@pytest.mark.slow  # > 25 s on 2 cores; the fast suite's 20-minute budget (CI); make test-all runs it
 def test_separate_engine_process_gives_the_same_steps(tmp_path):
     kind_c, ref = run_distributed(_step_metrics, 2, "colocated", str(tmp_path / "c"))[0]
     kind_s, got = run_distributed(_step_metrics, 2, "separate", str(tmp_path / "s"))[0]

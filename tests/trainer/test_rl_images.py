@@ -212,6 +212,7 @@ def test_critic_takes_the_actors_trained_tower_at_another_layout(miniature, tmp_
     assert all(r["names"] and r["equal"] for r in rs), rs
 
 
+@pytest.mark.slow  # > 25 s on 2 cores; the fast suite's 20-minute budget (CI); make test-all runs it
 def test_text_rl_evaluates_image_benchmarks(miniature, tmp_path):
     """Text training prompts with an image benchmark in ``eval.benchmarks`` (the paper's setting: Intern-S2 trained on
     text, evaluated on MathVista / MathVision / MMMU-Pro): the engine loads the VL checkpoint multimodal for the

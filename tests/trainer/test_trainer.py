@@ -327,6 +327,7 @@ def _eval_vs_no_eval(out_dir):
     return runs
 
 
+@pytest.mark.slow  # > 25 s on 2 cores; the fast suite's 20-minute budget (CI); make test-all runs it
 def test_eval_mid_training_leaves_training_identical_world2(tmp_path):
     from megatron_s3ac.trainer.run.plotting import plot_run
 
@@ -359,6 +360,7 @@ def _mini_demo(out_dir):
     return run_demo(cfg)
 
 
+@pytest.mark.slow  # > 25 s on 2 cores; the fast suite's 20-minute budget (CI); make test-all runs it
 def test_standalone_eval_reproduces_demo_pass_rates_world2(tmp_path):
     """Issue 8: evaluating the saved warm-up and trained models with the eval package on a fresh engine
     gives exactly the before/after pass rates the demo reports (and the trainer's periodic eval logs)."""
