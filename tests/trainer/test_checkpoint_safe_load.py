@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_s3ac.trainer.run.train_loop import checkpoint as ck
+from megatron_s3ac.trainer.run import checkpoint as ck
 
 
 class _Payload:

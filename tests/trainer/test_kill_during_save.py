@@ -188,7 +188,7 @@ def test_rotation_never_leaves_a_half_deleted_step_dir(tmp_path, monkeypatch):
     """A rotated / replaced checkpoint leaves the ``step_N`` namespace (rename) before it is deleted: a
     kill during the deletion (here: rmtree never runs) leaves a ``.tmp`` entry, never a ``step_N`` with
     ``COMPLETE`` but missing files; the next save deletes the leftover without renaming it again."""
-    from megatron_s3ac.trainer.run.train_loop import checkpoint as ck
+    from megatron_s3ac.trainer.run import checkpoint as ck
 
     root = tmp_path / "checkpoints"
     old = root / "step_000001"
