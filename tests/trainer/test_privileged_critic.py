@@ -238,3 +238,115 @@ def test_planner_counts_the_block_in_the_critic_sequences():
     assert critic_block_tokens({"model": {"critic_privileged": "answer", "critic_privileged_max_tokens": 96}}) == 96
     assert critic_block_tokens(load_config(None, ["model.tiny=arithmetic_moe", "model.critic_privileged=answer"])) == 64
     assert critic_block_tokens(load_config(None, ["model.tiny=arithmetic_moe"])) == 0 and critic_block_tokens(None) == 0
+
+
+# ---- answer_and_solution end to end: a prompt file with a solution column, an HF tokenizer ---------------------
+# every character the prompts, references, solutions and the text template use
+_TEXT_CHARS = "0123456789+=-*/ \n[]:.?abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_MATH_ROWS = [{"prompt": "What is 3+4?", "answer": "7", "solution": "3+4=7"},
+              {"prompt": "What is 2*5?", "answer": "10", "solution": "2*5=10"},
+              {"prompt": "What is 9-1?", "answer": "8"}]  # no solution: the block's empty form, counted
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    """A tiny qwen3 model whose tokenizer is a character vocabulary over ``_TEXT_CHARS`` (a real HF tokenizer, so
+    the text template is used), and a math jsonl of three rows, one without a solution."""
+    import json
+
+    from megatron_s3ac.data.char_tokenizer import save_char_tokenizer
+    from megatron_s3ac.data.prompts import BOS, EOS, PAD
+    from megatron_s3ac.models.tiny_models import save_tiny_hf
+
+    d = tmp_path_factory.mktemp("text_model")
+    vocab = CharVocab(_TEXT_CHARS)
+    save_tiny_hf("qwen3", str(d / "hf"), seed=0, vocab_size=vocab.size, eos_token_id=EOS, pad_token_id=PAD,
+                 bos_token_id=BOS)
+    save_char_tokenizer(vocab, str(d / "hf"))
+    with open(d / "rows.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in _MATH_ROWS)
+    return d
+
+
+def _solution_step(out_dir, model_dir):
+    from transformers import AutoTokenizer
+
+    from megatron_s3ac.trainer.step.trainer import Trainer
+
+    tr = Trainer(load_config(None, [
+        "data.task=math", "model.tiny=null", f"model.hf_config={model_dir}/hf", f"data.path={model_dir}/rows.jsonl",
+        "data.apply_chat_template=false", "rollout.reward=test_char_parity", "rollout.k=2",
+        "rollout.prompts_per_step=3", "rollout.max_new_tokens=3", "algo.name=s3ac", "algo.actor_minibatches=1",
+        "algo.critic_minibatches=1", "algo.dynamic_sampling=false", "daps.enabled=false", "train.eval_every=0",
+        "train.progress=false", "train.tensorboard=false", "model.critic_privileged=answer_and_solution",
+        f"train.out_dir={out_dir}"]))
+    crit = []
+    fwd = tr._forward_only
+
+    def spy(which, batch, what):
+        if which == "critic":
+            crit.append((tr.critic_input(batch).tokens.clone(), batch.tokens.clone(), batch.prompt_len.clone(),
+                         batch.resp_len.clone(), batch.pid.clone()))
+        return fwd(which, batch, what)
+
+    tr._forward_only = spy
+    m = tr.step()
+    tok = AutoTokenizer.from_pretrained(f"{model_dir}/hf")
+    refs = [(p.reference, p.solution) for p in tr.prompts]
+    return {"crit": crit[0], "m": m, "refs": refs,
+            "blocks": [tok(block_text("answer_and_solution", a, s, chars=False), add_special_tokens=False)["input_ids"]
+                       for a, s in refs]}
+
+
+@pytest.mark.slow  # ~30 s: a tokenizer-built model and one step
+def test_answer_and_solution_block_from_the_prompt_files_solution_column(text_model, tmp_path):
+    """The critic reads prompt + "[Reference solution] ... [Reference answer] ..." (the HF tokenizer's ids of the
+    text template filled from the row's ``solution`` and ``answer``) + response; the row without a solution gets
+    the empty form and is counted in ``critic/privileged_missing`` (K = 2 samples of it)."""
+    r = run_distributed(_solution_step, 1, str(tmp_path / "run"), str(text_model))[0]
+    crit, tokens, P, R, pid = r["crit"]
+    assert [s is None for _, s in r["refs"]].count(True) == 1
+    for i in range(len(tokens)):
+        p, n, j = int(P[i]), int(R[i]), int(pid[i])
+        hand = tokens[i, :p].tolist() + r["blocks"][j] + tokens[i, p:p + n].tolist()
+        assert crit[i, :len(hand)].tolist() == hand and not crit[i, len(hand):].any()
+    assert "[Reference solution]" in block_text("answer_and_solution", "7", "3+4=7", chars=False)
+    missing = sum(r["refs"][int(j)][1] is None for j in pid.tolist())
+    assert missing == 2 and r["m"]["critic/privileged_missing"] == missing
+
+
+# ---- the asynchronous loop: the prefetched batch's critic reads the block too -----------------------------------
+def _async_seen(out_dir):
+    from megatron_s3ac.trainer.step.trainer import Trainer
+
+    tr = Trainer(load_config(None, BASE + ["model.critic_privileged=answer", "train.max_staleness=1",
+                                           "rollout.placement=separate", "train.steps=2", f"train.out_dir={out_dir}"]))
+    try:
+        crit, fwd = [], tr._forward_only
+
+        def spy(which, batch, what):
+            if which == "critic" and what == "values" and len(batch) > 1:  # the step's values (not DAPS's V(s0))
+                crit.append((tr.critic_input(batch).tokens.clone(), batch.tokens.clone(), batch.prompt_len.clone(),
+                             batch.resp_len.clone(), batch.pid.clone()))
+            return fwd(which, batch, what)
+
+        tr._forward_only = spy
+        ms = [tr.step() for _ in range(2)]
+        return {"crit": crit, "st": [m.get("async/staleness_max") for m in ms],
+                "missing": [m.get("critic/privileged_missing") for m in ms], "refs": [p.reference for p in tr.prompts]}
+    finally:
+        tr.close()
+
+
+@pytest.mark.slow  # a separate engine process and two steps
+def test_async_source_batches_reach_the_critic_with_the_block(tmp_path):
+    """train.max_staleness=1: step 1 trains a batch generated a version earlier; its critic forwards (the values for
+    GAE and the update) read prompt + "{answer}=" + response as in the synchronous loop."""
+    r = run_distributed(_async_seen, 1, str(tmp_path / "run"))[0]
+    assert r["st"][1] == 1.0 and r["missing"] == [0, 0]
+    assert len(r["crit"]) >= 2
+    for crit, tokens, P, R, pid in r["crit"]:
+        for i in range(len(tokens)):
+            p, n = int(P[i]), int(R[i])
+            hand = tokens[i, :p].tolist() + CharVocab().encode(r["refs"][int(pid[i])] + "=") + tokens[i, p:p + n].tolist()
+            assert crit[i, :len(hand)].tolist() == hand and not crit[i, len(hand):].any()
