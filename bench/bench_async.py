@@ -1,14 +1,17 @@
 """Asynchronous rollout (``train.max_staleness``): measured on this machine, and simulated at scale.
 
     python bench/bench_async.py [--steps 4] [--warmup 1] [--world 1] [--max-new-tokens 24] [--prompts 16] [--k 4]
-                                [--arms sync,async,partial] [--partial-staleness 2] [--comparable]
+                                [--arms sync,async,partial,overlap] [--partial-staleness 2] [--comparable]
                                 [--set algo.name=grpo_x ...]
     python bench/bench_async.py --sim-only
 
 1. Measured: the demo's tiny MoE (model.tiny=arithmetic_moe) with the CPU engine in its own process (a Ray actor,
    ``rollout.placement: separate``), the synchronous loop (max_staleness 0) then one-step off-policy (1) in one run,
    same config otherwise, and the partial-rollout arm (``rollout.partial_rollout=true`` at max_staleness
-   ``--partial-staleness``, default 2: the sync pauses the engine instead of draining it). ``--comparable`` sets a
+   ``--partial-staleness``, default 2: the sync pauses the engine instead of draining it), and on request the
+   overlapped-sync arm (``overlap``: max_staleness 1 with ``rollout.sync.overlap=true``: the sync's buckets are
+   staged in the engine while it generates, no drain; each arm reports ``time/weight_sync_exposed_s``, the seconds
+   the trainer blocked in the step's sync). ``--comparable`` sets a
    config where generation and training take comparable time (GRPO-X without a critic, one actor mini-batch,
    16 prompts x 4, 96 new tokens: generation / training ~0.65-0.7 on a quiet 2-core machine; 32 prompts gave ~0.45-0.57,
    where even an ideal overlap stays under 1.5x). Reported: each mode's trained samples / s of wall time over the steps after ``--warmup``
@@ -38,7 +41,8 @@ sys.path.insert(0, ROOT)
 
 # ---- 1. measured ---------------------------------------------------------------------------------------
 COMPARABLE = ["algo.name=grpo_x", "algo.actor_minibatches=1"]  # + --prompts 16 --max-new-tokens 96 (main)
-ARMS = {"sync": (0, []), "async": (1, []), "partial": (None, ["rollout.partial_rollout=true"])}
+ARMS = {"sync": (0, []), "async": (1, []), "partial": (None, ["rollout.partial_rollout=true"]),
+        "overlap": (1, ["rollout.sync.overlap=true"])}  # overlap: one-step async, the sync staged beside generation
 
 
 def _run(n, overrides, steps, out_dir):
@@ -87,7 +91,11 @@ def measure(args) -> dict:
                           "rollout_s_per_step": sum(r.get("time/rollout", 0.0) for r in timed) / len(timed),
                           "train_s_per_step": sum(r.get("time/train", 0.0) + r.get("time/old_logp_values", 0.0)
                                                   for r in timed) / len(timed),
-                          "sync_s_per_step": sum(r.get("time/sync", 0.0) for r in timed) / len(timed)}
+                          "sync_s_per_step": sum(r.get("time/sync", 0.0) for r in timed) / len(timed),
+                          # what the trainer blocked on in the step's sync (async: the drain of the batches in
+                          # flight + the sync; overlap: the staging transfer only)
+                          "weight_sync_exposed_s_per_step": sum(r.get("time/weight_sync_exposed_s", 0.0)
+                                                                for r in timed) / len(timed)}
             if n:
                 pair[name].update({k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in (
                     "time/engine_busy_frac", "time/trainer_wait", "async/staleness_mean", "async/staleness_max",
@@ -228,7 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--repeat", type=int, default=1, help="rounds of the arms, alternating")
-    p.add_argument("--arms", default="sync,async,partial", help="comma list of sync, async, partial")
+    p.add_argument("--arms", default="sync,async,partial",
+                   help="comma list of sync, async, partial, overlap (async with rollout.sync.overlap=true)")
     p.add_argument("--partial-staleness", type=int, default=2, help="train.max_staleness of the partial arm")
     p.add_argument("--comparable", action="store_true",
                    help="generation ~ training: GRPO-X, 1 actor mini-batch, 16 prompts x 4, 96 new tokens")

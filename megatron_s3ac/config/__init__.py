@@ -143,6 +143,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         from megatron_s3ac.rollout.partial import unsupported_engine_reason
 
         errs.append(unsupported_engine_reason(spec.kind))
+    if r.sync.overlap:
+        errs += _overlap_errors(cfg, spec)
     if a.entropy_control != "none" and r.k < 2:
         errs.append(f"algo.entropy_control={a.entropy_control} shapes group advantages: needs rollout.k >= 2")
     if spec is not None:
@@ -159,6 +161,32 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         errs += _layout_errors(cfg, world_size)
     if errs:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+def _overlap_errors(cfg: Config, spec) -> list[str]:
+    """``rollout.sync.overlap=true``'s rules: the asynchronous loop, an engine that can stage weights, no partial
+    rollout (its pause would cut the batches the staged sync lets finish on the old weights)."""
+    errs = []
+    if cfg.train.max_staleness < 1:
+        errs.append("rollout.sync.overlap=true stages the next weights while the engine generates the batches in "
+                    "flight: needs train.max_staleness >= 1 (the synchronous loop has nothing in flight at a sync)")
+    if spec is not None and not spec.stage_weights:
+        errs.append(spec.stage_refusal or (
+            f"rollout.sync.overlap=true: rollout.engine={spec.kind} cannot receive weights into a second copy while "
+            f"it generates (EngineSpec.stage_weights); only "
+            f"{' / '.join(k for k in _staging_kinds())} can (docs/rollout.md \"Overlapped weight sync\")"))
+    if cfg.rollout.partial_rollout:
+        errs.append("rollout.sync.overlap=true with rollout.partial_rollout=true: partial rollout pauses the engine "
+                    "at the sync and resumes on the new weights, the overlapped sync lets the batches in flight "
+                    "finish on the old ones; choose one (set rollout.sync.overlap=false or "
+                    "rollout.partial_rollout=false)")
+    return errs
+
+
+def _staging_kinds() -> list[str]:
+    from megatron_s3ac.rollout.engines.registry import engine_spec, registered_engines
+
+    return [k for k in registered_engines() if engine_spec(k).stage_weights]
 
 
 def engine_model_dir(cfg: Config) -> Optional[str]:

@@ -9,6 +9,18 @@ from megatron_s3ac.config.enums import Placement, WeightsDtype
 
 
 @dataclass
+class RolloutSyncCfg:
+    """``rollout.sync``: how the weight sync of the asynchronous loop meets the engine's generation."""
+
+    # true: the next version's buckets go into a staging copy on the engine while it still generates the batches in
+    # flight on the current one; the copy is swapped in between two generate calls (docs/trainer.md "Asynchronous
+    # rollout"). Needs train.max_staleness >= 1 and an engine whose EngineSpec.stage_weights is true (cpu / hf at
+    # rollout.placement=separate); costs a second copy of the engine's weights. false: the sync waits for the
+    # batches in flight, then loads (today's loop, unchanged)
+    overlap: bool = False
+
+
+@dataclass
 class RolloutCfg:
     prompts_per_step: int = 32
     k: int = 4  # responses per prompt (1 = single rollout)
@@ -47,6 +59,7 @@ class RolloutCfg:
     # a response spanning this many weights versions is not resumed again: its partial tokens are dropped and it is
     # regenerated from its prompt on the new weights (async/partial_regenerated); 1 = never resume
     partial_max_versions: int = 2
+    sync: RolloutSyncCfg = field(default_factory=RolloutSyncCfg)
 
     def errors(self) -> list[str]:
         out = []

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight-sync bucket in MiB (default: the config's rollout.<engine>.bucket_mb, else 512)")
     g.add_argument("--sync-fp8", action="store_true", default=None,
                    help="block-FP8 weights on the wire (default: the config's rollout.weights_dtype == fp8)")
+    g.add_argument("--sync-overlap", action="store_true", default=None,
+                   help="the engine keeps a staging copy of its weights (default: the config's rollout.sync.overlap)")
     g = p.add_argument_group("layout (omit to enumerate)")
     for name in ("tp", "cp", "pp", "ep", "etp", "first-stage-layers", "last-stage-layers"):
         g.add_argument(f"--{name}", type=int)
@@ -209,6 +211,7 @@ def resolve(args) -> tuple:
         sync_bucket_mb=int(pick(args.sync_bucket_mb, (ro.get(str(ro.get("engine") or "")) or {}).get("bucket_mb"),
                                 default=512)),
         sync_fp8=bool(pick(args.sync_fp8, default=str(ro.get("weights_dtype") or "bf16") == "fp8")),
+        sync_overlap=bool(pick(args.sync_overlap, default=bool((ro.get("sync") or {}).get("overlap", False)))),
         logprob_chunk=int(pick(args.logprob_chunk, default=0)), backend=pick(args.backend, default="gpu"))
     errs = knobs.validate()
     if errs:
@@ -279,6 +282,7 @@ def to_dict(e, info=None) -> dict:
         g = e.engine
         out["engine"] = {"placement": e.knobs.placement, "tp": g.tp, "ep": g.ep, "attn_dp": g.attn_dp,
                          "engines": g.engines, "weights_gib_per_gpu": _gib(g.weights),
+                         "staging_gib_per_gpu": _gib(g.staging),
                          "kv_kib_per_token_per_gpu": round(g.kv_per_token / 1024, 2),
                          "state_mib_per_seq_per_gpu": round(g.state_per_seq / 2**20, 2),
                          "mem_fraction": round(g.mem_fraction, 3), "capacity_seqs_at_max_len": g.capacity,

@@ -86,6 +86,9 @@ class Knobs:
     vision_trainable: bool = False  # the vision tower trains (grads + optimizer states); default frozen
     sync_bucket_mb: int = 512  # weight-sync bucket (rollout.<engine>.bucket_mb; plan.weight_sync)
     sync_fp8: bool = False  # block-FP8 weights on the wire (rollout.weights_dtype: fp8; plan.weight_sync)
+    # rollout.sync.overlap: the engine holds a staging copy of its weights (the next version received while it
+    # generates on the live one): its weights count twice against the KV pool
+    sync_overlap: bool = False
 
     def validate(self) -> list[str]:
         errs = []
@@ -392,6 +395,7 @@ class Engine:
     engines: int = 0
     gpus: int = 0
     weights: float = 0.0  # bytes per GPU
+    staging: float = 0.0  # bytes per GPU: the second copy of the weights (rollout.sync.overlap), else 0
     kv_per_token: float = 0.0  # bytes per GPU
     state_per_seq: float = 0.0  # GDN recurrent + conv state, bytes per GPU
     mem_fraction: float = 0.0
@@ -491,14 +495,16 @@ def engine_estimate(info: ModelInfo, cluster: Cluster, w: Workload, knobs: Knobs
             conv_loc = (2 * g["qk"] + g["v"]) / shard
             state = n_gdn * (nv_loc * g["dk"] * g["dv"] * C.ENGINE_SSM_STATE_BYTES + (g["K"] - 1) * conv_loc * 2)
         per_seq = w.seq_len * kv_tok + state
-        pool = frac_cap - weights
+        staging = weights if knobs.sync_overlap else 0.0  # the next version's copy, beside the live one
+        pool = frac_cap - weights - staging
         cap = int(a * max(0, pool) // per_seq) if pool > 0 else 0
         engines = max(1, gpus // tp)
         needed = -(-w.sequences // engines)
         # the pool the rollout uses: the whole batch at once when it fits, else what the fraction allows
-        used = weights + min(max(0.0, pool), -(-needed // a) * per_seq)
+        used = weights + staging + min(max(0.0, pool), -(-needed // a) * per_seq)
         frac = knobs.engine_mem_fraction * gpu if knobs.engine_mem_fraction else used
-        return Engine(tp=tp, ep=ep, attn_dp=a, engines=engines, gpus=gpus, weights=weights, kv_per_token=kv_tok,
+        return Engine(tp=tp, ep=ep, attn_dp=a, engines=engines, gpus=gpus, weights=weights, staging=staging,
+                      kv_per_token=kv_tok,
                       state_per_seq=state, mem_fraction=frac / gpu, capacity=cap, needed=needed,
                       peak=frac + C.ENGINE_CUDA_GRAPH_GIB * C.GIB)
 

@@ -96,7 +96,8 @@ def trainer_knobs(cfg: Any):
     # the optimizer offload fraction only applies when the host optimizer is on (trainer default 1.0)
     kw["optimizer_offload"] = (float(_get(cfg, "optim.actor.offload_fraction", 1.0))
                                if bool(_get(cfg, "optim.actor.cpu_offload", False)) else 0.0)
-    return Knobs(placement=str(_get(cfg, "rollout.placement", "colocated")), **kw)
+    return Knobs(placement=str(_get(cfg, "rollout.placement", "colocated")),
+                 sync_overlap=bool(_get(cfg, "rollout.sync.overlap", False)), **kw)
 
 
 def preflight(cfg: Any, world_size: int | None = None, knobs=None) -> PreflightReport:

@@ -126,10 +126,13 @@ def make_sync_strategy(kind: Any, placement: Any, engine=None, *, settings: Any 
 
 
 def build_rollout_engine(factory: EngineFactory, placement: str = "colocated", *, num_cpus: float = 1,
-                         ray_init_kwargs: Optional[dict] = None, pausable: bool = False):
+                         ray_init_kwargs: Optional[dict] = None, pausable: bool = False, stageable: bool = False):
     """The engine hosted as its kind says (``EngineSpec.host``): cpu / hf in this process (colocated) or a
     RemoteEngine actor (separate); sglang an EnginePool of settings.num_engines engines (each pinned to its GPUs by a
     placement group); vllm its server process(es). pausable: a separate engine's actor (or each pool actor) gets a
-    control thread for ``pause_generation`` (partial rollout)."""
+    control thread for ``pause_generation`` (partial rollout). stageable: a separate engine's actor takes the next
+    weights into a staging copy while it generates (``rollout.sync.overlap``; only kinds whose
+    ``EngineSpec.stage_weights`` says so)."""
+    kw = {"stageable": True} if stageable else {}  # kinds that cannot stage keep their host signature
     return engine_spec(factory.kind).host(factory, placement, num_cpus=num_cpus, ray_init_kwargs=ray_init_kwargs,
-                                          pausable=pausable)
+                                          pausable=pausable, **kw)

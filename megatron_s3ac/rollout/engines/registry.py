@@ -13,7 +13,8 @@ A spec brings, for its kind:
   slot)`` (one engine), ``env_vars(factory)``;
 * hosting: ``in_process(placement, settings)``, ``host(factory, placement, ...)`` (local, a Ray ``RemoteEngine``, a
   pool), ``local_device()`` (where an in-process engine runs);
-* capabilities (class attributes): ``partial_rollout``, ``needs_model_dir``, ``multimodal_flag``, ``own_process``.
+* capabilities (class attributes): ``partial_rollout``, ``stage_weights``, ``needs_model_dir``, ``multimodal_flag``,
+  ``own_process``.
 
 Registration (a new engine, no edit elsewhere; its weight syncs register with ``rollout.sync.strategy``)::
 
@@ -73,6 +74,10 @@ class EngineSpec:
     section: Optional[str] = None  # the attribute of the rollout section holding it: "sglang" -> rollout.sglang
     partial_rollout = False  # can pause a batch mid-generation and resume it on new weights (rollout/partial.py)
     partial_refusal: Optional[str] = None  # why rollout.partial_rollout is refused (None: the generic line)
+    # can receive the next weights version into a second copy while it generates on the current one, swapped in
+    # between two generate calls (``rollout.sync.overlap``; ``host(stageable=True)``)
+    stage_weights = False
+    stage_refusal: Optional[str] = None  # why rollout.sync.overlap is refused (None: the generic line)
     needs_model_dir = True  # starts only from an HF checkpoint directory (False: also from an HF config object)
     multimodal_flag = False  # loads a VL checkpoint as the full model only when asked (``multimodal=True``)
     own_process = False  # always its own server process: the client lives in rank 0 whatever the placement
@@ -134,14 +139,15 @@ class EngineSpec:
         return None
 
     def host(self, factory, placement: str = "colocated", *, num_cpus: float = 1,
-             ray_init_kwargs: Optional[dict] = None, pausable: bool = False):
-        """The engine at ``placement``: in this process (colocated) or in a Ray ``RemoteEngine`` actor."""
+             ray_init_kwargs: Optional[dict] = None, pausable: bool = False, stageable: bool = False):
+        """The engine at ``placement``: in this process (colocated) or in a Ray ``RemoteEngine`` actor.
+        ``stageable``: the actor gets a staging thread and a second copy of the weights (``rollout.sync.overlap``)."""
         if placement != "separate":
             return factory()
         from megatron_s3ac.rollout.engines.remote import RemoteEngine
 
         return RemoteEngine(factory, num_cpus=num_cpus, torch_threads=factory.torch_threads,
-                            ray_init_kwargs=ray_init_kwargs, pausable=pausable)
+                            ray_init_kwargs=ray_init_kwargs, pausable=pausable, stageable=stageable)
 
 
 _REGISTRY: dict[str, EngineSpec] = {}

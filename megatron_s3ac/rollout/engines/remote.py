@@ -14,6 +14,12 @@ engine (``weight_sync.sync_weights`` included):
   ``update_weights``. At most ``max_inflight`` buckets are in flight, so the caller never builds a
   full copy of the model (GPU tensors are moved to host one bucket at a time). Returns when every
   bucket is loaded; the engine's errors (unknown name, bad shape) are raised here with their own type.
+* ``stageable=True`` (``rollout.sync.overlap``): the actor gets a "staging" thread and a second copy of the weights.
+  While ``staging`` is set, ``update_weights`` sends its buckets to that thread, which copies them into the staging
+  buffers while the default thread goes on generating with the live weights; ``commit_staged()`` then queues the swap
+  (the staged tensors loaded into the live model) in the default thread, behind the generate calls already sent and
+  ahead of the next ones. A generate and the swap hold the same lock and never run at once, so no generate sees a
+  half-loaded model; each generate also checks it runs on the weights the client expects (the swaps sent so far).
 * ``sleep``/``wake``/``flush_cache`` are forwarded with their arguments; ``call``/``get`` reach any
   other method or attribute of the hosted engine (e.g. ``call("model.save_pretrained", path)``).
 * Failures are never a hang: every wait has a timeout. ``RemoteEngineDied`` says why the actor went
@@ -28,8 +34,10 @@ Ray's thread setting (OMP_NUM_THREADS = its num_cpus); pass ``torch_threads`` to
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
+import threading
 import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -133,6 +141,73 @@ class EngineHost:
             raise TypeError(f"the engine factory returned {type(engine).__name__}, not a rollout engine "
                             f"(missing {missing})")
         self.engine = engine
+        # staged weights (stageable actors): hf name -> staging buffer, the second copy, reused by every sync
+        self._stage: dict = {}
+        self._staged: dict = {}  # the names staged for the next swap (an ordered set)
+        self._commits = 0  # swaps applied: the live weights' index as the client counts them
+        self._commit_error: Optional[BaseException] = None
+        # held by each generate and by the swap: the default thread runs them one at a time anyway; the lock makes
+        # "no generate on a half-swapped model" hold whatever the actor's threading
+        self._live = threading.Lock()
+        # (kind, start, end, commits at start, commits at end): "generate" / "stage" / "commit" spans (tests, bench)
+        self.stage_log: collections.deque = collections.deque(maxlen=10_000)
+
+    @contextlib.contextmanager
+    def _generating(self, expect_commit):
+        """Around one generate: the live weights are whole and the ones the client expects (``expect_commit``: the
+        swaps it sent before this call; None: unchecked)."""
+        with self._live:
+            if self._commit_error is not None:
+                raise RuntimeError(f"the staged weights could not be swapped in ({type(self._commit_error).__name__}: "
+                                   f"{self._commit_error}); refusing to generate on the previous version")
+            if expect_commit is not None and int(expect_commit) != self._commits:
+                raise RuntimeError(f"generate expected the weights of swap {expect_commit} but the engine holds swap "
+                                   f"{self._commits}: a generate overtook a weight swap (or the reverse)")
+            t0, c0 = time.time(), self._commits
+            try:
+                yield
+            finally:
+                self.stage_log.append(("generate", t0, time.time(), c0, self._commits))
+
+    def stage_begin(self) -> None:
+        """Staging thread: a new version's buckets follow (the previous swap has been applied: the client waits)."""
+        self._staged = {}
+
+    def stage_bucket(self, records) -> int:
+        """Staging thread, beside a running generate: copy one bucket into the staging buffers (allocated by the
+        first sync, reused after). Returns its bytes."""
+        t0 = time.time()
+        bucket, nbytes = unpack_bucket(records)
+        for name, t in bucket:
+            buf = self._stage.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                self._stage[name] = t.clone()  # the received view dies with the call: own the bytes
+            else:
+                buf.copy_(t)
+            self._staged[name] = None
+        self.stage_log.append(("stage", t0, time.time(), self._commits, self._commits))
+        return nbytes
+
+    def commit_staged(self, index: int) -> int:
+        """Default thread, between two generate calls: load the staged tensors into the live model (the engine's
+        own all-or-nothing ``update_weights``: checked first, so a refusal leaves the previous version whole and every
+        later generate raises). ``index``: this swap's number as the client counts; returns the tensors loaded."""
+        with self._live:
+            t0 = time.time()
+            try:
+                if index != self._commits + 1:
+                    raise RuntimeError(f"weight swap {index} arrived after swap {self._commits}")
+                self.engine.update_weights([(n, self._stage[n]) for n in self._staged])
+            except BaseException as err:  # noqa: BLE001 - kept: every later generate refuses to run on stale weights
+                self._commit_error = err
+                raise
+            self._commits = index
+            n, self._staged = len(self._staged), {}
+            self.stage_log.append(("commit", t0, time.time(), index - 1, index))
+            return n
+
+    def staging_log(self) -> list:
+        return list(self.stage_log)
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "engine": type(self.engine).__name__,
@@ -145,15 +220,17 @@ class EngineHost:
     def continue_generation(self):
         return self.engine.continue_generation()
 
-    def continuations_timed(self, requests, params, return_routed_experts, images=None):
+    def continuations_timed(self, requests, params, return_routed_experts, images=None, expect_commit=None):
         """generate_continuations + its (start, end) wall-clock seconds."""
-        t0 = time.time()
-        kw = {} if images is None else {"images": images}  # engines without image prompts: three arguments
-        out = self.engine.generate_continuations(requests, params, return_routed_experts, **kw)
-        return out, t0, time.time()
+        with self._generating(expect_commit):
+            t0 = time.time()
+            kw = {} if images is None else {"images": images}  # engines without image prompts: three arguments
+            out = self.engine.generate_continuations(requests, params, return_routed_experts, **kw)
+            return out, t0, time.time()
 
-    def generate(self, prompt_ids, params, n_samples, return_routed_experts, images=None):
-        return _generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)
+    def generate(self, prompt_ids, params, n_samples, return_routed_experts, images=None, expect_commit=None):
+        with self._generating(expect_commit):
+            return _generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)
 
     def check_weights(self, names, shapes, dtypes):
         """The engine's own check of a whole update, before its first bucket is sent (engines without one: none)."""
@@ -161,28 +238,31 @@ class EngineHost:
         if callable(check):
             check(names, shapes, dtypes)
 
-    def generate_timed(self, prompt_ids, params, n_samples, return_routed_experts, images=None):
+    def generate_timed(self, prompt_ids, params, n_samples, return_routed_experts, images=None, expect_commit=None):
         """generate + the (start, end) wall-clock seconds it ran (the engine's busy time, for async metrics)."""
-        t0 = time.time()
-        out = _generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)
-        return out, t0, time.time()
+        with self._generating(expect_commit):
+            t0 = time.time()
+            out = _generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)
+            return out, t0, time.time()
 
-    def generate_stream(self, prompt_ids, params, n_samples, return_routed_experts, images=None):
+    def generate_stream(self, prompt_ids, params, n_samples, return_routed_experts, images=None, expect_commit=None):
         """Ray streaming generator (``num_returns="streaming"``): each (prompt index, group) as the engine finishes
         it (``generate_groups``), then (None, (start, end)) of the whole generation. The actor runs it to the end
-        before its next call, as any other."""
-        t0 = time.time()
-        groups = getattr(self.engine, "generate_groups", None)
-        kw = {} if images is None else {"images": images}  # engines without image prompts: four arguments
-        items = (groups(prompt_ids, params, n_samples, return_routed_experts, **kw) if callable(groups) else
-                 enumerate(_generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)))
-        for i, group in items:
-            yield int(i), group
-        yield None, (t0, time.time())
+        before its next call, as any other (the live-weights lock held throughout)."""
+        with self._generating(expect_commit):
+            t0 = time.time()
+            groups = getattr(self.engine, "generate_groups", None)
+            kw = {} if images is None else {"images": images}  # engines without image prompts: four arguments
+            items = (groups(prompt_ids, params, n_samples, return_routed_experts, **kw) if callable(groups) else
+                     enumerate(_generate(self.engine, prompt_ids, params, n_samples, return_routed_experts, images)))
+            for i, group in items:
+                yield int(i), group
+            yield None, (t0, time.time())
 
     def load_bucket(self, records) -> int:
         bucket, nbytes = unpack_bucket(records)
-        self.engine.update_weights(bucket)
+        with self._live:
+            self.engine.update_weights(bucket)
         return nbytes
 
     def sleep(self, args, kwargs):
@@ -239,6 +319,8 @@ class RemoteEngine(RolloutEngine):
         factory (model loading); close_timeout_s: limit of the engine's own shutdown in close().
     ray_init_kwargs: passed to ``ray.init`` when Ray is not initialised yet (``ray_init.init_ray``).
     torch_threads: torch.set_num_threads in the actor (default: Ray's OMP_NUM_THREADS = num_cpus).
+    pausable: a "control" thread for ``pause_generation`` (partial rollout). stageable: a "staging" thread and a
+    second copy of the weights (``staging`` / ``commit_staged``: the overlapped weight sync).
     One caller at a time (not thread-safe), as a local engine.
     """
 
@@ -246,7 +328,7 @@ class RemoteEngine(RolloutEngine):
                  max_inflight: int = 2, num_cpus: float = 1, num_gpus: float = 0, timeout_s: float = 1800.0,
                  start_timeout_s: float = 600.0, close_timeout_s: float = 30.0, torch_threads: Optional[int] = None,
                  ray_init_kwargs: Optional[dict] = None, actor_options: Optional[dict] = None,
-                 pausable: bool = False):
+                 pausable: bool = False, stageable: bool = False):
         import ray
 
         if bucket_bytes <= 0:
@@ -263,9 +345,17 @@ class RemoteEngine(RolloutEngine):
         options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0)
         self.pausable = bool(pausable)
         options.update(actor_options or {})
-        # pausable: pause_generation must reach the actor while its generate runs: a second thread for it only (Ray
-        # takes concurrency groups at class definition, not in .options())
-        host = ray.remote(concurrency_groups={"control": 1})(EngineHost) if pausable else ray.remote(EngineHost)
+        # pausable: pause_generation must reach the actor while its generate runs: a second thread for it only;
+        # stageable: the staged buckets are copied on a thread of their own beside a running generate (Ray takes
+        # concurrency groups at class definition, not in .options()); every other call runs in the default group,
+        # one at a time, in the order sent
+        self.stageable = bool(stageable)
+        self.staging = False  # set around one sync by the caller: update_weights stages instead of loading
+        self._stage_open = False  # stage_begin sent for the version being staged
+        self._commits_sent = 0  # commit_staged calls sent: the swap index every later generate expects
+        self._commit_ref = None  # the last swap's result (waited for before the next version is staged)
+        groups = {**({"control": 1} if pausable else {}), **({"staging": 1} if stageable else {})}
+        host = ray.remote(concurrency_groups=groups)(EngineHost) if groups else ray.remote(EngineHost)
         self._actor = host.options(**options).remote(factory, torch_threads)
         info = self._get(self._actor.ready.remote(), "start (engine factory)", start_timeout_s)
         self.pid, self.engine_class = info["pid"], info["engine"]
@@ -328,7 +418,11 @@ class RemoteEngine(RolloutEngine):
         tensors only) and come back on the samples."""
         prompts = [[int(t) for t in p] for p in prompt_ids]
         return self._call("generate", prompts, params, int(n_samples), bool(return_routed_experts),
-                          check_images(prompts, images), what="generate()")
+                          check_images(prompts, images), self._expect(), what="generate()")
+
+    def _expect(self):
+        """The swap index a generate sent now must run on (stageable actors; None: not checked)."""
+        return self._commits_sent if self.stageable else None
 
     def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
                        return_routed_experts: bool = False, images=None) -> PendingGeneration:
@@ -339,7 +433,7 @@ class RemoteEngine(RolloutEngine):
         self._check()
         prompts = [[int(t) for t in p] for p in prompt_ids]
         ref = self._actor.generate_timed.remote(prompts, params, int(n_samples), bool(return_routed_experts),
-                                                check_images(prompts, images))
+                                                check_images(prompts, images), self._expect())
         return PendingGeneration(lambda: self._get(ref, "generate()"),
                                  ready=lambda: bool(ray.wait([ref], timeout=0)[0]))
 
@@ -354,7 +448,8 @@ class RemoteEngine(RolloutEngine):
         self._check()
         prompts = [[int(t) for t in p] for p in prompt_ids]
         gen = self._actor.generate_stream.options(num_returns="streaming").remote(
-            prompts, params, int(n_samples), bool(return_routed_experts), check_images(prompts, images))
+            prompts, params, int(n_samples), bool(return_routed_experts), check_images(prompts, images),
+            self._expect())
 
         def items():
             while True:
@@ -409,7 +504,8 @@ class RemoteEngine(RolloutEngine):
         self._check()
         reqs = [([int(t) for t in p], int(b)) for p, b in requests]
         images = check_images([p for p, _ in reqs], images)
-        ref = self._actor.continuations_timed.remote(reqs, params, bool(return_routed_experts), images)
+        ref = self._actor.continuations_timed.remote(reqs, params, bool(return_routed_experts), images,
+                                                     self._expect())
         return PendingGeneration(lambda: self._get(ref, "generate_continuations()"),
                                  ready=lambda: bool(ray.wait([ref], timeout=0)[0]))
 
@@ -420,8 +516,18 @@ class RemoteEngine(RolloutEngine):
         bucket is sent (a lazy stream is collected first: references to its tensors, no copies)."""
         self._check()
         named_tensors = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
-        self._call("check_weights", [str(n) for n, _ in named_tensors], [tuple(t.shape) for _, t in named_tensors],
-                   [str(t.dtype).removeprefix("torch.") for _, t in named_tensors], what="check_weights()")
+        check = (self._actor.check_weights.options(concurrency_group="staging") if self.staging else
+                 self._actor.check_weights)
+        load = self._actor.stage_bucket.options(concurrency_group="staging") if self.staging else \
+            self._actor.load_bucket
+        if self.staging and not self._stage_open:  # the first bucket of a version: the staging copy is free again
+            if self._commit_ref is not None:
+                self._get(self._commit_ref, "commit_staged()")  # the previous swap reads it (the trainer waits)
+                self._commit_ref = None
+            self._get(self._actor.stage_begin.options(concurrency_group="staging").remote(), "stage_begin()")
+            self._stage_open = True
+        self._get(check.remote([str(n) for n, _ in named_tensors], [tuple(t.shape) for _, t in named_tensors],
+                               [str(t.dtype).removeprefix("torch.") for _, t in named_tensors]), "check_weights()")
         cap = int(bucket_bytes or self.bucket_bytes)
         stats = UpdateStats()
         t0 = time.perf_counter()
@@ -430,7 +536,7 @@ class RemoteEngine(RolloutEngine):
         try:
             for bucket in iter_buckets(named_tensors, cap):
                 records = pack_bucket(bucket)
-                pending.append(self._actor.load_bucket.remote(records))  # serialised (copied) here
+                pending.append(load.remote(records))  # serialised (copied) here
                 stats.tensors += len(bucket)
                 del records, bucket
                 while len(pending) > self.max_inflight:
@@ -445,6 +551,28 @@ class RemoteEngine(RolloutEngine):
         stats.buckets, stats.bytes = len(stats.bucket_sizes), sum(stats.bucket_sizes)
         stats.seconds = time.perf_counter() - t0
         self.last_update = stats
+
+    def commit_staged(self) -> None:
+        """Queue the swap of the staged version into the live model behind the generate calls already sent (the
+        default thread runs them in order): they finish on the old weights, every generate sent after this call runs
+        on the new ones. Returns at once; the next staged version first waits for this swap, and a failed swap makes
+        every later generate raise. A no-op when nothing was staged since the last swap."""
+        self._check()
+        if not self._stage_open:
+            return
+        self._commits_sent += 1
+        self._commit_ref = self._actor.commit_staged.remote(self._commits_sent)
+        self._stage_open = False
+
+    def wait_committed(self) -> None:
+        """Block until the last swap is applied (tests; a checkpoint does not need it: it waits for generations)."""
+        if self._commit_ref is not None:
+            self._get(self._commit_ref, "commit_staged()")
+            self._commit_ref = None
+
+    def staging_log(self) -> list:
+        """The actor's (kind, start, end, swaps at start, swaps at end) spans: "generate", "stage", "commit"."""
+        return self._call("staging_log", what="staging_log()")
 
     def _drain(self, pending):
         """After a failed bucket: wait for the buckets already submitted (their outcome is dropped), so
@@ -466,6 +594,8 @@ class RemoteEngine(RolloutEngine):
         return self._call("wake", args, kwargs, what="wake()")
 
     def flush_cache(self) -> None:
+        if self.staging:  # nothing is live yet: the swap's update_weights flushes
+            return None
         return self._call("flush_cache", what="flush_cache()")
 
     def call(self, method: str, *args, **kwargs):

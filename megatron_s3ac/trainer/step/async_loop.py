@@ -25,6 +25,13 @@ Engine failure: rank 0 waits for the engine at two points of a step and broadcas
 rebuilt, re-synced (every rank) and its unreturned batches resubmitted, at most ``rollout.max_engine_restarts``
 times a step (``rollout/engine_restarts``). The queue is saved with the checkpoint (``state_dict``).
 
+Overlapped weight sync (``rollout.sync.overlap: true``; an engine whose ``EngineSpec.stage_weights`` says it can
+stage, the CPU engine's ``RemoteEngine`` here): the sync at the end of step s does not wait for the batches in
+flight. Its buckets go to the engine's staging copy while the engine still generates them on version s; the swap
+is queued behind them in the engine's call order, so every batch submitted from step s + 1 on is generated with
+version s + 1 and the ``Submitted.version`` bookkeeping is the plain loop's. ``time/weight_sync_exposed_s``: the
+seconds the trainer blocked in the step's sync (both paths).
+
 Partial rollout (``rollout.partial_rollout: true``; trainer/step/async_partial.py): at the sync the engine is paused
 instead of waited for, and the unfinished responses resume on the new weights, each token tagged with its version;
 a sample's staleness is then its oldest token's.
@@ -145,6 +152,11 @@ class AsyncSource:
         from megatron_s3ac.trainer.step.async_partial import make_partial
 
         self.partial = make_partial(self)  # rollout.partial_rollout: None unless on
+        sync_cfg = getattr(getattr(getattr(tr, "cfg", None), "rollout", None), "sync", None)
+        self.overlap = bool(getattr(sync_cfg, "overlap", False))  # rollout.sync.overlap (validated at load)
+        if self.overlap and tr.rank == 0 and not getattr(tr.engine, "stageable", False):
+            raise RuntimeError(f"rollout.sync.overlap=true: the rollout engine {tr.engine!r} was not started with a "
+                               f"staging copy (RemoteEngine(stageable=True))")
 
     # ---- submission ---------------------------------------------------------------------------
     def _params(self, step: int):
@@ -213,16 +225,28 @@ class AsyncSource:
                                f"(rollout.max_engine_restarts={tr.cfg.rollout.max_engine_restarts}); last: {why}")
         self._restart(why, set(lost), list(entries))
 
-    def _sync_surviving(self) -> None:
+    def _sync_surviving(self, staged: bool = False) -> None:
         """Every rank: ``Trainer.sync_weights`` that survives the engine dying during it (its process killed while
         it loads a bucket): the sync runs to its end on every rank (``rollout.sync.weight_sync``: a failed engine takes
         no more buckets, the export's collectives go on), rank 0's verdict is shared, and a dead engine is rebuilt
-        and synced again (``recover``), its unreturned batches resubmitted."""
+        and synced again (``recover``), its unreturned batches resubmitted. ``staged`` (rollout.sync.overlap):
+        rank 0's engine takes the buckets into its staging copy while it generates and swaps them in behind the
+        batches in flight (``RemoteEngine.commit_staged``); a rebuilt engine has nothing in flight and is synced
+        plainly."""
         tr = self.tr
         while True:
             verdict = None
+            engine = tr.engine if staged and tr.rank == 0 else None
             try:
-                tr.sync_weights()
+                if engine is not None:
+                    engine.staging = True
+                try:
+                    tr.sync_weights()
+                finally:
+                    if engine is not None:
+                        engine.staging = False
+                if engine is not None:
+                    engine.commit_staged()
             except engine_death_types() as err:
                 if tr.rank != 0:
                     raise
@@ -387,15 +411,21 @@ class AsyncSource:
         partial rollout resumes the unfinished responses on the new weights."""
         tr = self.tr
         self._trained = True  # from here a re-sync sends the updated weights (version s + 1)
-        if self.partial is not None:
-            self.partial.interrupt()
+        t0 = time.time()
+        if self.overlap:  # the batches in flight finish on version s; the swap waits for them, not the trainer
+            t = time.time()
+            self._sync_surviving(staged=True)
         else:
-            self._await(list(self.queue))
-        t = time.time()
-        self._sync_surviving()
+            if self.partial is not None:
+                self.partial.interrupt()
+            else:
+                self._await(list(self.queue))
+            t = time.time()
+            self._sync_surviving()
         m["time/sync"] = time.time() - t
         if self.partial is not None:
             self.partial.resume(tr.step_idx + 1)  # rank 0: the unfinished responses continue on the new weights
+        m["time/weight_sync_exposed_s"] = time.time() - t0  # what the trainer waited for: drain + sync, or staging
 
     def end_step(self, m: dict, t0: float, result) -> None:
         """After the step (``Trainer.step_idx`` advanced): the engine's weights version, ``time/step`` and the

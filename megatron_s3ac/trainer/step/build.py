@@ -411,7 +411,8 @@ def build_engine(cfg: Config, info, multimodal: bool = False):
     import ray
 
     owns_ray = not ray.is_initialized()
-    return build_rollout_engine(factory, placement, pausable=bool(r.partial_rollout)), owns_ray
+    return build_rollout_engine(factory, placement, pausable=bool(r.partial_rollout),
+                                stageable=bool(r.sync.overlap)), owns_ray
 
 
 def reset_optimizer(opt, lr: float) -> None:

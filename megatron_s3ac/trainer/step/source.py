@@ -56,6 +56,7 @@ class SyncSource:
         for k, v in tr.placement.take_sync_metrics().items():  # the sync's own offload (colocated offload)
             m[k] = m.get(k, 0.0) + v if k in ("time/offload", "mem/offload_gb") else v
         m["time/sync"] = time.time() - t
+        m["time/weight_sync_exposed_s"] = m["time/sync"]  # nothing overlaps it here: all of it is waited for
 
     def end_step(self, m: dict, t0: float, result: RolloutResult) -> None:
         m["time/step"] = time.time() - t0

@@ -12,6 +12,9 @@ from megatron_s3ac.rollout.engines.registry import EngineRequest, EngineSpec, re
 class CPUSpec(EngineSpec):
     kind = "cpu"
     partial_rollout = True  # CPUEngine pauses between decode steps
+    # separate placement: its RemoteEngine actor receives the next version into a staging copy on a thread of its
+    # own while the default thread generates, and swaps it in between two generate calls (remote.py EngineHost)
+    stage_weights = True
     needs_model_dir = False  # an HF config object suffices: random init, the trainer's weights come at the first sync
     multimodal_flag = True
 

@@ -15,6 +15,13 @@ class SGLangSpec(EngineSpec):
     settings_cls = SGLangSettings
     section = "sglang"
     partial_rollout = True  # through sglang.Engine's tokenizer_manager coroutines (engine.py)
+    stage_refusal = (
+        "rollout.sync.overlap=true with rollout.engine=sglang: sglang 0.5.23 cannot receive weights while it "
+        "generates: update_weights_from_distributed / _from_tensor take the tokenizer manager's model_update_lock "
+        "writer lock (managers/tokenizer_control_mixin.py:523, :586), which waits for every running request (each "
+        "holds the reader lock for its whole life, tokenizer_manager.py:941), and load straight into the live "
+        "parameters (scheduler_components/weight_updater.py:187-225); docs/rollout.md \"Overlapped weight sync\". "
+        "Use rollout.engine=cpu or rollout.sync.overlap=false")
 
     def check_settings(self, settings) -> None:
         validate_sglang_settings(settings)

@@ -15,6 +15,13 @@ class VLLMSpec(EngineSpec):
     settings_cls = VLLMSettings
     section = "vllm"
     own_process = True
+    stage_refusal = (
+        "rollout.sync.overlap=true with rollout.engine=vllm: vLLM 0.32 runs a weight update as a collective_rpc "
+        "utility call in the engine core's one busy loop, between two forward steps (v1/engine/core.py:1547-1610, "
+        "1674-1700), and its weight-transfer engine loads each chunk into the live model "
+        "(distributed/weight_transfer/base.py:491-501): the receive stops decoding and the running requests continue "
+        "on a half-updated model unless paused; no staging copy exists (docs/rollout.md \"Overlapped weight sync\"). "
+        "Use rollout.engine=cpu or rollout.sync.overlap=false")
     partial_refusal = (
         "rollout.partial_rollout=true with rollout.engine=vllm: the vLLM server here (rollout/engines/vllm/server.py) "
         "runs vLLM's offline LLM (vllm/entrypoints/llm.py), whose generate() runs every request to the end; "
