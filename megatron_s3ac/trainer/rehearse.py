@@ -38,6 +38,8 @@ class Phase:
     defects: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     tracebacks: list = dataclasses.field(default_factory=list)  # in --report only
+    # run: {phase, model, kind, measured, planned, ratio[, where]} per audited phase (trainer.rehearse_run)
+    residency: list = dataclasses.field(default_factory=list)
 
 
 class RehearsalInputError(ConfigError):
