@@ -14,6 +14,9 @@ has a critic -> RL with a held-out evaluation and a checkpoint at every step), t
 stage from its checkpoint for one more step, both under the collective audit (megatron_s3ac.audit.
 collectives: every group's ranks must issue the same collectives in the same order) and with
 ``train.dist_timeout_s`` short, so a rank waiting inside a collective for rank 0's engine shows as a timeout.
+Every rank's Trainer is under the residency audit too (audit.residency): the bytes each model keeps in each phase,
+the most over a pipeline stage's ranks, against the planner's per-phase residency for the same shrunk config and
+layout (``planned_residency``, ``residency_check``; docs/rehearse.md "Residency against the planner").
 """
 from __future__ import annotations
 
@@ -169,7 +172,10 @@ def _rank(config_path: str, overrides: list, command: str, slow_s: float = 0.0) 
             from megatron.core import parallel_state as ps
 
             planned["stage"] = ps.get_pipeline_model_parallel_rank()
-            planned["planned"] = planned_residency(audit.tr, dist.get_world_size(), planned["stage"])
+            try:
+                planned["planned"] = planned_residency(audit.tr, dist.get_world_size(), planned["stage"])
+            except Exception as e:  # noqa: BLE001 - the planner failing on a config the trainer runs is a finding
+                planned["planned"], planned["error"] = {}, f"{type(e).__name__}: {e}"
 
         with audit_every(Trainer, plan) as audits:  # every rank's Trainer: the pipeline's, the resumed job's
             if command == "pipeline":
@@ -238,6 +244,10 @@ def residency_check(results: list, tolerance: float = RESIDENCY_TOLERANCE) -> tu
     rows, defects = [], []
     for stage, ranks in sorted(by_stage.items()):
         where = f"pipeline stage {stage}" if len(by_stage) > 1 else ""
+        errors = [x["error"] for x in ranks if x.get("error")]
+        if errors:
+            defects.append(f"{where or 'the planner'}: plan.memory.estimate failed on the shrunk config: {errors[0]}")
+            continue
         got = merge_peaks(*(x["measured"] for x in ranks))
         got = {ph: got[ph] for ph in RESIDENCY_ORDER if ph in got}
         r, d = compare(got, ranks[0]["planned"], tolerance, where)
