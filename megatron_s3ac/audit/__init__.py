@@ -1,2 +1,3 @@
 """Audits ``s3ac-train rehearse`` runs over the trainer's own code on CPU ranks: each rank's collectives
-(``collectives``) and a short process-group timeout with a slow rank-0 engine (``pg_timeout``)."""
+(``collectives``), a short process-group timeout with a slow rank-0 engine (``pg_timeout``) and the bytes each
+model keeps per phase (``residency``)."""

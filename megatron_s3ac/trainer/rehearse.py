@@ -11,11 +11,13 @@ would start. Phases, each a function of the ``Rehearsal`` below, each adding the
   trainer's ranks) and the engine's own rules on the arguments it is started with;
 * ``kernels``: the model's layer spec as it is built on a GPU with Transformer Engine, against the planner's
   assumption (TE's kernels: grouped GEMM, fused attention, CP ring).
+* ``run``: the job shrunk, through its stages on CPU ranks under the collective and residency audits
+  (trainer/rehearse_run.py).
 
 What it cannot see: the weights (the served directory is the model's real config.json beside placeholder weights
 and a tokenizer; nothing reads weights before a process starts), the NCCL / CUDA calls themselves, engines other
-than on rank 0's node's first engine slots (every node is alike), and the phases of a step (training, the weight
-sync, evaluation): those are tests/gpu_readiness/ and tools/device_checks today.
+than on rank 0's node's first engine slots (every node is alike), and of a step's memory only the model states
+(docs/rehearse.md "What a rehearsal cannot see").
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ class Phase:
     defects: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     tracebacks: list = dataclasses.field(default_factory=list)  # in --report only
+    # run: {phase, model, kind, measured, planned, ratio[, where]} per audited phase (trainer.rehearse_run)
+    residency: list = dataclasses.field(default_factory=list)
 
 
 class RehearsalInputError(ConfigError):

@@ -14,6 +14,9 @@ has a critic -> RL with a held-out evaluation and a checkpoint at every step), t
 stage from its checkpoint for one more step, both under the collective audit (megatron_s3ac.audit.
 collectives: every group's ranks must issue the same collectives in the same order) and with
 ``train.dist_timeout_s`` short, so a rank waiting inside a collective for rank 0's engine shows as a timeout.
+Every rank's Trainer is under the residency audit too (audit.residency): the bytes each model keeps in each phase,
+the most over a pipeline stage's ranks, against the planner's per-phase residency for the same shrunk config and
+layout (``planned_residency``, ``residency_check``; docs/rehearse.md "Residency against the planner").
 """
 from __future__ import annotations
 
@@ -29,6 +32,11 @@ from megatron_s3ac.audit.pg_timeout import run_with_pg_timeout
 # engine takes SLOW_S longer to start and to answer each generation; the other ranks must wait on the gloo wait
 # group (train.dist_timeout_s), never inside a default-group collective
 PG_TIMEOUT_S, SLOW_S = 15.0, 16.0
+# the residency audit's tolerance over the planner's bytes (docs/rehearse.md "Residency"): measured on the example
+# configs, params and grads equal the planner's and the optimizer is below its padded share; 2% covers a buffer's
+# padding the planner rounds differently, while a model left resident where it should be offloaded is a defect at
+# any size
+RESIDENCY_TOLERANCE = 0.02
 
 REWARD = "rehearsal_length_parity"
 register_reward(REWARD, isolate=False)(lambda response, reference: float(len(response) % 2))
@@ -152,26 +160,40 @@ def _rank(config_path: str, overrides: list, command: str, slow_s: float = 0.0) 
     os.dup2(fd, 2)
     silence_known_warnings()  # as s3ac-train does first: the known library warnings, each justified there
     from megatron_s3ac.audit.collectives import audited
+    from megatron_s3ac.audit.residency import audit_every, merge_peaks, peaks
     from megatron_s3ac.config import load_config
+    from megatron_s3ac.trainer.step.trainer import Trainer
 
     def run():
         cfg = load_config(config_path, overrides)
-        if command == "pipeline":
-            from megatron_s3ac.trainer.stages.pipeline import run_pipeline
+        planned = {}
 
-            run_pipeline(cfg)
-        else:
-            from megatron_s3ac.trainer.step.trainer import Trainer
-            from megatron_s3ac.trainer.run.train_loop import train_loop
+        def plan(audit):  # at the Trainer's build: its layout, parallel state and model are the job's
+            from megatron.core import parallel_state as ps
 
-            tr = Trainer(cfg)
+            planned["stage"] = ps.get_pipeline_model_parallel_rank()
             try:
-                train_loop(tr)
-            finally:
-                tr.close()
+                planned["planned"] = planned_residency(audit.tr, dist.get_world_size(), planned["stage"])
+            except Exception as e:  # noqa: BLE001 - the planner failing on a config the trainer runs is a finding
+                planned["planned"], planned["error"] = {}, f"{type(e).__name__}: {e}"
+
+        with audit_every(Trainer, plan) as audits:  # every rank's Trainer: the pipeline's, the resumed job's
+            if command == "pipeline":
+                from megatron_s3ac.trainer.stages.pipeline import run_pipeline
+
+                run_pipeline(cfg)
+            else:
+                from megatron_s3ac.trainer.run.train_loop import train_loop
+
+                tr = Trainer(cfg)
+                try:
+                    train_loop(tr)
+                finally:
+                    tr.close()
         metrics = os.path.join(cfg.train.out_dir, "metrics.jsonl")
         rows = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
-        return {"steps": [r.get("step") for r in rows]}
+        return {"steps": [r.get("step") for r in rows],
+                "residency": dict(planned, measured=merge_peaks(*(peaks(a.log) for a in audits)))}
 
     if not slow_s:
         return audited(run)
@@ -180,6 +202,76 @@ def _rank(config_path: str, overrides: list, command: str, slow_s: float = 0.0) 
 
     with slow_rank0_engine(build, slow_s, slow_s):
         return audited(run)
+
+
+def planned_residency(tr, world: int, stage: int) -> dict:
+    """The planner's {phase: {model: {kind: bytes}}} on one GPU of pipeline ``stage`` (plan.memory.residency) for
+    the trainer ``tr``'s own config, model info and layouts on ``world`` trainer ranks; the critic as the trainer
+    built it (none for a critic-free algorithm), the engine's GPUs beside the trainer's for separate placement."""
+    from megatron_s3ac.config import layout_of
+    from megatron_s3ac.plan.memory import Cluster, Workload, estimate
+    from megatron_s3ac.plan.preflight import trainer_knobs
+
+    cfg = tr.cfg
+    actor = layout_of(cfg.actor_layout)
+    critic = layout_of(cfg.critic_layout) if cfg.critic_layout else actor
+    knobs = trainer_knobs(cfg)
+    knobs.critic = getattr(tr, "critic_ddp", None) is not None
+    gpus = world
+    if knobs.placement == "separate":  # the planner's trainer GPUs are the cluster's less the engines'
+        knobs.engine_gpus, gpus = world, 2 * world
+    w = Workload(prompt_len=int(cfg.data.max_prompt_tokens), response_len=int(cfg.rollout.max_new_tokens),
+                 prompts_per_step=int(cfg.rollout.prompts_per_step), k=int(cfg.rollout.k))
+    est = estimate(tr.info, actor, Cluster(gpus=gpus), w, knobs, critic)
+    return est.stages[min(stage, len(est.stages) - 1)].resident
+
+
+# the report's order of the audited phases
+RESIDENCY_ORDER = ("rollout", "values", "old_logprobs", "actor_update", "critic_update", "engine_wake", "weight_sync")
+
+
+def residency_check(results: list, tolerance: float = RESIDENCY_TOLERANCE) -> tuple[list, list]:
+    """(rows, defects) of every rank's measured residency peaks against its pipeline stage's plan
+    (audit.residency.compare), the ranks of one stage merged (their most); ``results``: the ranks' job results."""
+    from megatron_s3ac.audit.residency import compare, merge_peaks
+
+    by_stage: dict = {}
+    for r in results:
+        res = r["residency"]
+        if "stage" not in res:
+            continue  # no Trainer was built on this rank
+        by_stage.setdefault(res["stage"], []).append(res)
+    rows, defects = [], []
+    for stage, ranks in sorted(by_stage.items()):
+        where = f"pipeline stage {stage}" if len(by_stage) > 1 else ""
+        errors = [x["error"] for x in ranks if x.get("error")]
+        if errors:
+            defects.append(f"{where or 'the planner'}: plan.memory.estimate failed on the shrunk config: {errors[0]}")
+            continue
+        got = merge_peaks(*(x["measured"] for x in ranks))
+        got = {ph: got[ph] for ph in RESIDENCY_ORDER if ph in got}
+        r, d = compare(got, ranks[0]["planned"], tolerance, where)
+        rows += r
+        defects += d
+    return rows, defects
+
+
+def residency_lines(rows: list) -> list[str]:
+    """The report's residency block: per audited phase and model, measured / planned bytes of each kind either side
+    holds and their ratio ("none" where both are 0: the model offloaded, as planned, or absent)."""
+    out, keys = [], []
+    for row in rows:
+        key = (row.get("where", ""), row["phase"], row["model"])
+        if key not in keys:
+            keys.append(key)
+    for key in keys:
+        kinds = [x for x in rows if (x.get("where", ""), x["phase"], x["model"]) == key
+                 and (x["measured"] or x["planned"])]
+        parts = [f"{x['kind']} {x['measured']:,} / {x['planned']:,} B "
+                 f"({'x' if x['ratio'] is None else format(x['ratio'], '.3f')})" for x in kinds]
+        at = f"{key[0]} " if key[0] else ""
+        out.append(f"residency {at}{key[1]:<13} {key[2]:<6} " + (", ".join(parts) or "none (planned none)"))
+    return out
 
 
 def _where(tb: str) -> str:
@@ -228,6 +320,16 @@ def run_phase(cfg, tmp: str, max_ranks: int, p) -> None:
             (f"resume: the RL stage one more step from its checkpoint (default group timeout {PG_TIMEOUT_S:g} s, "
              f"rank 0's engine {SLOW_S:g} s slower to start and per generation)", "train", ["train.steps=3"],
              PG_TIMEOUT_S, SLOW_S))
+    measured = []  # every job's rank results, for the residency block
+
+    def report_residency():
+        rows, _ = residency_check(measured)
+        p.residency = rows
+        p.ran.append(f"residency per phase (measured / planned bytes on one rank, the most over the ranks of a "
+                     f"stage and the jobs; planner: plan.memory.residency of the shrunk config; tolerance "
+                     f"{RESIDENCY_TOLERANCE:.0%}):")
+        p.ran += residency_lines(rows) or ["residency: no audited phase ran"]
+
     for what, command, extra, pg_timeout, slow in jobs:
         try:
             res = run_with_pg_timeout(_rank, world, pg_timeout, config_path, extra, command, slow, timeout=900.0)
@@ -247,3 +349,10 @@ def run_phase(cfg, tmp: str, max_ranks: int, p) -> None:
             p.defects.append(f"{what}: {e}")
             return
         p.ran.append(f"{what}: steps {res[0]['result']['steps']}, {n} collectives, every group's ranks in step")
+        measured += [x["result"] for x in res]
+        _, defects = residency_check([x["result"] for x in res])
+        if defects:
+            p.defects += [f"{what}: residency: {d}" for d in defects]
+            report_residency()
+            return
+    report_residency()

@@ -1,5 +1,5 @@
 """Finding 6: what is resident beside a colocated engine, measured at each phase of a step (the residency audit,
-megatron_s3ac.testing.residency) and compared with the planner's phase figures for the same config.
+megatron_s3ac.audit.residency) and compared with the planner's phase figures for the same config.
 
 The trainer (the tiny demo model, one gloo rank, S3AC with its critic, train.offload_idle=true, the colocated CPU
 engine) runs two steps under the audit. Independent reference: the bytes of each model's own storages (params,
@@ -47,7 +47,7 @@ def planned_residency(tr):
 
 def _audit(out_dir):
     from megatron_s3ac.rollout.rewards import register_reward
-    from megatron_s3ac.testing.residency import ResidencyAudit, snapshot
+    from megatron_s3ac.audit.residency import ResidencyAudit, snapshot
     from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.step.trainer import Trainer
 

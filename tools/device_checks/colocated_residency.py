@@ -6,7 +6,7 @@ memory an offload frees reaches the driver before the engine wakes, and what the
     python tools/device_checks/colocated_residency.py --stand-in
         # CPU dry run of the same script (gloo, the CPU engine): the residency figures; the CUDA checks are skipped
 
-The trainer runs ``--steps`` steps under the residency audit (megatron_s3ac.testing.residency.ResidencyAudit).
+The trainer runs ``--steps`` steps under the residency audit (megatron_s3ac.audit.residency.ResidencyAudit).
 Checks, one JSON line each (the last step's phases):
 
 1. residency: at every phase the bytes each model keeps (params, grads, optimizer) equal the planner's
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         print(json.dumps({"check": "device", "ok": False, "error": "no CUDA GPU (use --stand-in for a CPU dry run)"}))
         return 1
     from megatron_s3ac.models.gloo_ranks import free_port, init_single_process
-    from megatron_s3ac.testing.residency import ResidencyAudit
+    from megatron_s3ac.audit.residency import ResidencyAudit
     from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.step.trainer import Trainer
 
