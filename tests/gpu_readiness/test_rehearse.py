@@ -49,8 +49,10 @@ def test_example_configs_rehearse_clean(capsys, monkeypatch, example, hf):
     assert "[ok] config" in out and "[ok] engines" in out and "[ok] kernels" in out
 
 
-@pytest.mark.parametrize("example,hf", [EXAMPLES[0]] + [pytest.param(*e, marks=pytest.mark.slow) for e in
-                                                          (EXAMPLES[3], EXAMPLES[5])])
+# all slow (the 1.5B's two-rank pipeline + resume is ~60-100 s here): the fast suite runs the run phase's rank code on
+# a tiny job instead (tests/gpu_readiness/test_rehearse_residency.py)
+@pytest.mark.parametrize("example,hf", [pytest.param(*e, marks=pytest.mark.slow) for e in
+                                        (EXAMPLES[0], EXAMPLES[3], EXAMPLES[5])])
 def test_example_configs_shrunk_job_runs_clean(capsys, monkeypatch, example, hf):
     """The run phase: the shrunk job through pipeline + resume on CPU ranks (1.5B: 2 ranks; the MoE examples: 8)."""
     rc, out = _rehearse(capsys, monkeypatch, [example, f"model.hf_config=examples/hf_configs/{hf}"], run=True)
