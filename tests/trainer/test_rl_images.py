@@ -246,3 +246,42 @@ def test_text_rl_evaluates_image_benchmarks(miniature, tmp_path):
                     "--out", str(report)])
     assert rc == 0
     assert json.load(open(report))["benchmarks"]["heldout"]["avg_at_k"] == got
+
+
+def _offload_steps(paths, mcore, out_dir, offload):
+    """Two RL steps on image prompts with the engine colocated; with ``train.offload_idle`` the frozen tower (one
+    object shared by actor and critic) is off the device while the engine generates. Returns the steps' metrics
+    (no timings or memory figures) and, per rollout, whether the tower's weights were on the device."""
+    from megatron_s3ac.models.vision import vision_of
+    from megatron_s3ac.trainer.step.trainer import Trainer
+
+    cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"),
+                      _overrides(paths, mcore, out_dir, False, 2) + [f"train.offload_idle={str(offload).lower()}"])
+    tr = Trainer(cfg)
+    tower, at_rollout = vision_of(tr.actor), []
+    real = tr.source.generate
+
+    def spy(fn):
+        at_rollout.append(next(tower.parameters()).untyped_storage().nbytes() > 0)
+        return real(fn)
+
+    tr.source.generate = spy
+    steps = [{k: v for k, v in tr.step().items() if not k.startswith(("time/", "mem/"))} for _ in range(2)]
+    shared = vision_of(tr.critic) is tower
+    tr.close()
+    return {"steps": steps, "at_rollout": at_rollout, "shared": shared}
+
+
+@pytest.mark.slow  # the miniature's conversion + 2 x 2 steps on 2 ranks
+def test_offload_idle_moves_the_shared_frozen_tower_and_changes_nothing(miniature, tmp_path):
+    paths, mcore = miniature
+    off = run_distributed(_offload_steps, 2, paths, mcore, str(tmp_path / "off"), True)
+    ref = run_distributed(_offload_steps, 2, paths, mcore, str(tmp_path / "ref"), False)
+    assert off[0]["shared"] and off[0]["at_rollout"] == [False, False]  # rank 0 generates: the tower was away
+    assert ref[0]["at_rollout"] == [True, True]
+    def same(x, y):  # NaN (an explained variance of constant returns) equals NaN
+        return x == y or (isinstance(x, float) and isinstance(y, float) and x != x and y != y)
+
+    diffs = [(i, k, a.get(k), b.get(k)) for i, (a, b) in enumerate(zip(off[0]["steps"], ref[0]["steps"]))
+             for k in sorted(set(a) | set(b)) if not same(a.get(k), b.get(k))]
+    assert len(off[0]["steps"]) == 2 and not diffs, diffs  # the round trip is bit-exact: the same steps

@@ -19,15 +19,34 @@ def release_device_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def held_towers(module) -> list:
+    """The vision towers a model holds outside its parameters: ``models.vision.attach_vision`` keeps a frozen tower
+    (and a later pipeline stage's spare) as a plain attribute, so that it is neither trained nor saved, yet its
+    weights sit on the device like the model's."""
+    from megatron_s3ac.models.vision import VISION_ATTR, unwrap_gpt
+
+    gpt = unwrap_gpt(module)
+    return [t for t in (gpt.__dict__.get(VISION_ATTR), gpt.__dict__.get("s3ac_vision_spare")) if t is not None]
+
+
 class Placement:
     """``models``: {"actor" | "critic": (ddp module, optimizer)} (the critic absent without one); ``offload_idle``,
-    ``colocated``: the config's ``train.offload_idle`` and ``rollout.placement == colocated``."""
+    ``colocated``: the config's ``train.offload_idle`` and ``rollout.placement == colocated``.
+
+    A frozen vision tower is one object shared by the actor and the critic (trainer.step.build copies only a
+    trainable one), so it is a resident of its own: its weights leave once every model holding it has its params
+    off, and come back as soon as one of them needs its params."""
 
     def __init__(self, models: dict, offload_idle: bool, colocated: bool):
         self.models, self.offload_idle, self.colocated = models, bool(offload_idle), bool(colocated)
         self._offloaders: dict | None = None
         self._resident = False
         self.sync_metrics: dict = {}  # the last weight sync's own moves (time/offload, mem/*), taken by the step
+        self.towers: dict = {}  # id(tower) -> (tower, names of the models holding it)
+        for name, (ddp, _) in models.items():
+            for t in held_towers(ddp):
+                self.towers.setdefault(id(t), (t, []))[1].append(name)
+        self._tower_offloaders: dict | None = None
 
     @classmethod
     def of(cls, tr) -> "Placement":
@@ -65,8 +84,30 @@ class Placement:
             h = handles.get(name)
             if h is not None and h.offloaded_kinds() & set(kinds):
                 m["time/offload"] = m.get("time/offload", 0.0) + h.onload(kinds).seconds
+        freed |= self._follow_towers(m, handles)
         if freed:
             release_device_cache()
+
+    def _follow_towers(self, m: dict, handles: dict) -> bool:
+        """Each held tower off when every model holding it has its params off, else on; True if one left."""
+        if not self.towers:
+            return False
+        from megatron_s3ac.models.offload import HostOffload
+
+        if self._tower_offloaders is None:
+            self._tower_offloaders = {k: HostOffload([t]) for k, (t, _) in self.towers.items()}
+        freed = False
+        for k, (_, owners) in self.towers.items():
+            h, off = self._tower_offloaders[k], all("params" in handles[o].offloaded_kinds() for o in owners)
+            if off and not h.offloaded_kinds():
+                st = h.offload(("params",))
+                freed = True
+                m["time/offload"] = m.get("time/offload", 0.0) + st.seconds
+                m["mem/offload_gb"] = m.get("mem/offload_gb", 0.0) + st.total_bytes / 2**30
+                m["mem/vision_tower_params_gb"] = st.total_bytes / 2**30
+            elif not off and h.offloaded_kinds():
+                m["time/offload"] = m.get("time/offload", 0.0) + h.onload(("params",)).seconds
+        return freed
 
     @property
     def offload_colocated(self) -> bool:
@@ -109,4 +150,4 @@ class Placement:
         return out
 
 
-__all__ = ["Placement", "release_device_cache"]
+__all__ = ["Placement", "held_towers", "release_device_cache"]
