@@ -161,3 +161,51 @@ def test_config_rules():
                              "rollout.placement=separate"])
     assert cfg.algo.refill_eager
     assert load_config(base, []).algo.refill_eager is False
+
+
+def _eager_run(n, extra, out_dir):
+    from megatron_s3ac.config import load_config
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from tests.trainer.test_trainer import SMALL
+
+    sep = ["rollout.placement=separate", "actor_layout.ep=2", "train.eval_every=0"]
+    tr = Trainer(load_config(None, SMALL + sep + [f"train.max_staleness={n}", "train.steps=3",
+                                                  f"train.out_dir={out_dir}", "rollout.reward=test_char_parity",
+                                                  "algo.dynamic_sampling_refill=true", "algo.refill_eager=true"]
+                             + extra))
+    try:
+        calls = []
+        if tr.rank == 0:  # every generation the engine is asked for: (first prompt, how many prompts, seed)
+            real = tr.engine.generate_stream_async
+
+            def spy(prompt_ids, params, *a, **kw):
+                calls.append((len(prompt_ids), params.seed))
+                return real(prompt_ids, params, *a, **kw)
+
+            tr.engine.generate_stream_async = spy
+        ms = [tr.step() for _ in range(3)]
+        return {"metrics": ms, "calls": calls}
+    finally:
+        tr.close()
+
+
+@pytest.mark.slow  # world size 2 with the CPU engine as a Ray actor: minutes at this machine's load
+@pytest.mark.parametrize("n", [0, 1])
+def test_eager_refill_end_to_end_world2(tmp_path, n):
+    """The synchronous (N = 0, the engine in its own process) and the one-step asynchronous loop with eager
+    refill: replacements are one-group calls, the drawn bound and the staleness bound hold, and a second run with
+    the same seed gives the same metrics (timings aside)."""
+    from megatron_s3ac.models.gloo_ranks import run_distributed
+
+    r0, _ = run_distributed(_eager_run, 2, n, [], str(tmp_path / "a"))
+    b0, _ = run_distributed(_eager_run, 2, n, [], str(tmp_path / "b"))
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("time/")} for m in ms]  # noqa: E731
+    import json
+
+    assert json.dumps(strip(r0["metrics"]), sort_keys=True) == json.dumps(strip(b0["metrics"]), sort_keys=True)
+    for m in r0["metrics"]:
+        assert m["refill/drawn_groups"] <= 3 * 8  # SMALL: 8 prompts per step, refill_max_factor 3
+        assert m["refill/rounds"] == 1 + m["refill/drawn_groups"] - 8
+        if n:
+            assert m.get("async/staleness_max", 0) <= n
+    assert any(size == 1 for size, _ in r0["calls"])  # some replacement was submitted
