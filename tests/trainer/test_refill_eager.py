@@ -163,6 +163,31 @@ def test_config_rules():
     assert load_config(base, []).algo.refill_eager is False
 
 
+def test_eager_replacements_round_trip_through_a_checkpoint_file(tmp_path):
+    """The asynchronous queue keeps a batch's reserve and (rank 0) its replacements with their versions."""
+    from megatron_s3ac.rollout.base import PendingGeneration
+    from megatron_s3ac.trainer.run.checkpoint import safe_load
+    from megatron_s3ac.trainer.step import async_loop as AL
+    from megatron_s3ac.trainer.step.rollout_phases import EagerRefill
+
+    smp = Sample([1, 2], [4, 5], np.array([-0.5, -1.25], dtype=np.float32), "stop")
+    ar = AL.AsyncSource(object(), 1)
+    e = AL.Submitted(3, torch.tensor([7, 9]), {}, 2, PendingGeneration(lambda: [[smp], [smp]]))
+    e.reserve = torch.tensor([11, 12, 13])
+    e.eager = EagerRefill({0: [smp], 1: [smp], 2: [smp]}, {0: [1.0], 1: [0.0], 2: None}, {0: None, 1: None, 2: 3},
+                          [])
+    ar.queue.append(e)
+    torch.save({"async_rollout": AL.state_dict(ar)}, tmp_path / "trainer_state.pt")
+    st = safe_load(str(tmp_path / "trainer_state.pt"))["async_rollout"]
+    back, other = AL.AsyncSource(object(), 1), AL.AsyncSource(object(), 1)
+    AL.load_state_dict(back, st, rank=0)
+    AL.load_state_dict(other, st, rank=1)
+    (b,) = back.queue
+    assert b.reserve.tolist() == [11, 12, 13] and other.queue[0].reserve.tolist() == [11, 12, 13]
+    assert b.eager.rewards == {0: [1.0], 1: [0.0], 2: None} and b.eager.versions == {0: None, 1: None, 2: 3}
+    assert b.eager.groups[2][0].response_ids == [4, 5] and other.queue[0].eager is None
+
+
 def _eager_run(n, extra, out_dir):
     from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.step.trainer import Trainer
@@ -184,7 +209,7 @@ def _eager_run(n, extra, out_dir):
 
             tr.engine.generate_stream_async = spy
         ms = [tr.step() for _ in range(3)]
-        return {"metrics": ms, "calls": calls}
+        return {"metrics": ms, "calls": calls, "eager_log": list(getattr(tr.source, "eager_log", []))}
     finally:
         tr.close()
 
@@ -209,3 +234,9 @@ def test_eager_refill_end_to_end_world2(tmp_path, n):
         if n:
             assert m.get("async/staleness_max", 0) <= n
     assert any(size == 1 for size, _ in r0["calls"])  # some replacement was submitted
+    if n:  # the real engine's stream: some replacement went out before its round's last group came back
+        early = []
+        for _, ev in r0["eager_log"]:
+            last = max(t for kind, slot, t in ev if kind == "arrived" and slot < 8)
+            early += [t for kind, slot, t in ev if kind == "submitted" and t < last]
+        assert early, r0["eager_log"]

@@ -150,6 +150,7 @@ class AsyncSource:
         self.eager = bool(getattr(algo, "dynamic_sampling_refill", False) and getattr(algo, "refill_eager", False))
         self.reward_events: list = []  # rank 0, streaming rewards: (kind, step, group, time) of the current step
         self.reward_log: collections.deque = collections.deque(maxlen=100_000)  # the same over the run (tests)
+        self.eager_log: collections.deque = collections.deque(maxlen=100_000)  # rank 0: (step, EagerRefill events)
         self._step_restarts = 0  # in the current step (bounded by rollout.max_engine_restarts)
         self._trained = False  # the current step's update is done: a re-sync sends version step + 1
         self.version = 0  # the weights version the engine holds (the trainer step whose weights it last received)
@@ -344,6 +345,7 @@ class AsyncSource:
         kinds = {"arrived": "generated", "scored": "scored"}
         self.reward_events.extend((kinds[kind], e.step, slot, t) for kind, slot, t in er.events if kind in kinds)
         self.spans.extend(t for t in er.timings if t is not e.pending.timing)  # the round's own: at collection
+        self.eager_log.append((e.step, list(er.events)))
         return er
 
     def _score_stream(self, e: Submitted) -> list:
@@ -516,8 +518,15 @@ def state_dict(ar: "AsyncSource") -> dict:
     out = []
     for e in ar.queue:
         groups = None if e.pending is None else [[_plain_sample(x) for x in g] for g in ar._result(e)]
+        er = e.eager  # algo.refill_eager (rank 0): the replacements already generated, with their versions
+        eager = None if er is None else {
+            "slots": [int(sl) for sl in sorted(er.groups)],
+            "groups": [[_plain_sample(x) for x in er.groups[sl]] for sl in sorted(er.groups)],
+            "rewards": [None if er.rewards[sl] is None else [float(x) for x in er.rewards[sl]]
+                        for sl in sorted(er.groups)],
+            "versions": [None if er.versions[sl] is None else int(er.versions[sl]) for sl in sorted(er.groups)]}
         out.append({"step": e.step, "pids": e.pids.clone(), "stats": _plain_stats(e.stats), "version": e.version,
-                    "groups": groups, "reserve": None if e.reserve is None else e.reserve.clone()})
+                    "groups": groups, "reserve": None if e.reserve is None else e.reserve.clone(), "eager": eager})
     return {"version": 1, "max_staleness": ar.n, "queue": out, "engine_restarts": ar.restarts}
 
 
@@ -531,8 +540,14 @@ def load_state_dict(ar: "AsyncSource", state: dict, rank: int) -> None:
     ar.restarts = int(state.get("engine_restarts", 0))
     for q in state["queue"]:
         e = Submitted(int(q["step"]), q["pids"].clone(), dict(q["stats"]), int(q["version"]))
-        if q.get("reserve") is not None:  # algo.refill_eager: its replacements are generated at collection
+        if q.get("reserve") is not None:  # algo.refill_eager: the candidates and (rank 0) the replacements made
             e.reserve = q["reserve"].clone()
+        if rank == 0 and q.get("eager") is not None:
+            from megatron_s3ac.trainer.step.rollout_phases import EagerRefill
+
+            d = q["eager"]
+            e.eager = EagerRefill({sl: [_sample(x) for x in g] for sl, g in zip(d["slots"], d["groups"])},
+                                  dict(zip(d["slots"], d["rewards"])), dict(zip(d["slots"], d["versions"])), [])
         if rank == 0:
             if q["groups"] is None:
                 raise ValueError("the checkpoint's asynchronous-rollout queue has no samples (saved by a rank other "
