@@ -1,7 +1,7 @@
 """Asynchronous rollout (``train.max_staleness``): measured on this machine, and simulated at scale.
 
     python bench/bench_async.py [--steps 4] [--warmup 1] [--world 1] [--max-new-tokens 24] [--prompts 16] [--k 4]
-                                [--arms sync,async,partial,overlap] [--partial-staleness 2] [--comparable]
+                                [--arms sync,async,partial,overlap,refill,eager] [--partial-staleness 2] [--comparable]
                                 [--set algo.name=grpo_x ...]
     python bench/bench_async.py --sim-only
 
@@ -11,7 +11,9 @@
    ``--partial-staleness``, default 2: the sync pauses the engine instead of draining it), and on request the
    overlapped-sync arm (``overlap``: max_staleness 1 with ``rollout.sync.overlap=true``: the sync's buckets are
    staged in the engine while it generates, no drain; each arm reports ``time/weight_sync_exposed_s``, the seconds
-   the trainer blocked in the step's sync). ``--comparable`` sets a
+   the trainer blocked in the step's sync), and the DAPO arms ``refill`` (one-step async with the round-by-round
+   refill) and ``eager`` (with ``algo.refill_eager``: a replacement per filtered group), which report the engine's
+   idle fraction and the groups drawn. ``--comparable`` sets a
    config where generation and training take comparable time (GRPO-X without a critic, one actor mini-batch,
    16 prompts x 4, 96 new tokens: generation / training ~0.65-0.7 on a quiet 2-core machine; 32 prompts gave ~0.45-0.57,
    where even an ideal overlap stays under 1.5x). Reported: each mode's trained samples / s of wall time over the steps after ``--warmup``
@@ -42,7 +44,10 @@ sys.path.insert(0, ROOT)
 # ---- 1. measured ---------------------------------------------------------------------------------------
 COMPARABLE = ["algo.name=grpo_x", "algo.actor_minibatches=1"]  # + --prompts 16 --max-new-tokens 96 (main)
 ARMS = {"sync": (0, []), "async": (1, []), "partial": (None, ["rollout.partial_rollout=true"]),
-        "overlap": (1, ["rollout.sync.overlap=true"])}  # overlap: one-step async, the sync staged beside generation
+        "overlap": (1, ["rollout.sync.overlap=true"]),  # overlap: one-step async, the sync staged beside generation
+        # DAPO refill in the one-step async loop, round by round vs eager (a replacement per filtered group)
+        "refill": (1, ["algo.dynamic_sampling=true", "algo.dynamic_sampling_refill=true"]),
+        "eager": (1, ["algo.dynamic_sampling=true", "algo.dynamic_sampling_refill=true", "algo.refill_eager=true"])}
 
 
 def _run(n, overrides, steps, out_dir):
@@ -57,7 +62,7 @@ def _run(n, overrides, steps, out_dir):
             t = time.perf_counter()
             m = tr.step()
             rows.append({"wall": time.perf_counter() - t, **{k: v for k, v in m.items() if k.startswith(
-                ("time/", "async/", "filter/", "mismatch/", "actor/"))}})
+                ("time/", "async/", "filter/", "mismatch/", "actor/", "refill/"))}})
         return rows
     finally:
         tr.close()
@@ -100,7 +105,8 @@ def measure(args) -> dict:
                 pair[name].update({k: sum(r.get(k, 0.0) for r in timed) / len(timed) for k in (
                     "time/engine_busy_frac", "time/trainer_wait", "async/staleness_mean", "async/staleness_max",
                     "async/partial_resumes", "async/partial_regenerated", "async/partial_unstarted",
-                    "async/versions_per_response_max")
+                    "async/versions_per_response_max", "time/engine_idle_frac", "refill/drawn_groups",
+                    "refill/rounds", "filter/kept_groups")
                     if any(k in r for r in timed)})
                 pair[name]["max_staleness"] = n
         pair["sync"]["gen_over_train"] = pair["sync"]["rollout_s_per_step"] / max(pair["sync"]["train_s_per_step"],

@@ -127,6 +127,17 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         errs.append(f"data.task=chain is scored by rollout.reward=chain, got {r.reward!r}")
     if a.dynamic_sampling_refill and not (a.dynamic_sampling and r.k > 1):
         errs.append("algo.dynamic_sampling_refill needs the group filter (algo.dynamic_sampling=true, rollout.k > 1)")
+    if a.refill_eager:
+        if not a.dynamic_sampling_refill:
+            errs.append("algo.refill_eager=true submits DAPO refills as groups are filtered out: needs "
+                        "algo.dynamic_sampling_refill=true")
+        if Placement(r.placement) != Placement.separate or not r.stream_rewards:
+            errs.append("algo.refill_eager=true needs an engine that hands groups back as they finish: "
+                        "rollout.placement=separate and rollout.stream_rewards=true (got "
+                        f"{Placement(r.placement).value}, {r.stream_rewards})")
+        if r.partial_rollout:
+            errs.append("algo.refill_eager=true is not built with rollout.partial_rollout=true (a paused round's "
+                        "groups come back aborted, each would draw a replacement)")
     if any(isinstance(p, int) and not isinstance(p, bool) for p in cfg.pipeline.policies or []) \
             and cfg.model.tiny is None:
         errs.append("pipeline.policies: step numbers name warm-up snapshots, and only model.tiny runs a warm-up; "

@@ -44,6 +44,11 @@ class AlgoCfg:
     # over 3 seeds, within noise, for 1.2-1.5x the rollouts per step
     dynamic_sampling_refill: bool = False
     refill_max_factor: float = 3.0
+    # DAPO refill as groups stream back: a replacement prompt group goes to the engine the moment a group is scored
+    # uninformative, not after the round (candidates chosen with the round; docs/trainer.md "DAPO"). Needs
+    # dynamic_sampling_refill and a streaming engine (rollout.placement=separate, rollout.stream_rewards).
+    # Off: the round-by-round refill, unchanged
+    refill_eager: bool = False
     # actor GAE lambda: None = length-adaptive 1 - 1/(actor_alpha T) (S3AC); a number = fixed lambda
     actor_lambda: Optional[float] = None
     # entropy control hook on the advantages (algorithms.entropy_control; GRPO-X's GEPO slot):

@@ -64,6 +64,8 @@ class Submitted:
     pending: object = None
     collected: bool = False  # rank 0: its samples are back (and its engine span recorded)
     rewards: list | None = None  # rank 0, streaming rewards: each group's rewards (None: an aborted group)
+    reserve: torch.Tensor | None = None  # algo.refill_eager: the replacement candidates, chosen with the batch
+    eager: object = None  # rank 0, algo.refill_eager: the round and its replacements as streamed (EagerRefill)
 
 
 def staleness_metrics(samples: list[dict], step: int) -> dict:
@@ -144,8 +146,11 @@ class AsyncSource:
         self.log: list[tuple[int, int, tuple[float, float] | None]] = []  # rank 0: (step, version, engine span)
         self.restarts = 0  # engine restarts in this run (rollout/engine_restarts)
         self.stream = bool(getattr(tr.cfg.rollout, "stream_rewards", False)) if hasattr(tr, "cfg") else False
+        algo = getattr(getattr(tr, "cfg", None), "algo", None)  # algo.refill_eager (validated at load)
+        self.eager = bool(getattr(algo, "dynamic_sampling_refill", False) and getattr(algo, "refill_eager", False))
         self.reward_events: list = []  # rank 0, streaming rewards: (kind, step, group, time) of the current step
         self.reward_log: collections.deque = collections.deque(maxlen=100_000)  # the same over the run (tests)
+        self.eager_log: collections.deque = collections.deque(maxlen=100_000)  # rank 0: (step, EagerRefill events)
         self._step_restarts = 0  # in the current step (bounded by rollout.max_engine_restarts)
         self._trained = False  # the current step's update is done: a re-sync sends version step + 1
         self.version = 0  # the weights version the engine holds (the trainer step whose weights it last received)
@@ -171,6 +176,8 @@ class AsyncSource:
         tr = self.tr
         pids, stats = tr.select_prompts()
         e = Submitted(step, pids, stats, self.version)
+        if self.eager:  # the replacement candidates too, collectively now, so rank 0 submits them mid-round alone
+            e.reserve = tr.select_reserve()
         if tr.rank == 0:
             self._send(e)
         self.queue.append(e)
@@ -178,7 +185,7 @@ class AsyncSource:
     def _send(self, e: Submitted) -> None:
         """Rank 0: hand ``e``'s prompts to the engine (its sampling seed is the step's, whenever it is sent)."""
         tr = self.tr
-        e.collected, e.rewards = False, None
+        e.collected, e.rewards, e.eager = False, None, None
         # streaming rewards: the engine hands each group back as it finishes (RolloutEngine.generate_stream_async)
         submit = tr.engine.generate_stream_async if self.stream else tr.engine.generate_async
         e.pending = submit([tr.prompts[int(i)].ids for i in e.pids], self._params(e.step),
@@ -314,7 +321,9 @@ class AsyncSource:
         t = time.time()
         # a streamed first piece only: a partial-rollout batch resumed after a sync (PartialPending, whose .groups is
         # its list of pieces) is scored whole at collection
-        if self.stream and e.rewards is None and isinstance(e.pending, StreamingGeneration):
+        if self.eager and e.eager is None and isinstance(e.pending, StreamingGeneration):
+            e.eager = self._score_eager(e)
+        elif self.stream and e.rewards is None and isinstance(e.pending, StreamingGeneration):
             e.rewards = self._score_stream(e)
         groups = e.pending.result()
         self.wait_s += time.time() - t
@@ -326,6 +335,19 @@ class AsyncSource:
         return groups
 
     # ---- streaming rewards ----------------------------------------------------------------------
+    def _score_eager(self, e: Submitted):
+        """Rank 0, ``algo.refill_eager``: score ``e``'s groups as they stream back and hand the engine a replacement
+        (the next of ``e.reserve``, its slot's seed for step ``e.step``) the moment one is scored uninformative
+        (``Trainer.eager_generate``). Each replacement is tagged with the weights version the engine holds when it
+        is submitted (>= ``e.version``: the staleness bound holds). Records the reward events and engine spans."""
+        tr = self.tr
+        er = tr.eager_generate(e.pids, e.reserve, first=e.pending, version=lambda: self.version, step=e.step)
+        kinds = {"arrived": "generated", "scored": "scored"}
+        self.reward_events.extend((kinds[kind], e.step, slot, t) for kind, slot, t in er.events if kind in kinds)
+        self.spans.extend(t for t in er.timings if t is not e.pending.timing)  # the round's own: at collection
+        self.eager_log.append((e.step, list(er.events)))
+        return er
+
     def _score_stream(self, e: Submitted) -> list:
         """Rank 0: score ``e``'s groups as the engine hands them back (``StreamingGeneration.groups()``): an isolated
         reward goes to the pool's workers at once (``RewardPool.stream``), a cheap one is scored inline; a group is
@@ -390,8 +412,11 @@ class AsyncSource:
             if round_idx == 0 and self.partial is not None:  # each token's version: rank 0's groups
                 self.partial.tag_collected(e, samples, groups)
 
-        first = FirstRound(e.pids, e.stats, groups, e.rewards, tag)
-        r = tr.rollout_refilled(m, first) if tr.cfg.algo.dynamic_sampling_refill else tr.rollout_once(m, first)
+        first = FirstRound(e.pids, e.stats, groups, e.rewards, tag, reserve=e.reserve, eager=e.eager)
+        if not tr.cfg.algo.dynamic_sampling_refill:
+            r = tr.rollout_once(m, first)
+        else:
+            r = tr.rollout_eager(m, first) if self.eager else tr.rollout_refilled(m, first)
         if r.batch is not None:
             st = staleness_metrics(r.kept, s)
             if st and st["async/staleness_max"] > self.n:
@@ -493,8 +518,15 @@ def state_dict(ar: "AsyncSource") -> dict:
     out = []
     for e in ar.queue:
         groups = None if e.pending is None else [[_plain_sample(x) for x in g] for g in ar._result(e)]
+        er = e.eager  # algo.refill_eager (rank 0): the replacements already generated, with their versions
+        eager = None if er is None else {
+            "slots": [int(sl) for sl in sorted(er.groups)],
+            "groups": [[_plain_sample(x) for x in er.groups[sl]] for sl in sorted(er.groups)],
+            "rewards": [None if er.rewards[sl] is None else [float(x) for x in er.rewards[sl]]
+                        for sl in sorted(er.groups)],
+            "versions": [None if er.versions[sl] is None else int(er.versions[sl]) for sl in sorted(er.groups)]}
         out.append({"step": e.step, "pids": e.pids.clone(), "stats": _plain_stats(e.stats), "version": e.version,
-                    "groups": groups})
+                    "groups": groups, "reserve": None if e.reserve is None else e.reserve.clone(), "eager": eager})
     return {"version": 1, "max_staleness": ar.n, "queue": out, "engine_restarts": ar.restarts}
 
 
@@ -508,6 +540,14 @@ def load_state_dict(ar: "AsyncSource", state: dict, rank: int) -> None:
     ar.restarts = int(state.get("engine_restarts", 0))
     for q in state["queue"]:
         e = Submitted(int(q["step"]), q["pids"].clone(), dict(q["stats"]), int(q["version"]))
+        if q.get("reserve") is not None:  # algo.refill_eager: the candidates and (rank 0) the replacements made
+            e.reserve = q["reserve"].clone()
+        if rank == 0 and q.get("eager") is not None:
+            from megatron_s3ac.trainer.step.rollout_phases import EagerRefill
+
+            d = q["eager"]
+            e.eager = EagerRefill({sl: [_sample(x) for x in g] for sl, g in zip(d["slots"], d["groups"])},
+                                  dict(zip(d["slots"], d["rewards"])), dict(zip(d["slots"], d["versions"])), [])
         if rank == 0:
             if q["groups"] is None:
                 raise ValueError("the checkpoint's asynchronous-rollout queue has no samples (saved by a rank other "

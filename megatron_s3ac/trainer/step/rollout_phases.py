@@ -51,6 +51,72 @@ class FirstRound:
     groups: Optional[list] = None
     rewards: Optional[list] = None
     tag: Optional[Callable[[list, int], None]] = None
+    # eager refill (algo.refill_eager): the replacement candidates [budget] chosen with the round, and (rank 0) the
+    # replacements the source already generated while the round streamed back (EagerRefill), None: generate here
+    reserve: Optional[torch.Tensor] = None
+    eager: Optional["EagerRefill"] = None
+
+
+def informative(rewards) -> bool:
+    """The DAPO filter's rule on one group's K rewards (algorithms.filters.dynamic_sampling_filter, atol 0): not
+    all equal. None (a group with an aborted sample, which the rollout drops) is not informative."""
+    if rewards is None:
+        return False
+    r = torch.as_tensor([float(x) for x in rewards], dtype=torch.float64)
+    keep, _ = A.dynamic_sampling_filter(r, group_size=max(1, len(r)))
+    return bool(keep.all()) if len(r) else False
+
+
+@dataclasses.dataclass
+class EagerRefill:
+    """Rank 0: one eager-refill round (``eager_refill_stream``): per slot (0..n-1: the round's prompts, n + j: the
+    j-th replacement, whose prompt is reserve[j]) its group, its K rewards (None: aborted) and the weights version
+    that generated it (None: the source's current one); ``events``: ("arrived" | "scored" | "submitted", slot,
+    time.time())
+    in the order they happened (tests, timing)."""
+    groups: dict
+    rewards: dict
+    versions: dict
+    events: list
+    timings: list = dataclasses.field(default_factory=list)  # each stream's engine (start, end), where known
+
+
+def eager_refill_stream(first, n_first: int, budget: int, submit, score, version=None) -> EagerRefill:
+    """Rank 0, DAPO refill as groups stream back (``algo.refill_eager``). ``first``: the round's
+    ``StreamingGeneration`` (slots 0..n_first-1, anything with ``groups()`` yielding (index, group) as each finishes);
+    ``submit(j)``: hand the engine replacement j's prompt group (reserve[j], its own seed) and return its stream;
+    ``score(slot, group)``: its K rewards, or None for a group with an aborted sample; ``version()``: the engine's
+    weights version at a submission (None: untracked). Every group scored uninformative (the filter's rule) has a
+    replacement submitted at once, while the engine still generates the rest, at most ``budget`` in all.
+
+    Deterministic whatever the arrival order: replacement j always gets reserve[j] and slot n_first + j's seed,
+    whichever group's verdict triggered it, and the number submitted is fixed by the groups' outcomes (each
+    uninformative group adds one until the budget is spent), so the generated slots and their samples are the same.
+    The streams are read in submission order (a serial engine finishes them in that order)."""
+    import collections
+    import time
+
+    out = EagerRefill({}, {}, {}, [])
+    streams = collections.deque([(first, 0, None)])
+    sent = 0
+    while streams:
+        stream, base, ver = streams.popleft()
+        for i, group in stream.groups():
+            slot = base + int(i)
+            out.events.append(("arrived", slot, time.time()))
+            out.groups[slot], out.versions[slot] = group, ver
+            rew = None if any(smp.finish_reason == "abort" for smp in group) else score(slot, group)
+            out.rewards[slot] = rew
+            out.events.append(("scored", slot, time.time()))
+            if not informative(rew) and sent < budget:
+                v = version() if version is not None else None
+                streams.append((submit(sent), n_first + sent, v))
+                out.events.append(("submitted", n_first + sent, time.time()))
+                sent += 1
+        stream.result()  # the whole stream is in (its timing; an engine error is raised here at the latest)
+        if getattr(stream, "timing", None) is not None:
+            out.timings.append(stream.timing)
+    return out
 
 
 @dataclasses.dataclass
@@ -118,34 +184,44 @@ class RolloutPhases:
             groups, rewards = ready.groups, ready.rewards
         payload, full = None, None
         if self.rank == 0:
-            # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
-            # need all K samples; counted in rollout/aborted*
-            n_aborted = sum(s.finish_reason == "abort" for g in groups for s in g)
-            kept = [(gi, pid, g) for gi, (pid, g) in enumerate(zip(pids.tolist(), groups))
-                    if all(s.finish_reason != "abort" for s in g)]
-            aborted = (n_aborted, len(groups) - len(kept))
-            flat = [(pid, s) for _, pid, group in kept for s in group]
-            if rewards is not None:  # scored group by group as they came back (trainer.step.async_loop)
-                rewards = [float(x) for gi, _, _ in kept for x in rewards[gi]]
-            else:
-                rewards = self.score([self.decode(s.response_ids) for _, s in flat],
-                                     [self.prompts[pid].reference for pid, _ in flat]) if flat else []
-            full = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
-                     "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
-                     "finish": s.finish_reason, "routes": s.routed_experts,
-                     # the prompt's ImageInputs (image prompts): what the trainer recomputes the engine's inputs from
-                     "images": (getattr(s, "images", None) if getattr(s, "images", None) is not None
-                                else getattr(self.prompts[pid], "images", None))}
-                    for (pid, s), rew in zip(flat, rewards)]
-            meta = {"pid": [d["pid"] for d in full], "reward": [d["reward"] for d in full],
-                    "finish": [d["finish"] for d in full], "plen": [len(d["prompt_ids"]) for d in full],
-                    "rlen": [len(d["response_ids"]) for d in full]}
+            full, meta, aborted = self._round_samples(pids.tolist(), groups, rewards)
             payload = (meta, aborted)
         # metadata only: a few numbers per sample; waited for on the gloo group with the run's deadline
         meta, aborted = self.rank0.share("rollout generation", payload)
         light = [dict(zip(meta, vals)) for vals in zip(*meta.values())]
         samples = light if full is None else [dict(f, plen=m["plen"], rlen=m["rlen"]) for f, m in zip(full, light)]
         return Round(samples, tuple(aborted))
+
+    def _round_samples(self, pids: list, groups: list, rewards: list | None, versions: list | None = None):
+        """Rank 0: one round's groups (one per prompt id in ``pids``) -> (sample dicts, their metadata, (aborted
+        samples, aborted groups)). ``rewards``: each group's K rewards where already scored (None: score here; an
+        entry None: an aborted group). ``versions``: each group's weights version, carried in the metadata (eager
+        refill in the asynchronous loop), or None."""
+        # an aborted sample (sglang: no routes, partial tokens) drops its whole group: the group baselines
+        # need all K samples; counted in rollout/aborted*
+        n_aborted = sum(s.finish_reason == "abort" for g in groups for s in g)
+        kept = [(gi, pid, g) for gi, (pid, g) in enumerate(zip(pids, groups))
+                if all(s.finish_reason != "abort" for s in g)]
+        aborted = (n_aborted, len(groups) - len(kept))
+        flat = [(pid, s) for _, pid, group in kept for s in group]
+        if rewards is not None:  # scored group by group as they came back (trainer.step.async_loop)
+            rewards = [float(x) for gi, _, _ in kept for x in rewards[gi]]
+        else:
+            rewards = self.score([self.decode(s.response_ids) for _, s in flat],
+                                 [self.prompts[pid].reference for pid, _ in flat]) if flat else []
+        full = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids or [0],
+                 "logprobs": (s.logprobs.tolist() or [0.0]), "reward": float(rew), "pid": pid,
+                 "finish": s.finish_reason, "routes": s.routed_experts,
+                 # the prompt's ImageInputs (image prompts): what the trainer recomputes the engine's inputs from
+                 "images": (getattr(s, "images", None) if getattr(s, "images", None) is not None
+                            else getattr(self.prompts[pid], "images", None))}
+                for (pid, s), rew in zip(flat, rewards)]
+        meta = {"pid": [d["pid"] for d in full], "reward": [d["reward"] for d in full],
+                "finish": [d["finish"] for d in full], "plen": [len(d["prompt_ids"]) for d in full],
+                "rlen": [len(d["response_ids"]) for d in full]}
+        if versions is not None:
+            meta["version"] = [int(versions[gi]) for gi, _, group in kept for _ in group]
+        return full, meta, aborted
 
     def distribute(self, samples: list[dict]) -> RolloutBatch:
         """The kept samples (rank 0: whole; elsewhere metadata) -> this rank's shard of the step's
@@ -277,3 +353,124 @@ class RolloutPhases:
         if not kept:
             return RolloutResult(drawn, all_meta, None, {**fm, "filter/empty_batch": 1}, aborted=tuple(aborted))
         return RolloutResult(drawn, all_meta, self.distribute(kept), fm, kept, tuple(aborted))
+
+    # ---- eager refill (algo.refill_eager) -------------------------------------------------------------------
+    def refill_budget(self) -> int:
+        """Replacement groups a step may draw beyond its prompts_per_step: ``refill_max_factor`` x prompts_per_step
+        groups in all (the bound of ``rollout_refilled``)."""
+        import math
+
+        target = self.cfg.rollout.prompts_per_step
+        return max(target, math.floor(self.cfg.algo.refill_max_factor * target)) - target
+
+    def select_reserve(self) -> torch.Tensor:
+        """Every rank (collective: DAPS scores the candidates with the critic's V(s0)): the replacement candidates
+        [refill_budget] of a round, chosen with it before it generates, so rank 0 can hand them to the engine
+        mid-round without a collective. Their selection statistics are not logged (the round's are)."""
+        b = self.refill_budget()
+        return self.select_prompts(b)[0] if b > 0 else torch.zeros(0, dtype=torch.long)
+
+    def eager_generate(self, pids: torch.Tensor, reserve: torch.Tensor, first=None, version=None,
+                       step: int | None = None) -> EagerRefill:
+        """Rank 0: stream the round of ``pids`` (``first``: its stream already submitted, else submitted here) and
+        submit replacement j (prompt reserve[j], seed ``sampling_params(cfg, step, 1 + j)``) as soon as a group is
+        scored uninformative (``eager_refill_stream``). ``version()``: the engine's version at each submission;
+        ``step``: the trainer step the round trains at (its seeds; default the current one)."""
+        k, step = self.cfg.rollout.k, (self.step_idx if step is None else step)
+
+        def send(ids: torch.Tensor, round_idx: int):
+            return self.engine.generate_stream_async([self.prompts[int(i)].ids for i in ids],
+                                                     sampling_params(self.cfg, step, round_idx), n_samples=k,
+                                                     return_routed_experts=self.r3_on, **self.image_kwargs(ids))
+
+        def score(slot: int, group: list) -> list:
+            pid = int(pids[slot]) if slot < len(pids) else int(reserve[slot - len(pids)])
+            texts = [self.decode(smp.response_ids) for smp in group]
+            return [float(x) for x in self.score(texts, [self.prompts[pid].reference] * len(texts))]
+
+        stream = first if first is not None else send(pids, 0)
+        return eager_refill_stream(stream, len(pids), len(reserve), lambda j: send(reserve[j:j + 1], 1 + j), score,
+                                   version)
+
+    def rollout_eager(self, m: dict, first: FirstRound | None = None) -> RolloutResult:
+        """DAPO refill with replacements submitted as groups are filtered out (``algo.refill_eager``; needs a
+        streaming engine): the round's prompts and its reserve of replacement candidates are chosen first (every
+        rank), rank 0 streams the round and hands the engine reserve[j] the moment the j-th uninformative group is
+        scored (``eager_generate``), and the step keeps the first ``prompts_per_step`` informative groups in slot
+        order. The result is ``rollout_refilled``'s (same metrics, same bound ``refill_max_factor``), its groups
+        independent of the engine's timing. ``first``: the round selected (with its reserve) and generated ahead by
+        the asynchronous source, its replacements possibly generated too (``first.eager``, rank 0)."""
+        self.placement.place(m, off=["actor"])  # the engine generates; the critic scores the prompts (DAPS)
+        k, target = self.cfg.rollout.k, self.cfg.rollout.prompts_per_step
+        if first is None:
+            pids, stats = self.select_prompts()
+            reserve = self.select_reserve()
+        else:
+            pids, stats = first.pids, first.stats
+            reserve = first.reserve if first.reserve is not None else torch.zeros(0, dtype=torch.long)
+
+        def gen() -> EagerRefill:
+            if first is not None and first.eager is not None:
+                return first.eager  # streamed and refilled by the source while the round generated
+            if first is not None:  # generated ahead, not refilled (a resumed queue): the replacements now
+                done = _DoneStream(first.groups)
+                return self.eager_generate(pids, reserve, first=done)
+            return self.eager_generate(pids, reserve)
+
+        er = self.source.generate(gen)  # rank 0's (the asynchronous source restarts a dead engine and reruns it)
+        payload, full = None, None
+        if self.rank == 0:
+            slots = sorted(er.groups)
+            slot_pids = [int(pids[s]) if s < len(pids) else int(reserve[s - len(pids)]) for s in slots]
+            versions = [er.versions[s] for s in slots]
+            tracked = any(v is not None for v in versions)
+            full, meta, aborted = self._round_samples(
+                slot_pids, [er.groups[s] for s in slots], [er.rewards[s] for s in slots],
+                [(-1 if v is None else v) for v in versions] if tracked else None)
+            kept_slots = [s for s in slots if all(x.finish_reason != "abort" for x in er.groups[s])]
+            meta["slot"] = [s for s in kept_slots for _ in range(k)]
+            payload = (meta, aborted, len(slots))
+        meta, aborted, n_drawn = self.rank0.share("rollout generation", payload)
+        light = [dict(zip(meta, vals)) for vals in zip(*meta.values())]
+        samples = light if full is None else [dict(f, plen=x["plen"], rlen=x["rlen"], slot=x["slot"])
+                                              for f, x in zip(full, light)]
+        if first is not None and first.tag is not None:  # weights versions: the round's, then the replacements'
+            first.tag([d for d in samples if d["slot"] < len(pids)], 0)
+            first.tag([d for d in samples if d["slot"] >= len(pids)], 1)
+            if "version" in meta:  # replacements the source submitted mid-round: the version at submission
+                for d, v in zip(samples, meta["version"]):
+                    if d["slot"] >= len(pids) and v >= 0:
+                        d["version"] = int(v)
+        for d in samples:
+            del d["slot"]
+        # the filter's verdict per slot, in slot order (aborted groups: drawn, uninformative)
+        groups = [samples[i * k:(i + 1) * k] for i in range(len(samples) // k)]
+        good = [g for g in groups if informative([d["reward"] for d in g])]
+        kept = [d for g in good[:target] for d in g]
+        n_good = len(good)
+        fm = {**stats, "filter/kept_groups": min(n_good, target), "filter/discarded_groups": n_drawn - n_good,
+              "filter/kept_trajectories": min(n_good, target) * k,
+              "filter/discarded_trajectories": (n_drawn - n_good) * k,
+              "refill/rounds": 1 + max(0, n_drawn - len(pids)), "refill/drawn_groups": n_drawn,
+              "refill/surplus_groups": max(0, n_good - target), "refill/reached_target": float(n_good >= target)}
+        if not samples:
+            return RolloutResult(samples, None, None, fm, aborted=tuple(aborted))
+        drawn = RolloutMeta.of(samples)
+        if self.daps is not None:  # every generated group's outcomes, once, in slot order (collective state)
+            self.daps.update(drawn.pid, drawn.scores, step=self.step_idx)
+        if not kept:
+            return RolloutResult(samples, drawn, None, {**fm, "filter/empty_batch": 1}, aborted=tuple(aborted))
+        return RolloutResult(samples, drawn, self.distribute(kept), fm, kept, tuple(aborted))
+
+
+class _DoneStream:
+    """A round already generated, as a stream: its groups in prompt order (``eager_refill_stream``'s ``first``)."""
+
+    def __init__(self, groups: list):
+        self._groups = groups
+
+    def groups(self):
+        yield from enumerate(self._groups)
+
+    def result(self) -> list:
+        return self._groups

@@ -43,7 +43,10 @@ class SyncSource:
 
     def next_batch(self, m: dict) -> RolloutResult:
         tr = self.tr
-        return tr.rollout_refilled(m) if tr.cfg.algo.dynamic_sampling_refill else tr.rollout_once(m)
+        a = tr.cfg.algo
+        if a.dynamic_sampling_refill:
+            return tr.rollout_eager(m) if getattr(a, "refill_eager", False) else tr.rollout_refilled(m)
+        return tr.rollout_once(m)
 
     def generate(self, fn):
         """Rank 0's generation (``fn()``: the engine's groups); None on the other ranks."""
