@@ -32,7 +32,7 @@ def local_ray():
     ray.cloudpickle.register_pickle_by_value(sglang_startup)
     for attempt in range(3):  # an overloaded box can miss Ray's 30 s raylet registration
         try:
-            ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
             break
         except Exception:
             ray.shutdown()

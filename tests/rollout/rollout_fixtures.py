@@ -37,7 +37,7 @@ def local_ray_by_value(module):
     ray.cloudpickle.register_pickle_by_value(module)
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

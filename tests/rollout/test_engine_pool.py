@@ -50,7 +50,7 @@ def pool(ckpt):
     if started:
         for attempt in range(3):  # Ray gives its raylet 30 s to register: an overloaded CI box can miss that
             try:
-                ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+                ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
                 break
             except Exception:
                 ray.shutdown()

@@ -327,7 +327,7 @@ def test_engine_pool_hand_over_through_submit(ckpt, other):
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     for m in (fake_sglang, rollout_fixtures):
         ray.cloudpickle.register_pickle_by_value(m)
     pool = None

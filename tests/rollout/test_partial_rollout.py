@@ -181,7 +181,7 @@ def test_remote_engine_pauses_a_running_generate():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     env = {"runtime_env": {"env_vars": {"S3AC_TESTING_DECODE_DELAY": "0.25", "OMP_NUM_THREADS": "1"}}}
     factory = functools.partial(CPUEngine.from_config, tiny_moe_config(), state_dict=_weights(1))
     try:

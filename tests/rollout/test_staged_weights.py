@@ -44,7 +44,7 @@ def test_remote_engine_stages_beside_a_running_generate():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     # each decode step slowed (the testing seam) so the first generate runs ~2 s: long enough to stage beside it
     env = {"runtime_env": {"env_vars": {"S3AC_TESTING_DECODE_DELAY": "0.25", "OMP_NUM_THREADS": "1"}}}
     w1, w2 = _weights(1), _weights(2)

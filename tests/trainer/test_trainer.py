@@ -260,9 +260,9 @@ def _r3(out_dir, extra=()):
     # gets the corruption): with replay active the trainer must follow them, so its log-probs leave the engine's
     real = tr.rollout
 
-    def scrambled(pids, round_idx=0):
-        out = real(pids, round_idx)
-        for s in out:
+    def scrambled(pids, round_idx=0, ready=None):
+        out = real(pids, round_idx, ready)
+        for s in out.samples:
             if s.get("routes") is not None:  # rank 0 (elsewhere: metadata only)
                 s["routes"] = (np.asarray(s["routes"]).astype(np.int64) + 1) % 4  # another expert pair, still distinct
         return out

@@ -21,8 +21,10 @@ def init_ray(num_cpus: float, num_gpus: float = 0, ray_init_kwargs: Optional[dic
     """Initialise Ray unless it already is. Returns True when this call initialised it.
 
     RAY_ADDRESS set: ``ray.init(address="auto", **ray_init_kwargs)`` (connect; the cluster's resources are its own).
-    Otherwise a local instance with ``max(1, ceil(num_cpus))`` CPUs, no GPUs when ``num_gpus`` is 0 (Ray would
-    otherwise claim every visible GPU), no dashboard; ``ray_init_kwargs`` override these.
+    Otherwise a new local instance (``address="local"``, ray/_private/worker.py:1522-1533: without it Ray joins the
+    cluster a ``ray start`` left on this machine, and then refuses the resources below) with ``max(1, ceil(num_cpus))``
+    CPUs, no GPUs when ``num_gpus`` is 0 (Ray would otherwise claim every visible GPU), no dashboard;
+    ``ray_init_kwargs`` override these.
     """
     import ray
 
@@ -31,7 +33,7 @@ def init_ray(num_cpus: float, num_gpus: float = 0, ray_init_kwargs: Optional[dic
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto", **(ray_init_kwargs or {}))
         return True
-    kwargs = dict(num_cpus=max(1, math.ceil(num_cpus)), include_dashboard=False)
+    kwargs = dict(address="local", num_cpus=max(1, math.ceil(num_cpus)), include_dashboard=False)
     if not num_gpus:
         kwargs["num_gpus"] = 0
     kwargs.update(ray_init_kwargs or {})
