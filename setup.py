@@ -6,7 +6,8 @@ from setuptools import find_packages, setup
 # the NGC image brings its own torch, and sglang 0.5.23 pins torch 2.14.1 / transformers 5.19.0.
 CORE = [
     "torch>=2.6,<=2.14.1",
-    "megatron-core==0.16.1",
+    "megatron-core==0.16.1; python_version < '3.12'",  # Python 3.11: the last release for it
+    "megatron-core==0.19.2; python_version >= '3.12'",  # Python 3.12 (docs/environment.md, "megatron-core")
     "transformers>=5.19.0,<=5.24.0",
     "safetensors==0.8.0",
     "ray[default]==2.60.0",
