@@ -69,7 +69,8 @@ def _gdn_class_019():
           relative off per head; transformers and fla compute it in fp32). In fp32 the same computation;
         * the helpers megatron wraps in ``@jit_fuser`` (torch.compile, ``megatron/core/jit.py``;
           ``common.py:369-445``) run eagerly: on CPU torch.compile needs a compiler toolchain, and it
-          changes nothing numerically here.
+          changes nothing numerically here. On a GPU this forgoes their fusion (elementwise / reshape work
+          beside the kernels; the numerics stay those verified on CPU); not measured.
 
         The kernels are the module globals ``cpu_compat.patch_missing_fla`` binds (fla's, or the torch ones)."""
 
