@@ -72,7 +72,8 @@ PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c "" 2
 VENV312 ?= .venv312
 PY312 := $(VENV312)/bin/python
 STAMP312 := $(VENV312)/.installed-$(shell cat setup.py requirements-cpu-py312.txt | cksum | cut -d' ' -f1)
-PY312_TESTS ?= tests/test_env.py tests/models tests/convert tests/qwen3_5 tests/r3
+PY312_TESTS ?= tests/test_env.py tests/test_console.py tests/models tests/convert tests/qwen3_5 tests/r3 \
+               tests/trainer/test_trainer.py tests/trainer/test_cp_trainer.py
 
 $(STAMP312): setup.py requirements-cpu-py312.txt
 	test -x $(PY312) || $(PYTHON312) -m venv $(VENV312)
