@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat setup.py requirements-cpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-all install sglang-wheel vllm-env vllm-env-or-skip
+.PHONY: demo test test-all install sglang-wheel vllm-env vllm-env-or-skip install-py312 test-py312
 
 $(STAMP): setup.py requirements-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,3 +60,30 @@ test: $(STAMP) sglang-wheel vllm-env-or-skip
 
 test-all: $(STAMP) sglang-wheel vllm-env-or-skip
 	$(VENV)/bin/pytest -q
+
+# Python 3.12 + megatron-core 0.19.2, beside the default (3.11 + 0.16.1): a venv of its own from its own lock
+# (docs/environment.md, "megatron-core"). No CPU torch wheel for cp312 is on this machine's disk, so torch==2.13.0
+# here is PyPI's CUDA 13.0 build (~4.7 GB venv with its nvidia-* wheels; it runs on CPU). `make test-py312` runs the
+# suites verified on 0.19.2 (PY312_TESTS); `make test-py312 PY312_TESTS=tests` runs the whole fast suite (not yet
+# verified on 3.12).
+# python3.12 on PATH, else pyenv's 3.12 (this machine: pyenv 3.12.1, not the pyenv global)
+PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c "" 2>/dev/null && echo python3.12 || \
+             (pyenv prefix 3.12 2>/dev/null || ls -d $(HOME)/.pyenv/versions/3.12* 2>/dev/null | tail -1) | sed 's|$$|/bin/python3.12|')
+VENV312 ?= .venv312
+PY312 := $(VENV312)/bin/python
+STAMP312 := $(VENV312)/.installed-$(shell cat setup.py requirements-cpu-py312.txt | cksum | cut -d' ' -f1)
+PY312_TESTS ?= tests/test_env.py tests/test_console.py tests/models tests/convert tests/qwen3_5 tests/r3 \
+               tests/trainer/test_trainer.py tests/trainer/test_cp_trainer.py
+
+$(STAMP312): setup.py requirements-cpu-py312.txt
+	test -x $(PY312) || $(PYTHON312) -m venv $(VENV312)
+	$(PY312) -m pip install -q --upgrade pip
+	$(PY312) -m pip install -q torch==2.13.0
+	$(PY312) -m pip install -q -c requirements-cpu-py312.txt -e ".[test]"
+	rm -f $(VENV312)/.installed-*
+	touch $(STAMP312)
+
+install-py312: $(STAMP312)
+
+test-py312: $(STAMP312)
+	$(VENV312)/bin/pytest -m "not slow and not gpu" -q $(PY312_TESTS)

@@ -6,7 +6,8 @@ from setuptools import find_packages, setup
 # the NGC image brings its own torch, and sglang 0.5.23 pins torch 2.14.1 / transformers 5.19.0.
 CORE = [
     "torch>=2.6,<=2.14.1",
-    "megatron-core==0.16.1",
+    "megatron-core==0.16.1; python_version < '3.12'",  # Python 3.11: the last release for it
+    "megatron-core==0.19.2; python_version >= '3.12'",  # Python 3.12 (docs/environment.md, "megatron-core")
     "transformers>=5.19.0,<=5.24.0",
     "safetensors==0.8.0",
     "ray[default]==2.60.0",
@@ -31,7 +32,7 @@ GPU = [
     "flashinfer-python[cu13]==0.7.2",       # sglang 0.5.23: Requires-Dist flashinfer_python[cu13]==0.7.2
     "transformers==5.19.0",                 # sglang 0.5.23: Requires-Dist transformers==5.19.0
     "numpy<2.4",                            # mistral-common (sglang dep) on Python <=3.12: numpy<2.4
-    "transformer-engine[pytorch]==2.11.0",  # megatron-core 0.16.1 [dev]: transformer-engine>=2.9.0a0,<2.12.0; sdist, build with --no-build-isolation
+    "transformer-engine[pytorch]==2.11.0",  # megatron-core 0.16.1 [dev]: transformer-engine>=2.9.0a0,<2.12.0 (0.19.2, the 3.12 release, declares no range); sdist, build with --no-build-isolation
     "flash-linear-attention[cuda]==0.6.0",  # Gated DeltaNet kernels; needs Triton >=3.7.1 on Hopper: torch 2.14.1 brings triton~=3.8.0
     "nvidia-modelopt==0.47.0",              # pure Python, torch>=2.8 (0.39.0 predates torch 2.14 by a year)
 ]

@@ -52,6 +52,10 @@ KNOWN = (
           ("megatron.core.dist_checkpointing.strategies.torch",),
           "megatron-core 0.16.1 loads torch_dist checkpoints through torch.distributed.checkpoint's old name; "
           "same function, a rename notice"),
+    Known("MimoModelConfig is experimental and still under active development.", UserWarning,
+          ("megatron.core.models.mimo.config.base_configs",),
+          "megatron-core 0.19.2 warns in MimoModelConfig's class body, at import (models/mimo/config/base_configs.py:"
+          "36-41), whatever the model; this project builds no MIMO model"),
     Known("Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning, (),
           "torch's notice when megatron's dist_checkpointing builds ShardedTensors; checkpoints are unaffected"),
 )

@@ -42,7 +42,7 @@ MATRIX: dict[str, Optional[str]] = {
     "triton": None,  # torch 2.14.1 declares triton~=3.8.0; checked through torch's own pin
     "transformer-engine": "2.11.0",
     "transformer-engine-torch": "2.11.0",
-    "megatron-core": "0.16.1",
+    "megatron-core": "0.19.2",  # the GPU path is Python 3.12 (setup.py pins 0.19.2 there; 0.16.1 on 3.11)
     "sglang": "0.5.23",
     "sglang-kernel": "0.4.10",
     "sgl-kernel": None,  # the old name of sglang-kernel (same `sgl_kernel` module); must not shadow it
@@ -67,7 +67,8 @@ _ALSO_READ = ("transformer-engine-cu12", "transformer-engine-cu13")
 # The wrapper in rollout/engines/sglang/engine.py is checked against this release only (it raises otherwise).
 SGLANG_WRAPPED = "0.5.23"
 # megatron-core's own declared Transformer Engine range (megatron-core 0.16.1 wheel, extra "dev":
-# transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0). Outside it: untested, a warning.
+# transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0). Outside it: untested, a warning. The 0.19.2
+# wheel declares none (extra "te": transformer-engine[core_cu13,pytorch], no version; "dev" names no TE).
 MCORE_TE_RANGE = {"0.16": SpecifierSet(">=2.9.0a0,<2.12.0")}
 # fla 0.6 refuses its gated-delta-rule backward on Hopper for these Triton versions unless tilelang is
 # installed (fla's own message; seen on an H200 with Triton 3.6: docs/device_checks/qwen3_5_cuda.md).
@@ -252,15 +253,15 @@ def _vllm_findings(versions) -> list[Finding]:
 
 
 def _mcore_findings(versions) -> list[Finding]:
-    from megatron_s3ac.models.cpu_compat import MCORE_SUPPORTED, MCORE_WHY
+    from megatron_s3ac.models.cpu_compat import MCORE_FIX, MCORE_SUPPORTED, MCORE_WHY
 
     mv = _v(versions.get("megatron-core"))
     out = []
     if mv is None:
-        return [Finding("error", "megatron-core is not installed", "pip install megatron-core==0.16.1")]
+        return [Finding("error", "megatron-core is not installed", MCORE_FIX)]
     if not MCORE_SUPPORTED.contains(_public(mv), prereleases=True):
         out.append(Finding("error", f"megatron-core {mv} is not supported (supported: {MCORE_SUPPORTED}): {MCORE_WHY}",
-                           "pip install megatron-core==0.16.1"))
+                           MCORE_FIX))
     te = _v(versions.get("transformer-engine-torch") or versions.get("transformer-engine"))
     rng = MCORE_TE_RANGE.get(f"{mv.major}.{mv.minor}")
     if te is not None and rng is not None and not rng.contains(_public(te), prereleases=True):

@@ -14,6 +14,9 @@ import pytest
 from megatron_s3ac import env
 from megatron_s3ac.models import cpu_compat
 
+# the megatron-core each lock installs: requirements-cpu.txt (Python 3.11), requirements-cpu-py312.txt (3.12)
+LOCKED_MCORE = "0.16.1" if sys.version_info < (3, 12) else "0.19.2"
+
 GOOD = {
     "torch": "2.14.1", "triton": "3.8.0", "transformer-engine": "2.11.0", "transformer-engine-torch": "2.11.0",
     "transformer-engine-cu13": "2.11.0", "transformer-engine-cu12": None, "megatron-core": "0.16.1",
@@ -119,7 +122,7 @@ def test_both_sgl_kernel_names_installed_is_refused():
         "both sgl-kernel 0.3.21 and sglang-kernel 0.4.10 are installed"]
 
 
-@pytest.mark.parametrize("mcore", ["0.17.1", "0.18.2", "0.19.2", "0.15.3", "0.16.0"])
+@pytest.mark.parametrize("mcore", ["0.17.1", "0.18.2", "0.19.1", "0.20.0", "0.15.3", "0.16.0"])
 def test_unsupported_megatron_core_is_refused(mcore):
     report = run(**{"megatron-core": mcore})
     assert any(f"megatron-core {mcore} is not supported" in f.what for f in report.errors)
@@ -176,15 +179,15 @@ def test_gpu_job_without_cuda_or_nccl_is_refused_cpu_check_is_not():
 
 
 def test_all_errors_are_reported_at_once():
-    report = run(torch="2.11.0", **{"megatron-core": "0.19.2"}, runtime=CPU)
+    report = run(torch="2.11.0", **{"megatron-core": "0.18.2"}, runtime=CPU)
     assert len(report.errors) == 5  # sglang->torch, sglang-kernel->torch, megatron-core, CUDA, NCCL
 
 
 def test_this_machine_real_metadata():
     """The real readers on this (CPU) venv: versions and Requires-Dist come from importlib.metadata,
-    nothing here violates a declared pin, megatron-core 0.16.1 is accepted."""
+    nothing here violates a declared pin, megatron-core 0.16.1 (Python 3.11) / 0.19.2 (3.12) is accepted."""
     versions = env.installed_versions()
-    assert versions["megatron-core"] == cpu_compat.megatron_core_version() == "0.16.1"
+    assert versions["megatron-core"] == cpu_compat.megatron_core_version() == LOCKED_MCORE
     assert versions["torch"] is not None
     requires = env.installed_requires(versions)
     assert any(r.startswith("torch") for r in requires["megatron-core"])
@@ -197,7 +200,7 @@ def test_cli_exit_codes_and_json(capsys):
     says what to fix."""
     assert env.main(["--no-gpu", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["ok"] is True and data["versions"]["megatron-core"] == "0.16.1"
+    assert data["ok"] is True and data["versions"]["megatron-core"] == LOCKED_MCORE
     assert env.main([]) == 1
     out = capsys.readouterr().out
     assert "ERROR: a GPU job but CUDA is not available" in out and "fix:" in out
@@ -213,9 +216,10 @@ def test_module_entry_point():
 
 
 def test_cpu_shim_refuses_unsupported_megatron_core():
-    assert cpu_compat.require_supported_megatron() == "0.16.1"  # the installed one
-    assert cpu_compat.require_supported_megatron("0.16.1+local") == "0.16.1+local"
-    for bad in ("0.19.2", "0.17.1", "0.16.0", "garbage"):
+    assert cpu_compat.require_supported_megatron() == LOCKED_MCORE  # the installed one
+    for good in ("0.16.1+local", "0.19.2", "0.19.2+ba40176"):  # 0.19.2 appends the enclosing checkout's commit
+        assert cpu_compat.require_supported_megatron(good) == good
+    for bad in ("0.17.1", "0.18.2", "0.19.1", "0.20.0", "0.16.0", "garbage"):
         with pytest.raises(cpu_compat.UnsupportedMegatronCore, match=f"megatron-core {bad} is installed"):
             cpu_compat.require_supported_megatron(bad)
 

@@ -1,9 +1,9 @@
-"""Run megatron-core 0.16.1 on CPU (gloo) when CUDA is absent.
+"""Run megatron-core (0.16.1 on Python 3.11, 0.19.2 on Python 3.12) on CPU (gloo) when CUDA is absent.
 
 megatron-core assumes a GPU in a handful of places (see ../shared/notes/megatron_on_cpu.md):
 direct ``torch.cuda.*`` calls (current_device, synchronize, streams, CUDA RNG state), hard-coded
 ``device="cuda"`` literals inside schedules and mask helpers, a ``torch.cuda.Stream()`` built by the
-all-to-all dispatcher, and a ``te_general_gemm`` name referenced without Transformer Engine.
+all-to-all dispatcher, and a ``te_general_gemm`` name referenced without Transformer Engine (0.16.1).
 
 ``enable()`` neutralises exactly those, without editing megatron-core:
   * ``torch.cuda`` functions megatron calls become CPU-safe stand-ins (streams are no-ops, the "CUDA"
@@ -11,7 +11,12 @@ all-to-all dispatcher, and a ``te_general_gemm`` name referenced without Transfo
   * a ``TorchFunctionMode`` rewrites any CUDA ``device=`` argument (``"cuda"``, ``cuda:N``, an int)
     to CPU, drops ``pin_memory=True``, makes ``Tensor.cuda()`` a no-op, and reports CPU tensors' ``Tensor.type()`` as the CUDA
     type name the optimizers dispatch on;
-  * ``moe_utils.te_general_gemm`` is defined as None.
+  * ``moe_utils.te_general_gemm`` is defined as None (0.16.1; 0.19.2 defines it as None itself,
+    ``megatron/core/transformer/moe/moe_utils.py:41-53``).
+
+``patch_missing_fla()`` binds torch kernels where megatron's Gated DeltaNet reads the
+flash-linear-attention names (0.16.1: ``megatron/core/ssm/gated_delta_net.py``; 0.19.2: the package
+``megatron/core/ssm/gated_delta_net/``, whose ``common.py`` and ``gdn.py`` each hold their own copies).
 
 It is inert (returns False and changes nothing) when CUDA is available, so the same code runs on GPUs.
 The function mode is per-thread; ``enable()`` enters it on the calling thread, which is also where CPU
@@ -32,18 +37,37 @@ from torch.overrides import TorchFunctionMode
 _STATE = {"enabled": False}
 _LOCAL = threading.local()
 
-# megatron-core releases this shim (and the models built on it) are written against. Others are refused
-# up front (docs/environment.md, "megatron-core"): 0.18 rewrote the Gated DeltaNet forward that
-# models/qwen3_5_spec.py mirrors (the module-level ``causal_conv1d_fn`` it calls is gone, the conv
-# now comes from fla, the forward is split into context-parallel helpers); 0.19 turned
-# ``megatron.core.ssm.gated_delta_net`` into a package whose forward reads ``l2norm`` from
-# ``gated_delta_net.common``, so ``patch_missing_fla`` would bind the torch kernels where nothing reads
-# them; 0.17 keeps every name used here (RouterReplay, GatedDeltaNet, dist_checkpointing mapping) but
-# is untested.
-MCORE_SUPPORTED = SpecifierSet(">=0.16.1,<0.17")
-MCORE_WHY = ("megatron_s3ac is written and tested against megatron-core 0.16.1 (RouterReplay, the Gated "
-             "DeltaNet forward it overrides, torch_dist checkpoints, this CPU shim); 0.18+ changed those "
-             "internals and 0.17 is untested")
+# megatron-core releases this shim (and the models built on it) are written against, one per Python:
+# 0.16.1 is the last release for Python 3.11, 0.19.2 the one for Python 3.12 (docs/environment.md,
+# "megatron-core"). Others are refused up front: 0.17 / 0.18 are untested (0.18's Gated DeltaNet has
+# neither the module-level ``causal_conv1d_fn`` the 0.16 override calls nor 0.19's package layout that
+# ``patch_missing_fla`` patches), and a newer release may move the internals patched here again.
+class _Releases(tuple):
+    """SpecifierSets of which any one may match (a SpecifierSet alone cannot say "0.16 or 0.19")."""
+
+    def contains(self, version, prereleases=True) -> bool:
+        return any(s.contains(version, prereleases=prereleases) for s in self)
+
+    def __str__(self) -> str:
+        return " or ".join(f"'{s}'" for s in self)
+
+
+MCORE_SUPPORTED = _Releases((SpecifierSet(">=0.16.1,<0.17"), SpecifierSet(">=0.19.2,<0.20")))
+MCORE_WHY = ("megatron_s3ac is written and tested against megatron-core 0.16.1 (Python 3.11) and 0.19.2 "
+             "(Python 3.12): RouterReplay, the Gated DeltaNet internals it overrides, torch_dist checkpoints, "
+             "this CPU shim; 0.17 / 0.18 are untested")
+MCORE_FIX = "pip install megatron-core==0.16.1 (Python 3.11) or megatron-core==0.19.2 (Python 3.12)"
+
+
+def is_mcore_019(version: str | None = None) -> bool:
+    """Whether megatron-core (installed, or ``version``) is the 0.19 line: Gated DeltaNet is the package
+    ``megatron/core/ssm/gated_delta_net/`` (forward split over ``common.py`` / ``gdn.py``, with context
+    parallelism) instead of 0.16's module ``megatron/core/ssm/gated_delta_net.py``."""
+    found = megatron_core_version() if version is None else version
+    try:
+        return Version(Version(found).public) >= Version("0.19")
+    except InvalidVersion:
+        return False
 
 
 class UnsupportedMegatronCore(RuntimeError):
@@ -51,9 +75,17 @@ class UnsupportedMegatronCore(RuntimeError):
 
 
 def megatron_core_version() -> str:
-    from megatron.core import package_info
+    """The installed release, as its wheel's metadata names it. (0.19.2's ``package_info.__version__``
+    appends ``+<hash>`` of whatever git checkout its site-packages lies in, ``megatron/core/package_info.py:
+    19-31``: inside this repository's ``.venv312`` it names this repository's commit, not megatron's.)"""
+    from importlib import metadata
 
-    return package_info.__version__
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:  # a source checkout on sys.path
+        from megatron.core import package_info
+
+        return package_info.__version__
 
 
 def require_supported_megatron(version: str | None = None) -> str:
@@ -67,7 +99,7 @@ def require_supported_megatron(version: str | None = None) -> str:
     if not ok:
         raise UnsupportedMegatronCore(
             f"megatron-core {found} is installed; supported: {MCORE_SUPPORTED} ({MCORE_WHY}). "
-            "Fix: pip install megatron-core==0.16.1")
+            f"Fix: {MCORE_FIX}")
     return found
 
 
@@ -284,32 +316,75 @@ def fla_refusal() -> str | None:
         return f"Triton {v} on a Hopper GPU without tilelang"
 
 
+def _torch_causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None, **kwargs):
+    """fla's ``causal_conv1d`` (the call megatron-core 0.19.2 makes, ``ssm/gated_delta_net/gdn.py:214-222``)
+    in torch: x [b, s, d], weight [d, w] (depthwise), the same zero left-padding as megatron's own
+    ``nn.Conv1d(padding=w-1)`` path (``gdn.py:199-211``, and 0.16.1's fallback), then SiLU; returns
+    (y [b, s, d], None). Neither packed sequences (``cu_seqlens``) nor a carried conv state (inference)."""
+    import torch.nn.functional as F
+
+    if cu_seqlens is not None or initial_state is not None or output_final_state:
+        raise NotImplementedError("torch causal_conv1d: no cu_seqlens / initial_state / final state (fla only)")
+    if activation not in (None, "silu", "swish"):
+        raise NotImplementedError(f"torch causal_conv1d: activation {activation!r}")
+    seq_len, width = x.shape[1], weight.shape[-1]
+    y = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1, groups=weight.shape[0])
+    y = y[..., :seq_len]
+    if activation is not None:
+        y = F.silu(y)
+    return y.transpose(1, 2), None
+
+
+def _gdn_kernel_modules():
+    """The modules whose globals megatron's Gated DeltaNet reads the fla names from, and the flag's home.
+
+    0.16.1: the one module ``megatron/core/ssm/gated_delta_net.py`` (``l2norm`` / ``chunk_gated_delta_rule``;
+    its conv falls back to torch by itself). 0.19.2: the package ``megatron/core/ssm/gated_delta_net/``
+    imports them into three namespaces: ``common.py:43-54`` (the fla try-import; ``HAVE_FLA`` is checked by
+    ``_GDNBase.__init__``, ``common.py:141-145``; ``l2norm`` is read by ``_prepare_input_for_gated_delta_rule``,
+    ``common.py:411``), ``gdn.py:17-26`` (``from common import causal_conv1d, chunk_gated_delta_rule``: read
+    by ``GatedDeltaNet._setup_variant_attrs``, ``gdn.py:59-62``, and ``forward``, ``gdn.py:214``) and the
+    package ``__init__.py:9-19`` (re-exports)."""
+    from megatron.core.ssm import gated_delta_net as pkg
+
+    if not is_mcore_019():
+        return pkg, [pkg]
+    from megatron.core.ssm.gated_delta_net import common, gdn
+
+    return pkg, [pkg, common, gdn]
+
+
 def patch_missing_fla() -> bool:
-    """megatron-core 0.16.1's ``GatedDeltaNet`` raises ImportError without fla and its forward then
+    """megatron-core's ``GatedDeltaNet`` raises ImportError without fla and its forward then
     calls the fla names ``l2norm`` / ``chunk_gated_delta_rule`` (``l2norm`` is never defined). When
     fla is absent (CPU, or a GPU without the wheel) bind those module names to torch versions:
     ``l2norm`` and ``chunk_gated_delta_rule`` to the fp32 torch versions above (megatron's own
     ``torch_chunk_gated_delta_rule``, the transformers reference algorithm, wrapped), and let the
     constructor pass. Precision: under bf16 the normalised q / k, the chunk products and the
     recurrent state are fp32 and only the kernel's output is cast back (the decay ``g`` is fp32 too,
-    see ``qwen3_5_spec.TorchGatedDeltaNet``); in fp32 nothing changes. The causal conv1d already falls
-    back to ``torch.nn.Conv1d`` without the causal_conv1d package. Applied on CPU and GPU alike;
+    see ``qwen3_5_spec.TorchGatedDeltaNet``); in fp32 nothing changes. 0.16.1's causal conv1d falls
+    back to ``torch.nn.Conv1d`` without the causal_conv1d package; 0.19.2's calls fla's ``causal_conv1d``
+    outside deterministic mode, so it is bound to ``_torch_causal_conv1d`` (the same convolution).
+    The names are bound in every module that reads them (``_gdn_kernel_modules``). Applied on CPU and GPU alike;
     a no-op when fla is installed and usable (see ``fla_refusal``). Returns True if the torch path
     is in use."""
     if not _STATE.get("version_ok"):
         require_supported_megatron()
         _STATE["version_ok"] = True
-    from megatron.core.ssm import gated_delta_net as gdn
-
-    if getattr(gdn, "_s3ac_torch_path", False):
+    pkg, mods = _gdn_kernel_modules()
+    if getattr(pkg, "_s3ac_torch_path", False):
         return True
-    if gdn.HAVE_FLA:
+    if pkg.HAVE_FLA:
         why = fla_refusal()
         if why is None:
             return False
         logging.getLogger(__name__).warning("flash-linear-attention not used (%s): torch GDN kernel instead", why)
-    gdn.l2norm = _torch_l2norm
-    gdn.chunk_gated_delta_rule = _torch_chunk_gated_delta_rule
-    gdn.HAVE_FLA = True  # only lets __init__ pass: the names above are the torch kernels
-    gdn._s3ac_torch_path = True
+    for mod in mods:
+        mod.l2norm = _torch_l2norm
+        mod.chunk_gated_delta_rule = _torch_chunk_gated_delta_rule
+        if hasattr(mod, "causal_conv1d"):  # 0.19.2: the conv is fla's unless deterministic_mode (gdn.py:199-222)
+            mod.causal_conv1d = _torch_causal_conv1d
+        mod.HAVE_FLA = True  # only lets __init__ pass: the names above are the torch kernels
+    pkg._s3ac_torch_path = True
     return True

@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE modules and layer specs for megatron-core 0.16.1 (see ``qwen3_5.py`` for the architecture).
+"""Qwen3.5-MoE modules and layer specs for megatron-core 0.16.1 and 0.19.2 (see ``qwen3_5.py`` for the architecture).
 
 Torch spec (CPU, and GPUs without Transformer Engine): megatron's ``GatedDeltaNet`` (torch kernels when
 flash-linear-attention is absent), megatron's ``SelfAttention`` with the output gate and SDPA core
@@ -37,6 +37,67 @@ class ZeroCenteredNorm(SPNorm):
 
 
 def _gdn_class():
+    from megatron_s3ac.models import cpu_compat
+
+    return _gdn_class_019() if cpu_compat.is_mcore_019() else _gdn_class_016()
+
+
+def _gdn_class_019():
+    """megatron-core 0.19.2: upstream's forward, context parallelism included; three overrides."""
+    import inspect
+
+    import torch.nn.functional as F
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.ssm.gated_delta_net.common import _GDNBase
+
+    from megatron_s3ac.models import cpu_compat
+
+    cpu_compat.patch_missing_fla()
+
+    def eager(name):  # the undecorated function under megatron's ``@jit_fuser`` (torch.compile)
+        return inspect.unwrap(getattr(_GDNBase, name))
+
+    class TorchGatedDeltaNet(GatedDeltaNet):
+        """megatron-core 0.19.2's GatedDeltaNet (``megatron/core/ssm/gated_delta_net/gdn.py``: its forward, and
+        its context parallelism, the head-parallel all-to-all this project had written for 0.16.1) with:
+
+        * an attention mask other than causal refused: 0.19.2's forward still ignores ``attention_mask``
+          (``gdn.py:64-278``; its packed sequences are THD ``packed_seq_params`` with fla's varlen kernels,
+          which the torch kernel refuses, ``common.py:821-823``);
+        * the decay ``g = -exp(A_log) * softplus(alpha + dt_bias)`` in fp32 from an fp32 copy of ``A_log``
+          (megatron takes ``A_log.exp()`` in the parameter dtype, ``common.py:444``: in bf16 up to 2^-9
+          relative off per head; transformers and fla compute it in fp32). In fp32 the same computation;
+        * the helpers megatron wraps in ``@jit_fuser`` (torch.compile, ``megatron/core/jit.py``;
+          ``common.py:369-445``) run eagerly: on CPU torch.compile needs a compiler toolchain, and it
+          changes nothing numerically here. On a GPU this forgoes their fusion (elementwise / reshape work
+          beside the kernels; the numerics stay those verified on CPU); not measured.
+
+        The kernels are the module globals ``cpu_compat.patch_missing_fla`` binds (fla's, or the torch ones)."""
+
+        def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
+                    sequence_len_offset=None, *, inference_params=None, **kwargs):
+            if attention_mask is not None and not _is_causal(attention_mask):
+                raise NotImplementedError(
+                    "qwen3_5_moe: megatron-core's Gated DeltaNet ignores attention masks, so packed "
+                    "sequences (block-diagonal masks) and left padding are not supported; use right "
+                    "padding with a causal mask (attention_mask=None)")
+            return super().forward(hidden_states, attention_mask, inference_context, packed_seq_params,
+                                   sequence_len_offset, inference_params=inference_params, **kwargs)
+
+        def _compute_g_and_beta(self, A_log_local_cp, dt_bias_local_cp, alpha, beta):
+            g = -A_log_local_cp.float().exp() * F.softplus(alpha.float() + dt_bias_local_cp)  # fp32 (class doc)
+            return g, beta.sigmoid()
+
+        _apply_gated_norm = eager("_apply_gated_norm")
+        _prepare_input_for_gated_delta_rule = eager("_prepare_input_for_gated_delta_rule")
+
+    return TorchGatedDeltaNet
+
+
+# ---- megatron-core 0.16.1 (Python 3.11) -------------------------------------------------------------
+# 0.16.1's GatedDeltaNet has no context parallelism and a forward that cannot be overridden piecewise,
+# so the project keeps a full forward for it. Dropping 0.16.1 deletes this function (docs/environment.md).
+def _gdn_class_016():
     import torch.nn.functional as F
     from megatron.core.ssm import gated_delta_net as gdn
 

@@ -1,7 +1,8 @@
 """megatron-core's torch_dist writer reports its write results through a queue served by a ``multiprocessing``
 Manager, started with the spawn method at a process's first save (megatron-core 0.16.1
 dist_checkpointing/strategies/filesystem_async.py:51-56, ``_get_write_results_queue``; called from
-``FileSystemWriterAsync.prepare_write_data``, :185, by synchronous saves too): one server process, plus its
+``FileSystemWriterAsync.prepare_write_data``, :185, by synchronous saves too; 0.19.2 renamed it
+``get_write_results_queue(mp_mode='spawn')``, filesystem_async.py:52-66, called at :200): one server process, plus its
 resource tracker, per saving process. Nothing ties that server to its parent. A normal exit shuts it down (the
 Manager's finalizer); a trainer killed by SIGKILL (the OOM killer, a preempted node, torchrun ending a failed
 job, the kill-and-resume tests) leaves both alive under init, asleep, one more pair per killed rank and restart.
@@ -32,8 +33,10 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="s3ac-exit-with-parent", daemon=True).start()
 
 
-def write_results_queue():
-    """megatron's ``_get_write_results_queue``, its Manager's server bound to this process's life."""
+def write_results_queue(mp_mode: str = "spawn"):
+    """megatron's ``_get_write_results_queue`` (0.16.1) / ``get_write_results_queue`` (0.19.2), its Manager's
+    server bound to this process's life. Always spawn, megatron's default (``mp_mode`` is accepted for 0.19.2's
+    signature; no megatron caller passes another)."""
     if _STATE["queue"] is None:
         import multiprocessing as mp
         from multiprocessing.managers import SyncManager
@@ -53,4 +56,5 @@ def install() -> None:
 
     if fa._results_queue is not None:
         return
-    fa._get_write_results_queue = write_results_queue
+    name = "get_write_results_queue" if hasattr(fa, "get_write_results_queue") else "_get_write_results_queue"
+    setattr(fa, name, write_results_queue)
