@@ -16,8 +16,8 @@ echo "old: $(ver "$OLD")"; echo "new: $(ver "$NEW")"
 "$OLD/bin/python" - "$W" <<'PY' 2>/dev/null | grep -v Writing
 import sys
 from megatron_s3ac.convert.hf_to_mcore import hf_to_mcore
-from megatron_s3ac.testing.tiny_models import save_tiny_hf
-from megatron_s3ac.testing.tiny_qwen3_5 import save_tiny_qwen3_5
+from megatron_s3ac.models.tiny_models import save_tiny_hf
+from megatron_s3ac.models.tiny_qwen3_5 import save_tiny_qwen3_5
 if __name__ == "__main__":
     w = sys.argv[1]
     hf = {"qwen2": save_tiny_hf("qwen2", f"{w}/hf/qwen2", seed=0), "qwen3": save_tiny_hf("qwen3", f"{w}/hf/qwen3", seed=1),
