@@ -5,7 +5,8 @@ launch.sh splits them, ``TRAINER_GPUS_PER_NODE``), through the code the job itse
 would start. Phases, each a function of the ``Rehearsal`` below, each adding the defects it finds:
 
 * ``config``: the config checks and the planner's pre-flight at the cluster's world size (layout rules, memory fit);
-* ``engines``: the trainer's own engine factory (``build.build_engine``) started by the engine kind's launch plan
+* ``engines``: launch.sh run on every node rank and checked per node (``node_defects``), then the trainer's own
+  engine factory (``build.build_engine``) started by the engine kind's launch plan
   (``rollout.rehearsal``: vLLM's servers up to ``Popen``, SGLang's pool really placed by Ray on fake GPUs), then
   who uses which GPU (every process has its devices; no two on one; separate placement disjoint from the
   trainer's ranks) and the engine's own rules on the arguments it is started with;
@@ -15,8 +16,9 @@ would start. Phases, each a function of the ``Rehearsal`` below, each adding the
   (trainer/rehearse_run.py).
 
 What it cannot see: the weights (the served directory is the model's real config.json beside placeholder weights
-and a tokenizer; nothing reads weights before a process starts), the NCCL / CUDA calls themselves, engines other
-than on rank 0's node's first engine slots (every node is alike), and of a step's memory only the model states
+and a tokenizer; nothing reads weights before a process starts), the NCCL / CUDA calls themselves, a real
+rendezvous across hosts (the nodes' launches are recorded, SGLang's Ray nodes are fakes on this machine, at most
+4), and of a step's memory only the model states
 (docs/rehearse.md "What a rehearsal cannot see").
 """
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """SGLang's launch plan and argument rules for ``s3ac-train rehearse`` (rollout/rehearsal.py), on a CPU machine.
 
-``launch_plan`` starts the trainer's own ``EnginePool`` on a local Ray that advertises one node's engine GPUs (the
-ones launch.sh gives ``ray start``: fake GPUs, megatron_s3ac.rollout.engines.fake_gpus), with sglang 0.5.23's start-up
-stand-in (megatron_s3ac.rollout.engines.sglang.startup_stand_in) in place of ``sglang.Engine`` asking Ray for the GPUs a real engine
-would; so Ray really places the placement groups, and each actor reports the GPUs Ray gave it. A node holds
-``gpus_per_node // gpus_per_engine`` engines; every node is alike, so one node's engines are rehearsed and the
-other nodes' are the same (an engine spanning nodes is not rehearsed: said in the plan's ``how``). TP rank r of an
-engine runs on its visible GPU ``base_gpu_id + r * gpu_id_step`` (sglang ``entrypoints/engine.py:928-939``).
+``launch_plan`` starts the trainer's own ``EnginePool`` on a fake Ray cluster of the job's nodes (up to
+``MAX_FAKE_NODES``; ``ray.cluster_utils.Cluster``, each node advertising the GPUs launch.sh gives that node's
+``ray start``: fake GPUs, megatron_s3ac.rollout.engines.fake_gpus), with sglang 0.5.23's start-up stand-in
+(megatron_s3ac.rollout.engines.sglang.startup_stand_in) in place of ``sglang.Engine`` asking Ray for the GPUs a real
+engine would; so Ray really places the placement groups over the nodes, and each actor (each node's part of an
+engine spanning nodes too) reports the GPUs Ray gave it; its node is read from the placement group's bundles.
+Engines that would land beyond the fake nodes are listed as not rehearsed. TP rank r of an engine runs on its
+visible GPU ``base_gpu_id + r * gpu_id_step`` (sglang ``entrypoints/engine.py:928-939``; per node for an engine
+spanning nodes).
 
 ``rules`` (sglang 0.5.23, paths inside ``sglang/srt/``): the engine's TP x PP GPUs must be among those it sees;
 attention data parallelism splits the TP group (``tp_size % attn_dp_size == 0``,
