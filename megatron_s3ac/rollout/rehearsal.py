@@ -26,10 +26,25 @@ class ClusterShape:
     gpus_per_node: int
     trainer_per_node: int
     placement: str  # "colocated" | "separate"
-    ray_gpus: tuple = ()  # physical GPUs of a node Ray hands out (launch.sh's CUDA_VISIBLE_DEVICES for ray start)
+    ray_gpus: tuple = ()  # physical GPUs of node 0 Ray hands out (launch.sh's CUDA_VISIBLE_DEVICES for ray start)
+    # node rank -> (its torchrun ranks, its Ray GPUs), as launch.sh computed them on that node; a node not run
+    # (very many nodes: node 0, 1 and the last are) is taken to be like node 1
+    per_node: tuple = ()
 
-    def ray_devices(self) -> list[int]:
-        return list(self.ray_gpus)
+    def _node(self, node: int) -> tuple:
+        table = dict(self.per_node)
+        if node in table:
+            return table[node]
+        if node > 0 and 1 in table:
+            return table[1]
+        return self.trainer_per_node, tuple(self.ray_gpus)
+
+    def ray_devices(self, node: int = 0) -> list[int]:
+        return list(self._node(node)[1])
+
+    def trainer_on(self, node: int = 0) -> int:
+        """Trainer ranks on ``node`` (cuda:0..n-1: torchrun's LOCAL_RANK)."""
+        return int(self._node(node)[0])
 
 
 @dataclasses.dataclass
@@ -44,6 +59,7 @@ class EngineProcess:
     args: dict
     env: dict = dataclasses.field(default_factory=dict)
     how: str = ""
+    rehearsed: bool = True  # False: listed with the reason (``how``), not checked
 
 
 _PLANS: dict[str, Union[str, Callable]] = {}
@@ -84,8 +100,10 @@ def device_defects(procs: Sequence[EngineProcess], shape: ClusterShape) -> list[
     detected", or memory runs out first); colocated: each engine worker on a trainer rank's GPU (it sleeps while
     that rank trains). One line per defect."""
     out, seen = [], {}
-    trainer = set(range(shape.trainer_per_node))
     for p in procs:
+        if not p.rehearsed:
+            continue
+        trainer = set(range(shape.trainer_on(p.node)))
         if not p.devices:
             out.append(f"{p.name}: no GPU ({p.how})")
         for w, d in enumerate(p.devices):

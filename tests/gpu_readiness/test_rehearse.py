@@ -215,3 +215,119 @@ def test_finding_1_class_launch_script_gives_ray_the_trainers_gpus(capsys, monke
 def test_bad_input_exits_2_naming_it(capsys, monkeypatch, args, trainer_gpus, message):
     rc, out = _rehearse(capsys, monkeypatch, args, trainer_gpus=trainer_gpus)
     assert rc == 2 and message in _rehearse.err and "Traceback" not in _rehearse.err
+
+
+# launch.sh per node: a 3-node job (cluster.gpus=24) so a middle node is checked too; vLLM's engines need no Ray
+NODES3 = MOE + VLLM_SEPARATE + ["cluster.gpus=24", "actor_layout.ep=4", "critic_layout.ep=4"]
+
+
+def _broken_launch(monkeypatch, tmp_path, old, new):
+    import megatron_s3ac.trainer.rehearse as rh
+
+    src = open(os.path.join(ROOT, "examples/paper/launch.sh")).read()
+    assert src.count(old) == 1
+    script = tmp_path / "launch.sh"
+    script.write_text(src.replace(old, new))
+    monkeypatch.setattr(rh, "LAUNCH", str(script))
+
+
+def test_launch_sh_is_run_and_checked_on_every_node(capsys, monkeypatch):
+    """By hand: node r runs torchrun --node-rank r of 3 with ranks cuda:0..3; node 0 starts Ray's head on GPUs
+    4..7, nodes 1 and 2 join it at MASTER_ADDR:6379 on theirs."""
+    rc, out = _rehearse(capsys, monkeypatch, NODES3, trainer_gpus=4)
+    assert rc == 0, out
+    assert "launch.sh node 0: ray start --head on GPUs [4, 5, 6, 7]; torchrun --node-rank 0 --nnodes 3, 4 ranks " \
+           "(cuda:0..3)" in out
+    for r in (1, 2):
+        assert f"launch.sh node {r}: ray start --address 10.0.0.1:6379 on GPUs [4, 5, 6, 7]; torchrun --node-rank " \
+               f"{r} --nnodes 3, 4 ranks (cuda:0..3)" in out
+    assert "launch.sh on every node: " in out and "world 12" in out
+
+
+def test_launch_sh_node_rank_not_per_node_is_a_defect(capsys, monkeypatch, tmp_path):
+    _broken_launch(monkeypatch, tmp_path, '--node-rank "$NODE_RANK"', "--node-rank 0")
+    rc, out = _rehearse(capsys, monkeypatch, NODES3, trainer_gpus=4)
+    assert rc == 1
+    assert "DEFECT: node 1 of 3: torchrun --node-rank 0 (NODE_RANK=1): two nodes' ranks collide" in out
+    assert "DEFECT: node 2 of 3: torchrun --node-rank 0 (NODE_RANK=2)" in out
+    assert "node 0 of 3: torchrun" not in out
+
+
+def test_launch_sh_engine_split_only_on_node_0_is_a_defect(capsys, monkeypatch, tmp_path):
+    """The joining nodes' ray start without the engine GPUs (the split done in the head's branch only): their Ray
+    hands out the trainer ranks' GPUs."""
+    _broken_launch(monkeypatch, tmp_path, 'until CUDA_VISIBLE_DEVICES=$ENGINE_DEVICES ray start', 'until ray start')
+    rc, out = _rehearse(capsys, monkeypatch, NODES3, trainer_gpus=4)
+    assert rc == 1
+    assert "DEFECT: node 1 of 3: Ray's GPUs [0, 1, 2, 3] (ray start's CUDA_VISIBLE_DEVICES / --num-gpus) include " \
+           "trainer local ranks [0, 1, 2, 3]'s GPUs" in out
+    assert "DEFECT: node 2 of 3: Ray's GPUs [0, 1, 2, 3]" in out and "DEFECT: node 0 of 3" not in out
+
+
+def test_launch_sh_join_and_rendezvous_checked_per_node(monkeypatch, tmp_path):
+    """Each node-level rule on launch.sh's own lines, a rule broken at a time."""
+    import dataclasses
+
+    import megatron_s3ac.trainer.rehearse as rh
+
+    monkeypatch.setenv("TRAINER_GPUS_PER_NODE", "4")
+    good = rh.launch_nodes(3, 8, rh.LAUNCH)
+    assert rh.node_defects(good, 3, 8, "separate") == []
+    bad = lambda n, **kw: [dataclasses.replace(x, **kw) if x.rank == n else x for x in good]
+    head_ray = good[1].ray.replace("--address 10.0.0.1:6379", "--head --port 6379")
+    assert rh.node_defects(bad(1, ray=head_ray), 3, 8, "separate") == [
+        "node 1 of 3: `ray start --head --port 6379 --num-gpus 4 --disable-usage-stats` does not join the head's Ray "
+        "at 10.0.0.1:6379 (ray start --address; MASTER_ADDR=10.0.0.1 on every node)"]
+    run2 = good[2].torchrun.replace("--nnodes 3", "--nnodes 1").replace("10.0.0.1:29500", "localhost:29500")
+    assert rh.node_defects(bad(2, torchrun=run2), 3, 8, "separate") == [
+        "node 2 of 3: torchrun --nnodes 1, the job has 3 nodes",
+        "node 2 of 3: torchrun --rdzv-endpoint localhost:29500, node 0's is 10.0.0.1:29500: the nodes do not meet"]
+    run1 = good[1].torchrun.replace("--nproc-per-node 4", "--nproc-per-node 8")
+    assert rh.node_defects(bad(1, torchrun=run1), 3, 8, "separate") == [
+        "node 1 of 3: torchrun --nproc-per-node 8, node 0's is 4",
+        "node 1 of 3: Ray's GPUs [4, 5, 6, 7] (ray start's CUDA_VISIBLE_DEVICES / --num-gpus) include trainer local "
+        "ranks [4, 5, 6, 7]'s GPUs (torchrun --nproc-per-node 8: cuda:LOCAL_RANK); rollout.placement: separate puts "
+        "the engines there"]
+    assert rh.node_defects(bad(2, error="exit 1"), 3, 8, "separate") == ["node 2 of 3: exit 1"]
+
+
+def test_very_many_nodes_run_node_0_1_and_the_last():
+    from megatron_s3ac.trainer.rehearse import ALL_NODES_UP_TO, node_ranks
+
+    assert node_ranks(3) == [0, 1, 2] and node_ranks(ALL_NODES_UP_TO) == list(range(ALL_NODES_UP_TO))
+    assert node_ranks(64) == [0, 1, 63]
+
+
+SGLANG_2_NODES = MOE + ["rollout.placement=separate", "rollout.sglang.num_engines=4", "actor_layout.tp=1",
+                        "actor_layout.ep=4"]
+
+
+@pytest.mark.slow  # a 2-node fake Ray cluster (ray.cluster_utils.Cluster): ~40 s here
+def test_sglang_engines_placed_on_every_fake_node(capsys, monkeypatch):
+    """By hand: 2 nodes, 4 trainer ranks each; Ray gets GPUs 4..7 of each node, 2 engines of 2 GPUs per node."""
+    rc, out = _rehearse(capsys, monkeypatch, SGLANG_2_NODES, trainer_gpus=4)
+    assert rc == 0, out
+    lines = _engine_lines(out)
+    assert len(lines) == 4 and sum("node 1 GPUs" in x for x in lines) == 2, lines
+    assert all(any(f"GPUs {g}" in x for g in ("[4, 5]", "[6, 7]")) for x in lines), lines
+
+
+@pytest.mark.slow
+def test_sglang_engines_on_node_1_catch_its_broken_split(capsys, monkeypatch, tmp_path):
+    """launch.sh's engine split undone on the joining nodes: the engines Ray places on node 1 are on its trainer
+    ranks' GPUs (the node check names the script's line, the device check the engines)."""
+    _broken_launch(monkeypatch, tmp_path, 'until CUDA_VISIBLE_DEVICES=$ENGINE_DEVICES ray start', 'until ray start')
+    rc, out = _rehearse(capsys, monkeypatch, SGLANG_2_NODES, trainer_gpus=4)
+    assert rc == 1
+    assert "DEFECT: node 1 of 2: Ray's GPUs [0, 1, 2, 3]" in out
+    assert "worker 0 on node 1 GPU 0 is trainer local rank 0's GPU" in out and "on node 0 GPU 0" not in out
+
+
+@pytest.mark.slow
+def test_sglang_engine_spanning_two_nodes_is_placed_part_by_part(capsys, monkeypatch):
+    rc, out = _rehearse(capsys, monkeypatch, MOE + ["rollout.sglang.num_engines=1", "rollout.sglang.gpus_per_engine=16",
+                                                    "rollout.sglang.tp_size=16", "rollout.sglang.ep_size=16"])
+    assert rc == 0, out
+    lines = sorted(_engine_lines(out))
+    assert [x.split(":")[0] for x in lines] == ["sglang engine 0 node part 0 of 2", "sglang engine 0 node part 1 of 2"]
+    assert {x.split(": ", 1)[1].split(" GPUs")[0] for x in lines} == {"node 0", "node 1"}
