@@ -186,6 +186,17 @@ def _overlap_errors(cfg: Config, spec) -> list[str]:
             f"rollout.sync.overlap=true: rollout.engine={spec.kind} cannot receive weights into a second copy while "
             f"it generates (EngineSpec.stage_weights); only "
             f"{' / '.join(k for k in _staging_kinds())} can (docs/rollout.md \"Overlapped weight sync\")"))
+    if cfg.train.max_staleness > 1:
+        # one staging copy: step t+1's first bucket would wait for step t's swap, queued behind t+2 .. t+N, inside the
+        # export's collectives (the second review of AsyncSource, finding 5)
+        errs.append(f"rollout.sync.overlap=true with train.max_staleness={cfg.train.max_staleness}: the engine holds "
+                    f"one staging copy, so the next sync would wait for the previous swap behind the batches still "
+                    f"queued; use train.max_staleness=1 with the overlapped sync")
+    if getattr(cfg.algo, "refill_eager", False):
+        # replacements for batch s would queue behind the N batches submitted before it is scored (finding 1)
+        errs.append("rollout.sync.overlap=true with algo.refill_eager=true: with nothing drained at the sync, batch "
+                    "s's eager replacements queue behind the batches submitted after it, and the engine idles while "
+                    "the trainer trains; choose one")
     if cfg.rollout.partial_rollout:
         errs.append("rollout.sync.overlap=true with rollout.partial_rollout=true: partial rollout pauses the engine "
                     "at the sync and resumes on the new weights, the overlapped sync lets the batches in flight "

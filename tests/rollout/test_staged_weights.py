@@ -99,6 +99,13 @@ def test_overlap_config_rules():
         load_config(None, base)
     with pytest.raises(ConfigError, match=r"rollout.sync.overlap=true with rollout.partial_rollout=true"):
         load_config(None, base + ["train.max_staleness=2", "rollout.partial_rollout=true"])
+    # one staging copy: N > 1 would make the next sync wait for the last swap behind the queued batches
+    with pytest.raises(ConfigError, match=r"rollout.sync.overlap=true with train.max_staleness=2: .*one staging copy"):
+        load_config(None, base + ["train.max_staleness=2"])
+    # eager replacements would queue behind the batches submitted after theirs
+    with pytest.raises(ConfigError, match=r"rollout.sync.overlap=true with algo.refill_eager=true"):
+        load_config(None, base + ["train.max_staleness=1", "algo.dynamic_sampling_refill=true",
+                                  "algo.refill_eager=true"])
     assert engine_spec("cpu").stage_weights and engine_spec("hf").stage_weights
     for kind in ("sglang", "vllm"):  # their refusal, from the spec (no engine is started)
         assert not engine_spec(kind).stage_weights

@@ -306,7 +306,9 @@ class AsyncSource:
         self._sync_surviving()  # every rank: the new engine gets the actor's weights of this moment (a death here too
         # is recovered, within the same bound)
         version = tr.step_idx + int(self._trained)  # after this step's update: its next version
-        for e in list(self.queue) + [q for q in entries if q not in self.queue]:
+        self.version = version  # what the rebuilt engine holds (a later eager replacement is tagged with it)
+        # the batch being awaited first: the engine runs its calls in order, and the trainer waits for this one now
+        for e in [q for q in entries if q not in self.queue] + list(self.queue):
             if e.step in lost:
                 e.version = version
                 if tr.rank == 0:
