@@ -155,7 +155,7 @@ def test_a_resumed_batch_is_not_scored_as_a_stream():
     from megatron_s3ac.trainer.step.async_loop import AsyncSource, Submitted
 
     ar = AsyncSource.__new__(AsyncSource)
-    ar.stream, ar.wait_s, ar.spans, ar.log = True, 0.0, [], []
+    ar.stream, ar.eager, ar.wait_s, ar.spans, ar.log = True, False, 0.0, [], []
     groups = [[Sample(prompt_ids=[1, 2], response_ids=[3], logprobs=np.zeros(1, np.float32), finish_reason="stop")]]
     e = Submitted(3, torch.tensor([0]), {}, 1)
     e.pending = PartialPending(groups, [], None, 2)
