@@ -41,6 +41,7 @@ def _run(out_dir, overrides, generate_s):
             "steps_s": steps_s}
 
 
+@pytest.mark.slow  # waits out a 16 s engine past a 15 s timeout (~28 s); finding 4's rank-0 phase test stays fast
 def test_other_ranks_wait_out_slow_async_engine_waits(tmp_path):
     try:
         r0, r1 = run_with_pg_timeout(_run, 2, PG_TIMEOUT_S, str(tmp_path), [], SLOW_S, timeout=400)

@@ -271,6 +271,7 @@ def test_launch_sh_join_and_rendezvous_checked_per_node(monkeypatch, tmp_path):
     import megatron_s3ac.trainer.rehearse as rh
 
     monkeypatch.setenv("TRAINER_GPUS_PER_NODE", "4")
+    monkeypatch.setenv("MASTER_PORT", "29500")  # launch.sh takes the caller's (an earlier test may have set one)
     good = rh.launch_nodes(3, 8, rh.LAUNCH)
     assert rh.node_defects(good, 3, 8, "separate") == []
     bad = lambda n, **kw: [dataclasses.replace(x, **kw) if x.rank == n else x for x in good]

@@ -27,6 +27,9 @@ import numpy as np
 import pytest
 import torch
 
+# a real vLLM server per module (~50 s to start here): the fast suite keeps tests/rollout/test_vllm_*.py's engines
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 FIXED = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [50, 40, 30, 20, 10, 5]]
