@@ -15,7 +15,9 @@ is valued at sequence position P - 1 + t, i.e. from the prefix prompt + o_<t; tr
 each for two targets: ``R`` (the lambda = 1 return, the terminal reward of every token: value pretraining's
 target) and ``err`` (1 if an earlier token o_<t already left the chain, from the reference answer:
 ``tasks.chain.first_error``'s notion, a known function of the visible prefix). EV is 1 - Var(y - V) / Var(y)
-over all tokens of a held-out quarter of the rows. Also prints the "oracle" EV on R of the critic that knows
+over all tokens of a held-out quarter of the rows, per epoch (``ev_per_epoch``; ``train_ev_per_epoch`` on as many
+training rows: the gap between the two is overfitting, BPCO's caveat that the privileged critic overfits sooner on a
+small data set; ``best_epoch`` where the held-out EV peaks). Also prints the "oracle" EV on R of the critic that knows
 only ``err`` (V = -1 after an error, else the per-position mean return): the ceiling such a critic could reach.
 Prints JSON. CPU only, a few minutes on 4096 rows.
 """
@@ -124,7 +126,8 @@ def adam_fit(path, data, target, train_idx, test_idx, lr, epochs, batch, freeze,
         h = torch.gather(h, 1, pos[idx, :, None].expand(-1, -1, H))
         return head(h).squeeze(-1)
 
-    curve = []
+    curve, train_curve = [], []
+    seen = train_idx[:len(test_idx)]  # as many training rows as held-out ones, for the train-EV curve
     step = 0
     for _ in range(epochs):
         perm = train_idx[torch.randperm(len(train_idx), generator=g)]
@@ -140,8 +143,12 @@ def adam_fit(path, data, target, train_idx, test_idx, lr, epochs, batch, freeze,
             step += 1
         with torch.no_grad():
             vt = torch.cat([values(test_idx[s:s + 512]) for s in range(0, len(test_idx), 512)])
+            vr = torch.cat([values(seen[s:s + 512]) for s in range(0, len(seen), 512)])
         curve.append(round(ev(y[test_idx], vt, mask[test_idx]), 4))
-    return {"steps": step, "ev_per_epoch": curve}
+        train_curve.append(round(ev(y[seen], vr, mask[seen]), 4))
+    # overfitting shows as the gap: EV on rows it trained on rising while the held-out EV stalls or falls
+    return {"steps": step, "ev_per_epoch": curve, "train_ev_per_epoch": train_curve,
+            "best_epoch": 1 + max(range(len(curve)), key=curve.__getitem__)}
 
 
 def ours(run: str, rows: list[dict], targets: dict, out_dir: str) -> dict:

@@ -197,9 +197,12 @@ def arms(size: Size, hidden: int, coverage_prompts: int) -> dict[str, Arm]:
         "grpo_x": Arm(("algo.name=grpo_x",)),
         # BPCO's privileged critic (issue 37): the critic reads the reference answer; the bounded value head with
         # and without it
-        "s3ac_privileged": Arm(("model.critic_privileged=answer",)),
+        # and without it; these two keep the paper's value pretraining (attention + router frozen), which the
+        # privileged critic no longer gets by default (value_pretrain.freeze_attention_and_router: null)
+        "s3ac_privileged": Arm(("model.critic_privileged=answer", "value_pretrain.freeze_attention_and_router=true")),
         "s3ac_bounded": Arm(("model.critic_head=bounded",)),
-        "s3ac_privileged_bounded": Arm(("model.critic_privileged=answer", "model.critic_head=bounded")),
+        "s3ac_privileged_bounded": Arm(("model.critic_privileged=answer", "model.critic_head=bounded",
+                                        "value_pretrain.freeze_attention_and_router=true")),
         # the privileged critic's recipe (docs/reproduction.md "The privileged critic"): comparing a response token
         # with the answer's is attention's work, so value pretraining trains attention too, 4x longer
         "s3ac_vpt_attn": Arm(("value_pretrain.freeze_attention_and_router=false", "value_pretrain.epochs=8")),

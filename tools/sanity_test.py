@@ -12,7 +12,8 @@ On such prompts every arm should drive the training reward near its maximum; an 
 3. One pipeline job per arm, sharing the warm-up and coverage stages (value pretraining per critic arm), RL on the
    solvable prompts for ``--steps`` steps:
      s3ac             the recipe
-     s3ac_answer      the critic sees the reference answer (model.critic_privileged=answer)
+     s3ac_answer      the critic sees the reference answer (model.critic_privileged=answer; its value
+                      pretraining trains attention, the privileged critic's default)
      critic_baseline  advantage normalization on, unbounded (linear) value head
      grpo_x           critic-free
 4. Per arm the training pass rate (``rollout/pass_rate``, before the group filter) and the critic's explained

@@ -136,7 +136,13 @@ class ValuePretrainCfg:
     lr: float = 5e-4
     batch_size: int = 64
     clip_grad: float = 10.0
-    freeze_attention_and_router: bool = True
+    # null: frozen for the plain critic (the paper's recipe), trained when model.critic_privileged is set: comparing
+    # a response token with the answer's is attention's work (issue 37; docs/trainer.md "The critic's privileged input")
+    freeze_attention_and_router: Optional[bool] = None
+
+    def freezes(self, privileged: bool) -> bool:
+        """Whether value pretraining freezes attention + router, for a critic with (or without) the privileged block."""
+        return (not privileged) if self.freeze_attention_and_router is None else bool(self.freeze_attention_and_router)
 
     def errors(self) -> list[str]:
         out = _missing_paths("value_pretrain", self, ("coverage_path",))

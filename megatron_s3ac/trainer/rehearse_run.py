@@ -54,6 +54,31 @@ def min_world(layouts, max_ranks: int) -> int:
     return 2 * need if dense_dp < 2 and 2 * need <= max_ranks else need
 
 
+# the order in which degrees give way when the world does not fit --max-ranks: expert parallelism first (it sets
+# the 397B's 128 ranks), then the ones whose every rank runs distinct code the longest
+_REDUCE_ORDER = ("ep", "etp", "cp", "tp", "pp")
+
+
+def reduced_layouts(layouts, max_ranks: int) -> tuple[list, list[str]]:
+    """Layouts whose smallest world fits ``max_ranks``: the largest degree above 2 (ties: ``_REDUCE_ORDER``) halved
+    until it fits (an odd one becomes 2), no degree below 2 that was 2 or more, so every kind of parallelism the
+    config uses still runs. Returns (layouts, one note per reduced degree); ([], notes) when even degree 2
+    everywhere does not fit."""
+    import dataclasses
+
+    out, was = list(layouts), [dict(vars(l)) for l in layouts]
+    while min_world(out, max_ranks) > max_ranks:
+        cands = [(getattr(l, f) or 1, -_REDUCE_ORDER.index(f), i, f)
+                 for i, l in enumerate(out) for f in _REDUCE_ORDER if (getattr(l, f) or 1) > 2]
+        if not cands:
+            return [], [f"even at degree 2 the smallest world is {min_world(out, max_ranks)} ranks"]
+        d, _, i, f = max(cands)
+        out[i] = dataclasses.replace(out[i], **{f: max(2, d // 2)})
+    notes = [f"{('actor_layout', 'critic_layout')[i]}.{f} {w[f]} -> {getattr(l, f)}"
+             for i, (l, w) in enumerate(zip(out, was)) for f in _REDUCE_ORDER if (getattr(l, f) or 1) != (w[f] or 1)]
+    return out, notes
+
+
 def shrunk_overrides(model_type: str, layouts) -> dict:
     """Config.json fields of the shrunk model: heads / kv heads divisible by TP, layers by PP (and Qwen3.5's
     3 GDN + 1 attention pattern), experts by EP x ETP."""
@@ -300,16 +325,26 @@ def run_phase(cfg, tmp: str, max_ranks: int, p) -> None:
     from megatron_s3ac.config import layout_of
 
     layouts = [layout_of(cfg.actor_layout)] + ([layout_of(cfg.critic_layout)] if cfg.critic_layout else [])
-    world = min_world(layouts, max_ranks)
+    world, reduced = min_world(layouts, max_ranks), {}
+    if world > max_ranks:
+        fit, notes = reduced_layouts(layouts, max_ranks)
+        if not fit:
+            p.ran.append(f"not run: the smallest world keeping the layouts' degrees is {world} ranks (> {max_ranks}, "
+                         f"--max-ranks) and {notes[0]}; the other phases stand")
+            return
+        p.ran.append(f"degrees reduced to fit --max-ranks {max_ranks} (the config's layouts need {world} ranks): "
+                     f"{', '.join(notes)}; every kind of parallelism still runs, at smaller groups: what the full "
+                     f"sizes add (those groups' collectives at their sizes, the per-rank shares of the experts / "
+                     f"sequence / heads) is not seen (docs/rehearse.md)")
+        reduced = {f"{name}.{f}": getattr(l, f) for name, l in zip(("actor_layout", "critic_layout"), fit)
+                   for f in _REDUCE_ORDER if getattr(l, f) is not None}
+        layouts, world = fit, min_world(fit, max_ranks)
     a = layouts[0]
     dp = world // (a.tp * a.pp * a.cp)
-    if world > max_ranks:
-        p.ran.append(f"not run: the smallest world keeping the layouts' degrees is {world} ranks (> {max_ranks}, "
-                     f"--max-ranks); the other phases stand")
-        return
     os.makedirs(tmp, exist_ok=True)
     model_dir = save_shrunk(cfg.model.hf_config, layouts, os.path.join(tmp, "shrunk"))
-    config_path = write_run_config(cfg, run_settings(cfg, model_dir, tmp, dp), os.path.join(tmp, "run.yaml"))
+    config_path = write_run_config(cfg, {**run_settings(cfg, model_dir, tmp, dp), **reduced},
+                                   os.path.join(tmp, "run.yaml"))
     from megatron_s3ac.config import Placement
 
     with open(os.path.join(model_dir, "config.json")) as f:

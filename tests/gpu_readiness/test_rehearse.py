@@ -332,3 +332,21 @@ def test_sglang_engine_spanning_two_nodes_is_placed_part_by_part(capsys, monkeyp
     lines = sorted(_engine_lines(out))
     assert [x.split(":")[0] for x in lines] == ["sglang engine 0 node part 0 of 2", "sglang engine 0 node part 1 of 2"]
     assert {x.split(": ", 1)[1].split(" GPUs")[0] for x in lines} == {"node 0", "node 1"}
+
+
+def test_degrees_reduced_to_fit_max_ranks():
+    """By hand: the 397B's TP2 PP4 EP32 needs lcm(8, 128) = 128 ranks; EP halves to 2 (4 steps) -> lcm(8, 8) = 8.
+    Every degree that was >= 2 stays >= 2; a layout that fits is left alone; nothing fits 2 ranks at TP2 PP2."""
+    from megatron_s3ac.models.parallel import ParallelLayout
+    from megatron_s3ac.trainer.rehearse_run import min_world, reduced_layouts
+
+    fit, notes = reduced_layouts([ParallelLayout(tp=2, pp=4, ep=32, etp=1)], 8)
+    assert [(l.tp, l.pp, l.ep, l.etp, l.cp) for l in fit] == [(2, 4, 2, 1, 1)] and min_world(fit, 8) == 8
+    assert notes == ["actor_layout.ep 32 -> 2"]
+    fit, notes = reduced_layouts([ParallelLayout(tp=4, pp=2, ep=8, etp=1, cp=4), ParallelLayout(tp=2, pp=2)], 8)
+    assert [(l.tp, l.pp, l.ep, l.cp) for l in fit] == [(2, 2, 2, 2), (2, 2, 1, 1)] and min_world(fit, 8) <= 8
+    assert notes == ["actor_layout.ep 8 -> 2", "actor_layout.cp 4 -> 2", "actor_layout.tp 4 -> 2"]
+    lay = [ParallelLayout(tp=2, ep=8, etp=1)]
+    assert reduced_layouts(lay, 8) == (lay, [])
+    fit, notes = reduced_layouts([ParallelLayout(tp=2, pp=2)], 2)
+    assert fit == [] and notes == ["even at degree 2 the smallest world is 4 ranks"]

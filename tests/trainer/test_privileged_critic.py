@@ -350,3 +350,39 @@ def test_async_source_batches_reach_the_critic_with_the_block(tmp_path):
             p, n = int(P[i]), int(R[i])
             hand = tokens[i, :p].tolist() + CharVocab().encode(r["refs"][int(pid[i])] + "=") + tokens[i, p:p + n].tolist()
             assert crit[i, :len(hand)].tolist() == hand and not crit[i, len(hand):].any()
+
+
+# ---- value pretraining of the privileged critic trains attention by default (issue 37's recipe) ---------------
+def test_value_pretrain_freezes_by_default_only_the_plain_critic():
+    from megatron_s3ac.config.algo import ValuePretrainCfg
+
+    assert ValuePretrainCfg().freezes(privileged=False) and not ValuePretrainCfg().freezes(privileged=True)
+    for v in (True, False):  # an explicit value wins either way
+        assert ValuePretrainCfg(freeze_attention_and_router=v).freezes(False) is v
+        assert ValuePretrainCfg(freeze_attention_and_router=v).freezes(True) is v
+
+
+def _vpt_privileged(out_dir, overrides):
+    from megatron_s3ac.trainer.step.trainer import Trainer
+    from megatron_s3ac.trainer.stages.value_pretrain import value_pretrain
+
+    tr = Trainer(load_config(None, SMALL + [f"train.out_dir={out_dir}", "value_pretrain.batch_size=8",
+                                            "model.critic_privileged=answer"] + overrides))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt_ids": p.ids, "response_ids": torch.randint(3, 15, (3,), generator=g).tolist(),
+             "reward": float(i % 2 * 2 - 1), "reference": p.reference} for i, p in enumerate(tr.prompts[:16])]
+    before = {n: p.detach().clone() for n, p in tr.critic.named_parameters()}
+    summary = value_pretrain(tr, rows)
+    attn = [n for n in before if ".self_attention." in "." + n]
+    return summary, attn, [n for n, p in tr.critic.named_parameters() if n in attn and not torch.equal(before[n], p)]
+
+
+@pytest.mark.parametrize("key,frozen", [([], False), (["value_pretrain.freeze_attention_and_router=true"], True)],
+                         ids=["default-trains-attention", "explicit-frozen"])
+def test_privileged_value_pretraining_trains_attention_unless_told(key, frozen, tmp_path):
+    summary, attn, changed = run_distributed(_vpt_privileged, 1, str(tmp_path), key)[0]
+    assert attn and summary["vpt/privileged_missing"] == 0
+    if frozen:
+        assert summary["vpt/frozen_params"] > 0 and not changed
+    else:
+        assert summary["vpt/frozen_params"] == 0 and set(changed) == set(attn)

@@ -76,7 +76,7 @@ def _value_pretrain(tr, rows: list[dict], log=None) -> dict:
     tower = vision_of(tr.critic, spare=True)
     if tower is not None:  # image rows: the trainer critic's (frozen) vision tower
         attach_vision(critic.module, tower, False, vision_meta(tr.critic)[0])
-    frozen = freeze_attention_and_router(critic) if vc.freeze_attention_and_router else []
+    frozen = freeze_attention_and_router(critic) if vc.freezes(tr.privileged is not None) else []
     ddp = wrap_ddp(critic, tr.critic_config)
     opt = build_optimizer([ddp], lr=vc.lr, clip_grad=vc.clip_grad)
     samples = [dict(r, logprobs=[0.0] * len(r["response_ids"]), pid=0) for r in attach_row_images(tr.prompts, rows)]
