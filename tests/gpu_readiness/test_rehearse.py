@@ -350,3 +350,37 @@ def test_degrees_reduced_to_fit_max_ranks():
     assert reduced_layouts(lay, 8) == (lay, [])
     fit, notes = reduced_layouts([ParallelLayout(tp=2, pp=2)], 2)
     assert fit == [] and notes == ["even at degree 2 the smallest world is 4 ranks"]
+
+
+def test_run_phase_rehearses_the_397b_at_reduced_expert_parallelism(monkeypatch, tmp_path):
+    """The run phase's job config carries the reduced layout (EP 2, TP / PP as the config's) on 8 ranks and the
+    report names the reduction; the ranks themselves are not started here (the slow rehearsal runs them)."""
+    import json
+
+    import yaml
+
+    import megatron_s3ac.trainer.rehearse_run as rr
+    from megatron_s3ac.config import load_config
+    from megatron_s3ac.trainer.rehearse import Phase
+
+    got = {}
+
+    def fake(fn, world, pg_timeout, config_path, *a, **k):
+        got.setdefault("world", world)
+        got.setdefault("layout", yaml.safe_load(open(config_path))["actor_layout"])
+        got.setdefault("experts", json.load(open(os.path.join(tmp_path, "job", "shrunk", "config.json")))
+                       .get("text_config", {}).get("num_experts"))
+        return [{"result": None, "records": [], "error": "RuntimeError: stop here\n"}] + [
+            {"result": None, "records": [], "error": None}] * (world - 1)
+
+    monkeypatch.setattr(rr, "run_with_pg_timeout", fake)
+    monkeypatch.chdir(ROOT)
+    cfg = load_config("examples/qwen3_5/qwen3_5_397b_layout.yaml",
+                      ["model.hf_config=examples/hf_configs/qwen3_5_397b_a17b"], check=False)
+    p = Phase("run")
+    rr.run_phase(cfg, str(tmp_path / "job"), 8, p)
+    assert got["world"] == 8
+    assert (got["layout"]["tp"], got["layout"]["pp"], got["layout"]["ep"], got["layout"]["etp"]) == (2, 4, 2, 1)
+    assert got["experts"] % 2 == 0  # the shrunk model's experts divide over EP 2
+    assert p.ran[0].startswith("degrees reduced to fit --max-ranks 8 (the config's layouts need 128 ranks): "
+                               "actor_layout.ep 32 -> 2;")

@@ -285,3 +285,49 @@ def test_offload_idle_moves_the_shared_frozen_tower_and_changes_nothing(miniatur
     diffs = [(i, k, a.get(k), b.get(k)) for i, (a, b) in enumerate(zip(off[0]["steps"], ref[0]["steps"]))
              for k in sorted(set(a) | set(b)) if not same(a.get(k), b.get(k))]
     assert len(off[0]["steps"]) == 2 and not diffs, diffs  # the round trip is bit-exact: the same steps
+
+
+def _privileged_step(paths, mcore, out_dir):
+    from transformers import AutoTokenizer
+
+    from megatron_s3ac.trainer.step.privileged import block_text
+    from megatron_s3ac.trainer.step.trainer import Trainer
+
+    cfg = load_config(os.path.join(ROOT, "examples", "cpu_demo_vl.yaml"),
+                      _overrides(paths, mcore, out_dir, False, 1) + ["actor_layout.ep=1", "model.critic_privileged=answer"])
+    tr = Trainer(cfg)
+    tok = AutoTokenizer.from_pretrained(paths["model"])
+    seen, fwd = [], tr._forward_only
+
+    def spy(which, batch, what):
+        out = fwd(which, batch, what)
+        if which == "critic":
+            view = tr.critic_input(batch)
+            seen.append((batch, view, out))
+        return out
+
+    tr._forward_only = spy
+    m = tr.step()
+    rows = []
+    for batch, view, values in seen:
+        for i in range(batch.tokens.shape[0]):
+            P, R = int(batch.prompt_len[i]), int(batch.resp_len[i])
+            block = tok(block_text("answer", tr.prompts[int(batch.pid[i])].reference, None, False),
+                        add_special_tokens=False)["input_ids"]
+            hand = batch.tokens[i, :P].tolist() + list(block) + batch.tokens[i, P:P + R].tolist()
+            rows.append((view.tokens[i, :len(hand)].tolist() == hand, int(view.prompt_len[i]) == P + len(block),
+                         int((batch.tokens[i, :P] == 90).sum()), view.images[i] is batch.images[i]))
+    tr.close()
+    return {"rows": rows, "missing": m["critic/privileged_missing"], "ev": m.get("critic/explained_variance"),
+            "finite": all(torch.isfinite(torch.as_tensor(v)).all() for *_, v in seen if torch.is_tensor(v))}
+
+
+@pytest.mark.slow  # the miniature's conversion + one step of the VL model on one rank (~40 s here)
+def test_privileged_block_follows_the_image_prompt(miniature, tmp_path):
+    """model.critic_privileged=answer on the VL model: the critic reads image prompt (its placeholders) + the text
+    block in the model's tokenizer + response, the images the actor's, for every row of the step."""
+    paths, mcore = miniature
+    r = run_distributed(_privileged_step, 1, paths, mcore, str(tmp_path))[0]
+    assert r["rows"] and r["missing"] == 0 and r["finite"]
+    assert all(same and plen for same, plen, _, _ in r["rows"])
+    assert all(n > 0 and img for _, _, n, img in r["rows"])  # every row an image prompt, its images carried
