@@ -66,6 +66,26 @@ export NNODES GPUS_PER_NODE TRAINER_GPUS_PER_NODE MASTER_ADDR MASTER_PORT RAY_PO
 # config says 4,096 positions; sglang 0.5.23 accepts a longer context only with this set in the engines'
 # environment (sglang/srt/configs/model_config.py:1303-1315). Ray actors inherit it from the driver.
 export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=${SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN:-1}
+# Gloo (megatron-core's gloo groups, the trainer's rank-0 wait group: trainer/step/rank0.py) listens on the address
+# this host's name resolves to when that address binds (torch ProcessGroupGloo createDefaultDevice /
+# doesHostnameResolveToUsableAddress), a loopback one included: on a host whose /etc/hosts maps its name to 127.0.1.1
+# (stock Debian/Ubuntu) the other nodes are told a loopback address and cannot connect. There, unless
+# GLOO_SOCKET_IFNAME is set, gloo gets the interface of this host's default route.
+if [ "$NNODES" -gt 1 ] && [ -z "${GLOO_SOCKET_IFNAME:-}" ]; then
+  HOST_ADDR=$(getent ahostsv4 "$(hostname)" 2>/dev/null | awk 'NR == 1 {print $1}' || true)
+  case "$HOST_ADDR" in
+    127.*|"")
+      GLOO_IF=$( { ip -o -4 route show to default 2>/dev/null || true; } |
+        awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}')
+      if [ -n "$GLOO_IF" ]; then
+        export GLOO_SOCKET_IFNAME=$GLOO_IF
+        echo "launch.sh: $(hostname) resolves to '${HOST_ADDR:-nothing}': GLOO_SOCKET_IFNAME=$GLOO_IF (default route)"
+      else
+        echo "launch.sh: $(hostname) resolves to '${HOST_ADDR:-nothing}' and there is no default route: set" \
+          "GLOO_SOCKET_IFNAME to the interface the nodes reach each other on" >&2
+      fi ;;
+  esac
+fi
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${SLURM_PROCID_SET:-}" ]; then
   export SLURM_PROCID_SET=1
   # one task per node runs this script again (the branch below): Ray + torchrun on every node

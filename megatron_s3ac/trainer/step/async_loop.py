@@ -458,7 +458,18 @@ class AsyncSource:
         """After the step (``Trainer.step_idx`` advanced): the engine's weights version, ``time/step`` and the
         asynchronous metrics (engine restarts, trainer wait, engine busy / idle, throughput, in flight)."""
         self.version = self.tr.step_idx  # a step without a batch: the weights (and so the version) carry over
+        # step_idx now counts this step's update: a re-sync from here (the checkpoint's drain, before_save) sends
+        # version step_idx, not step_idx + 1
+        self._trained = False
         self._finish(m, t0, result.kept)
+
+    def before_save(self) -> None:
+        """Every rank (collective), before a checkpoint is written: collect every queued batch still generating
+        (``rollout.sync.overlap`` leaves the batches in flight through the sync, partial rollout its continuations),
+        through ``_await``: rank 0's wait is shared on the gloo ``Trainer.rank0`` group and a dead engine is
+        rebuilt, re-synced and its batches resubmitted. ``state_dict`` then waits for nothing: it runs on rank 0
+        alone inside the save, between default-group barriers (issue 41, fourth review, finding 1)."""
+        self._await(list(self.queue))
 
     def state_dict(self) -> dict:
         return state_dict(self)

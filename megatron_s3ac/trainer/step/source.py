@@ -10,7 +10,8 @@
 A source also guards every generation the rollout phases start (``generate``): the synchronous source calls the
 engine (rank 0), the asynchronous one (trainer.step.async_loop.AsyncSource: submission, staleness, engine restart,
 partial rollout) restarts an engine that died and generates again. ``state_dict`` is what a checkpoint keeps of it
-(None: nothing).
+(None: nothing); ``before_save`` runs on every rank before the checkpoint is written (the asynchronous source collects
+its queue there, outside the save's collectives).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class RolloutSource(Protocol):
     def sync_weights(self, m: dict) -> None: ...
 
     def end_step(self, m: dict, t0: float, result: RolloutResult) -> None: ...
+
+    def before_save(self) -> None: ...
 
     def state_dict(self) -> dict | None: ...
 
@@ -63,6 +66,9 @@ class SyncSource:
 
     def end_step(self, m: dict, t0: float, result: RolloutResult) -> None:
         m["time/step"] = time.time() - t0
+
+    def before_save(self) -> None:
+        """Nothing in flight between steps."""
 
     def state_dict(self) -> None:
         return None

@@ -449,6 +449,10 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         complete a small send at the root alone): the next session joins a fresh one. The old one is kept, not
         destroyed: a process group's destructor waits for its pending broadcast, which never completes."""
         if self._group is not None and self._group != "ipc":
+            try:  # NCCL: abort now, so no watchdog timeout of the pending broadcast comes later
+                self._group.abort()
+            except Exception:  # noqa: BLE001 - best effort; the group is CleanUpOnly either way (transfer.py)
+                pass
             self._stale_groups.append(self._group)
         self._group = None
 

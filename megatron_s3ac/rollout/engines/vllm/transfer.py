@@ -20,13 +20,57 @@ nccl backend builds its group with vLLM's ``PyNcclCommunicator``, ``weight_trans
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import math
+import os
+import threading
 
 import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
+
+# torch's ProcessGroupNCCL reads TORCH_NCCL_ASYNC_ERROR_HANDLING once, in its constructor (default 3, SkipCleanUp:
+# its watchdog takes the whole process down when a work of the group fails or times out). A weight-transfer group's
+# peer is an engine process, which may die mid-broadcast (the asynchronous loop then restarts it and re-syncs): such
+# a group is built with 2 (CleanUpOnly: the watchdog aborts the group's communicators, the work raises, the process
+# lives), the trainer's own groups keep the launcher's setting. Issue 41, fourth review, finding 2.
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+TRANSFER_ERROR_HANDLING = "2"  # CleanUpOnly
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def transfer_group_error_handling():
+    """While inside: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly) for the ProcessGroupNCCL constructed here;
+    the previous value (or its absence) is restored on exit. Serialised: weight-transfer groups are built in helper
+    threads too."""
+    with _ENV_LOCK:
+        old = os.environ.get(NCCL_ERROR_HANDLING)
+        os.environ[NCCL_ERROR_HANDLING] = TRANSFER_ERROR_HANDLING
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop(NCCL_ERROR_HANDLING, None)
+            else:
+                os.environ[NCCL_ERROR_HANDLING] = old
+
+
+def abort_group(pg) -> bool:
+    """Abort an NCCL weight-transfer group whose peer died (its pending broadcast never completes: ``destroy`` would
+    wait for it, ``ProcessGroupNCCL::shutdown`` finalizes first). Returns False where the group is not NCCL or this
+    torch has no ``_abort_process_group``; the caller then destroys it as before."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        nccl = pg is not None and "nccl" in str(dist.get_backend(pg)).lower()
+    except Exception:  # noqa: BLE001 - a group torch.distributed does not know (a bare ProcessGroupNCCL)
+        nccl = False
+    if abort is None or not nccl:
+        return False
+    abort(pg)
+    return True
 
 
 def _pad8(n: int) -> int:
@@ -96,7 +140,9 @@ def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     device = torch.device("cuda", torch.cuda.current_device())
-    return TransferGroup(dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts), store, device)
+    with transfer_group_error_handling():  # an engine's death must not take this process down (see above)
+        pg = dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
+    return TransferGroup(pg, store, device)
 
 
 class TransferGroup:
@@ -104,6 +150,12 @@ class TransferGroup:
 
     def __init__(self, pg, store, device=torch.device("cpu")):
         self.pg, self.store, self.device = pg, store, torch.device(device)
+
+    def abort(self) -> None:
+        """An NCCL group whose peer will not answer: abort its communicators (its pending work raises, no watchdog
+        timeout later); nothing for gloo (kept as it is, see ``VLLMEngine._abandon_group``)."""
+        if self.device.type == "cuda" and hasattr(self.pg, "abort"):
+            self.pg.abort()
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0):
         """Start a broadcast of ``tensor`` from ``root``; returns the work (``wait()`` / ``is_completed()``)."""
