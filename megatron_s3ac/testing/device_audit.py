@@ -107,7 +107,7 @@ def audit_trainer_models(cfg, device="meta") -> dict[str, list[str]]:
         out["actor"] = off_device(captured(lambda: B.build_actor(cfg, info, layout, {})), device)
         out["critic"] = off_device(captured(lambda: B.build_critic(cfg, info, layout, lambda critic: None)), device)
     host_critic = captured(lambda: B.build_critic(cfg, info, layout, lambda critic: None))
-    tr = types.SimpleNamespace(cfg=cfg, info=info, critic=host_critic, rank=0, pad_to=8,
+    tr = types.SimpleNamespace(cfg=cfg, info=info, critic=host_critic, rank=0, pad_to=8, privileged=None,
                                critic_config=build_transformer_config(info, layout, **B._config_kw(cfg)),
                                model_scope=lambda which: contextlib.nullcontext(), device=torch.device(device))
     with target_device(device):

@@ -38,14 +38,14 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     side (utils/common.py:2859-2927), so both sides rendezvous on the same store keys. Blocks until all join."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-    from megatron_s3ac.rollout.engines.vllm.transfer import transfer_group_error_handling
+    from megatron_s3ac.rollout.sync.transfer_groups import transfer_group_error_handling
 
     timeout = timeout or datetime.timedelta(minutes=10)
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     # NCCL: TORCH_NCCL_ASYNC_ERROR_HANDLING=2 for this group only, so an engine that dies mid-broadcast does not take
-    # the trainer down through the group's watchdog (transfer.transfer_group_error_handling)
+    # the trainer down through the group's watchdog (rollout.sync.transfer_groups)
     with transfer_group_error_handling():
         pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
                                           backend_options=None, timeout=timeout)
@@ -448,7 +448,7 @@ class StageBroadcastSync:
                 refs += [self.pool.submit(e, "destroy_weights_update_group", self._group_name(s))
                          for e in range(len(self.roles["tp_sizes"]))]
         if self.group is not None:
-            from megatron_s3ac.rollout.engines.vllm.transfer import abort_group
+            from megatron_s3ac.rollout.sync.transfer_groups import abort_group
 
             # a dead pool's engines left the group with a broadcast pending: NCCL aborts it (destroy would flush it
             # first, ProcessGroupNCCL::shutdown); gloo's is destroyed as before
