@@ -13,10 +13,10 @@ others run (each HTTP call's requests are added to the one engine core, which ba
 ``add_request``, async_llm.py:388, then each request's ``RequestOutputCollector``), and pauses
 (``pause_generation(mode="abort")``, async_llm.py:952-984): the engine core finishes every request it holds,
 running or waiting, as aborted (``scheduler.finish_requests(None, FINISHED_ABORTED)`` and ``_send_abort_outputs``,
-``v1/engine/core.py:2088-2092``) and stops scheduling new ones until ``resume_generation`` (async_llm.py:986-988,
+``v1/engine/core.py:2088-2092``, EngineCoreProc) and stops scheduling new ones until ``resume_generation`` (async_llm.py:986-988,
 core.py:951-953); each aborted request's final output still carries every token sampled so far with its log-probs
 (the output processor's cumulative / final-only output is built from the detokenizer's ``output_token_ids`` and the
-log-prob processor's list, ``v1/engine/output_processor.py:430-482``; finish_reason "abort"). That is partial
+log-prob processor's list, ``v1/engine/output_processor.py:428-482``, token ids 442, log-probs 445; finish_reason "abort"). That is partial
 rollout's contract (rollout/partial.py): the trainer resubmits each aborted response as prompt + partial response
 with the remaining budget after the weight sync.
 
@@ -115,7 +115,7 @@ class Server:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kw.setdefault("disable_log_stats", True)  # vllm.LLM's default (entrypoints/llm.py:226-227)
-        # built on the loop, so its output handler starts on it (async_llm.py:214-220)
+        # built on the loop, so its output handler starts on it (async_llm.py:211-215)
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
         self.state = asyncio.Condition()  # guards paused / session_open / asleep / running (loop only)
 
@@ -126,7 +126,7 @@ class Server:
         from vllm.sampling_params import RequestOutputKind
 
         # FINAL_ONLY: one output per request, when it finishes (or is aborted), with every token and log-prob so far
-        # (output_processor.py:317-320, 463-468)
+        # (output_processor.py:318-322, 428-445)
         return SamplingParams(
             n=1, temperature=float(p["temperature"]), top_p=float(p["top_p"]), top_k=int(p["top_k"]),
             max_tokens=int(max_tokens), stop_token_ids=list(p["stop_token_ids"]) or None,
