@@ -163,8 +163,7 @@ def test_engines_that_cannot_pause_say_so():
 
     with pytest.raises(PartialRolloutUnsupported, match="Plain cannot pause generation"):
         Plain().pause_generation()
-    assert "cpu / hf / sglang" in unsupported_engine_reason("sglang-like")
-    assert "async_llm.py:952" in unsupported_engine_reason("vllm")
+    assert "cpu / hf / sglang / vllm" in unsupported_engine_reason("sglang-like")
 
 
 @pytest.mark.slow  # > 60 s under load; the fast suite's 20-minute budget (CI)

@@ -28,9 +28,14 @@ def test_config_rules():
         load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
                                          "rollout.engine=sglang"])
     assert "partial_rollout" not in str(err.value) and "cannot serve the built-in tiny model" in str(err.value)
-    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: .*async_llm.py:952"):
+    # vllm pauses too (server.py: AsyncLLM.pause_generation in mode abort), one engine only
+    with pytest.raises(ConfigError) as err:
         load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
                                          "rollout.engine=vllm"])
+    assert "partial_rollout" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"partial_rollout=true with rollout.vllm.num_engines=2: VLLMEnginePool"):
+        load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
+                                         "rollout.engine=vllm", "rollout.vllm.num_engines=2"])
 
 
 def test_token_staleness_uses_each_tokens_version():

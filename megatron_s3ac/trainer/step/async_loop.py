@@ -127,9 +127,14 @@ def reward_overlap(events: list) -> dict:
 
 
 def busy_seconds(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Seconds of [lo, hi] covered by the (start, end) generation spans (an engine runs one call at a time, so
-    the spans do not overlap)."""
-    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+    """Seconds of [lo, hi] covered by the union of the (start, end) generation spans (a serial engine's spans do
+    not overlap; a continuously batching one's, vLLM's continuations beside the next batch, do)."""
+    total, end = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in spans):
+        if b > end and b > a:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 class AsyncSource:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import tempfile
@@ -39,8 +40,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_s3ac.rollout.base import (RolloutEngine, Sample, SamplingParams, check_images, iter_buckets, refuse_images,
+from megatron_s3ac.rollout.base import (PendingGeneration, RolloutEngine, Sample, SamplingParams, StreamingGeneration,
+                                        check_images, iter_buckets, refuse_images,
                                         routed_experts_dtype)
+from megatron_s3ac.rollout.engines.pool import EngineDied
 from megatron_s3ac.rollout.engines.vllm.session import SessionUpdates
 from megatron_s3ac.rollout.sync.rendezvous import free_port
 from megatron_s3ac.rollout.engines.vllm.settings import (REPO_ROOT, VLLMSettings, checkpoint_dtype, engine_devices,
@@ -52,6 +55,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 class VLLMEngineError(RuntimeError):
     """A call into the vLLM engine failed; the message names the engine and the call."""
+
+
+class VLLMEngineDied(VLLMEngineError, EngineDied):
+    """The engine's server process is gone (crashed, killed): the asynchronous loop rebuilds the engine, re-syncs it
+    and resubmits what it had not returned (``EngineDied``: trainer.step.async_loop.engine_death_types)."""
 
 
 class WeightUpdateError(VLLMEngineError, ValueError):
@@ -202,27 +210,61 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         except OSError:
             return "(no log)"
 
-    def _call(self, route: str, what: Optional[str] = None, timeout: Optional[float] = None, **body) -> dict:
-        """POST /route; raises VLLMEngineError naming the engine, the call and the server's error."""
-        what = what or route
+    def _post(self, route: str, what: str, timeout: Optional[float], body: dict):
+        """Open POST /route (the response object); the server process gone -> ``VLLMEngineDied``."""
         if getattr(self, "proc", None) is None or self.proc.poll() is not None:
             code = "" if getattr(self, "proc", None) is None else f" (exit {self.proc.returncode})"
-            raise VLLMEngineError(f"{self.name}: {what}: the vLLM server is not running{code}")
+            raise VLLMEngineDied(f"{self.name}: {what}: the vLLM server is not running{code}")
         req = urllib.request.Request(self.url + "/" + route, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.settings.timeout_s) as r:
+            return urllib.request.urlopen(req, timeout=timeout or self.settings.timeout_s)
+        except urllib.error.HTTPError:
+            raise
+        except (urllib.error.URLError, OSError) as e:
+            self._no_answer(what, e)
+
+    def _no_answer(self, what: str, e: BaseException):
+        proc = getattr(self, "proc", None)
+        if proc is not None:
+            try:  # a connection reset by a dying server: give its exit a moment to show
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+        cls = VLLMEngineDied if proc is None or proc.poll() is not None else VLLMEngineError
+        raise cls(f"{self.name}: {what}: no answer from the vLLM server ({e})\n{self.log_tail()}")
+
+    def _call(self, route: str, what: Optional[str] = None, timeout: Optional[float] = None, **body) -> dict:
+        """POST /route; raises VLLMEngineError naming the engine, the call and the server's error
+        (``VLLMEngineDied`` when the server process is gone)."""
+        what = what or route
+        try:
+            with self._post(route, what, timeout, body) as r:
                 reply = json.loads(r.read())
         except urllib.error.HTTPError as e:
             try:
                 reply = json.loads(e.read())
             except ValueError:
                 reply = {"ok": False, "error": f"HTTP {e.code}"}
-        except (urllib.error.URLError, OSError) as e:
-            raise VLLMEngineError(f"{self.name}: {what}: no answer from the vLLM server ({e})\n{self.log_tail()}")
+        except (urllib.error.URLError, OSError) as e:  # a read that failed mid-reply
+            self._no_answer(what, e)
         if not reply.get("ok"):
             raise VLLMEngineError(f"{self.name}: {what} failed: {reply.get('error', reply)}")
         return reply
+
+    def _stream(self, route: str, what: str, body: dict):
+        """POST /route and yield each JSON line of the reply as it arrives (errors as in ``_call``)."""
+        try:
+            with self._post(route, what, None, body) as r:
+                for line in r:
+                    reply = json.loads(line)
+                    if not reply.get("ok"):
+                        raise VLLMEngineError(f"{self.name}: {what} failed: {reply.get('error', reply)}")
+                    yield reply
+        except urllib.error.HTTPError as e:
+            raise VLLMEngineError(f"{self.name}: {what} failed: HTTP {e.code}")
+        except (urllib.error.URLError, OSError) as e:
+            self._no_answer(what, e)
 
     def shutdown(self) -> None:
         proc = getattr(self, "proc", None)
@@ -252,12 +294,12 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
             pass
 
     # -- generation -------------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
-                 return_routed_experts: bool = False, images=None) -> list[list[Sample]]:
-        """One request per sample (prompt-major), each with a distinct seed; see the module docstring. Image
-        prompts are refused: vLLM's Qwen3.5 / Qwen2-VL multimodal processor needs torchvision, which does not load
-        with the CPU torch wheel here, so the vLLM engine serves text prompts only (the CPU engine serves images)."""
-        refuse_images(self.name, check_images(prompt_ids, images),
+    def _prepare(self, prompts: list, params: SamplingParams, return_routed_experts: bool, images=None,
+                 budgets: Optional[Sequence[int]] = None) -> dict:
+        """The checks every generation call makes here, before anything is sent, and its request body: one request
+        per entry of ``prompts`` (already prompt-major), request k seeded ``seed + k`` (``params.seed``, else this
+        call's base). ``budgets``: max new tokens per request (continuations), else ``params.max_new_tokens``."""
+        refuse_images(self.name, check_images(prompts, images),
                       "vLLM's Qwen3.5 multimodal processor needs torchvision, which the CPU torch wheel cannot load; "
                       "use the CPU engine loaded multimodal (make_engine_factory(\"cpu\", ..., multimodal=True)) or SGLang")
         if self._session_open:
@@ -273,23 +315,141 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
                    if self.device == "cpu" else "started without return_routed_experts")
             raise VLLMEngineError(f"{self.name}: routed experts were asked for but the engine does not return them "
                                   f"({why})")
-        prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
+        if budgets is not None:
+            budgets = [int(b) for b in budgets]
+            if len(budgets) != len(prompts):
+                raise ValueError(f"{self.name}: {len(budgets)} token budgets for {len(prompts)} continuations")
+            bad = [i for i, b in enumerate(budgets) if b < 1]
+            if bad:
+                raise ValueError(f"{self.name}: continuation {bad[0]} has a budget of {budgets[bad[0]]} new tokens "
+                                 f"(>= 1 needed: a response that used its whole budget finished 'length')")
         base = self._seed_base + self._calls * 1_000_000 if params.seed is None else int(params.seed)
         self._calls += 1
-        seeds = [(base + k) % (1 << 63) for k in range(len(prompts))]
         p = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
              "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
              "stop_strings": list(params.stop_strings), "ignore_eos": params.ignore_eos}
-        out = self._call("generate", f"generate ({len(prompts)} samples)", prompts=prompts, seeds=seeds, params=p,
-                         detokenize=self.has_tokenizer)["outputs"]
-        samples = []
-        for ids, o in zip(prompts, out):
-            routes = self._routes(ids, o) if return_routed_experts and o["finish_reason"] != "abort" else None
-            samples.append(Sample(prompt_ids=ids, response_ids=list(o["token_ids"]),
-                                  logprobs=np.asarray(o["logprobs"], dtype=np.float32),
-                                  finish_reason=o["finish_reason"],
-                                  routed_experts=routes, response_text=o.get("text")))
-        return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_ids))]
+        return {"prompts": prompts, "seeds": [(base + k) % (1 << 63) for k in range(len(prompts))], "params": p,
+                "max_new_tokens": budgets, "detokenize": self.has_tokenizer}
+
+    def _samples(self, prompts: list, rows: list, return_routed_experts: bool) -> list[Sample]:
+        if len(rows) != len(prompts):
+            raise VLLMEngineError(f"{self.name}: the server returned {len(rows)} samples for {len(prompts)} requests")
+        out = []
+        for ids, o in zip(prompts, rows):
+            out.append(Sample(prompt_ids=ids, response_ids=list(o["token_ids"]),
+                              logprobs=np.asarray(o["logprobs"], dtype=np.float32), finish_reason=o["finish_reason"],
+                              routed_experts=self._routes(ids, o) if return_routed_experts else None,
+                              response_text=o.get("text")))
+        return out
+
+    @staticmethod
+    def _grouped(samples: list, n_samples: int) -> list[list[Sample]]:
+        return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(samples) // max(n_samples, 1))]
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                 return_routed_experts: bool = False, images=None) -> list[list[Sample]]:
+        """One request per sample (prompt-major), each with a distinct seed; see the module docstring. Image
+        prompts are refused: vLLM's Qwen3.5 / Qwen2-VL multimodal processor needs torchvision, which does not load
+        with the CPU torch wheel here, so the vLLM engine serves text prompts only (the CPU engine serves images)."""
+        return self.generate_async(prompt_ids, params, n_samples, return_routed_experts, images).result()
+
+    def _background(self, route: str, what: str, body: dict, convert) -> PendingGeneration:
+        """POST ``route`` on a thread of its own (the server batches it with whatever else runs) and return at once;
+        ``result()``: ``convert(reply)`` with the server's (start, end) span of the call."""
+        box: dict = {}
+
+        def post():
+            try:
+                box["reply"] = self._call(route, what, **body)
+            except BaseException as e:  # noqa: BLE001 - raised by result()
+                box["error"] = e
+        t = threading.Thread(target=post, daemon=True, name=f"{self.name}-{route}")
+        t.start()
+
+        def wait():
+            t.join()
+            if "error" in box:
+                raise box["error"]
+            span = box["reply"].get("span") or (time.time(), time.time())
+            return convert(box["reply"]), span[0], span[1]
+        return PendingGeneration(wait, ready=lambda: not t.is_alive())
+
+    def generate_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                       return_routed_experts: bool = False, images=None) -> PendingGeneration:
+        """``generate`` submitted and returned at once: the server runs it beside any other call (continuous
+        batching); a weight-update session opened later waits for it (server.py)."""
+        prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
+        imgs = None if images is None else [im for im in images for _ in range(n_samples)]
+        body = self._prepare(prompts, params, return_routed_experts, imgs)
+        return self._background("generate", f"generate ({len(prompts)} samples)", body, lambda r: self._grouped(
+            self._samples(prompts, r["outputs"], return_routed_experts), n_samples))
+
+    def generate_stream_async(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
+                              return_routed_experts: bool = False, images=None) -> StreamingGeneration:
+        """``generate_async`` whose groups come back as each finishes (``/generate_stream``: one JSON line per
+        group of ``n_samples`` requests, in the order the engine finishes them; the same samples)."""
+        prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
+        imgs = None if images is None else [im for im in images for _ in range(n_samples)]
+        body = dict(self._prepare(prompts, params, return_routed_experts, imgs), group_size=int(n_samples))
+        what = f"generate ({len(prompts)} samples, streamed)"
+        items: queue.Queue = queue.Queue()
+
+        def read():
+            try:
+                for reply in self._stream("generate_stream", what, body):
+                    if "span" in reply:
+                        items.put((None, tuple(reply["span"])))
+                        continue
+                    i = int(reply["group"])
+                    lo = i * n_samples
+                    items.put((i, self._samples(prompts[lo:lo + n_samples], reply["outputs"],
+                                                return_routed_experts)))
+            except BaseException as e:  # noqa: BLE001 - raised by groups() / result()
+                items.put(e)
+            items.put(StopIteration)
+        t = threading.Thread(target=read, daemon=True, name=f"{self.name}-stream")
+        t.start()
+
+        def gen():
+            while True:
+                try:
+                    item = items.get(timeout=float(self.settings.timeout_s))
+                except queue.Empty:
+                    raise VLLMEngineError(f"{self.name}: {what}: no group within {self.settings.timeout_s} s")
+                if item is StopIteration:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        return StreamingGeneration(len(prompt_ids), gen(), ready=lambda: not t.is_alive())
+
+    # -- partial rollout (rollout/partial.py; server.py: AsyncLLM.pause_generation in mode abort) ----------------
+    supports_pause = True
+
+    def pause_generation(self) -> None:
+        """Every request the engine holds returns at once, aborted with its tokens and log-probs so far (vLLM's
+        ``pause_generation(mode="abort")``, ``v1/engine/async_llm.py:952-984``); calls sent while paused return every
+        request empty and aborted. Safe from any thread while generate calls wait."""
+        self._call("pause_generation")
+
+    def continue_generation(self) -> None:
+        """``resume_generation`` (``async_llm.py:986-988``): generation runs again."""
+        self._call("continue_generation")
+
+    def continue_async(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
+                       return_routed_experts: bool = False, images=None) -> PendingGeneration:
+        """One request per (prefix ids, max new tokens), request k seeded ``params.seed + k``, submitted and
+        returned at once; each sample holds the new tokens only (prompt_ids = the prefix), their log-probs the
+        engine's weights of that moment. Runs beside the next ``generate`` (one engine core batches both)."""
+        prompts = [list(map(int, pre)) for pre, _ in requests]
+        body = self._prepare(prompts, params, return_routed_experts, images, budgets=[b for _, b in requests])
+        return self._background("generate", f"continuations ({len(prompts)} requests)", body,
+                                lambda r: self._samples(prompts, r["outputs"], return_routed_experts))
+
+    def generate_continuations(self, requests: Sequence[tuple[Sequence[int], int]], params: SamplingParams,
+                               return_routed_experts: bool = False, images=None) -> list[Sample]:
+        """``continue_async(...).result()``."""
+        return self.continue_async(requests, params, return_routed_experts, images).result()
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Teacher-forced log-probs [len - 1] float32 of each sequence's tokens 1.. under the engine's weights
@@ -299,10 +459,17 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         return [np.asarray(r, dtype=np.float32) for r in out]
 
     def _routes(self, prompt: list, o: dict) -> Optional[np.ndarray]:
-        from megatron_s3ac.rollout.engines.vllm.gpu import project_routes
+        """A finished sample's routes in the R3 layout; an aborted one's when vLLM returned them whole, else None
+        (partial rollout then keeps no routes for that response: ``merge`` needs both pieces')."""
+        from megatron_s3ac.rollout.engines.vllm.gpu import RoutesError, project_routes
 
-        return project_routes(o.get("prompt_routed_experts"), o.get("routed_experts"), len(prompt),
-                              len(o["token_ids"]), self.num_layers, self.routes_dtype, self.hf_config)
+        try:
+            return project_routes(o.get("prompt_routed_experts"), o.get("routed_experts"), len(prompt),
+                                  len(o["token_ids"]), self.num_layers, self.routes_dtype, self.hf_config)
+        except RoutesError:
+            if o["finish_reason"] == "abort":
+                return None
+            raise
 
     # -- weights ----------------------------------------------------------------------------------------------
     def weight_info(self) -> dict[str, tuple[str, tuple]]:

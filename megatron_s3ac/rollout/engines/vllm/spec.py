@@ -22,11 +22,18 @@ class VLLMSpec(EngineSpec):
         "(distributed/weight_transfer/base.py:491-501): the receive stops decoding and the running requests continue "
         "on a half-updated model unless paused; no staging copy exists (docs/rollout.md \"Overlapped weight sync\"). "
         "Use rollout.engine=cpu or rollout.sync.overlap=false")
-    partial_refusal = (
-        "rollout.partial_rollout=true with rollout.engine=vllm: the vLLM server here (rollout/engines/vllm/server.py) "
-        "runs vLLM's offline LLM (vllm/entrypoints/llm.py), whose generate() runs every request to the end; "
-        "pause/resume is AsyncLLM's (vllm 0.32 vllm/v1/engine/async_llm.py:952-985, the /pause route of "
-        "vllm/entrypoints/rl/online/api_router.py:31). Use rollout.engine=cpu, or rollout.partial_rollout=false")
+    # partial rollout: the server runs AsyncLLM and pauses it in mode abort (server.py; vllm 0.32
+    # v1/engine/async_llm.py:952-988); one engine only (VLLMEnginePool has no pause: config_errors)
+    partial_rollout = True
+
+    def config_errors(self, cfg) -> list[str]:
+        r = cfg.rollout
+        s = self.settings_of(r)
+        if getattr(r, "partial_rollout", False) and s is not None and s.num_engines > 1:
+            return [f"rollout.partial_rollout=true with rollout.vllm.num_engines={s.num_engines}: VLLMEnginePool "
+                    f"(rollout/engines/vllm/pool.py) neither pauses nor submits without waiting; use one vLLM engine "
+                    f"(num_engines: 1) or rollout.partial_rollout=false"]
+        return []
 
     def check_settings(self, settings) -> None:
         validate_vllm_settings(settings)
