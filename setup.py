@@ -32,7 +32,10 @@ GPU = [
     "flashinfer-python[cu13]==0.7.2",       # sglang 0.5.23: Requires-Dist flashinfer_python[cu13]==0.7.2
     "transformers==5.19.0",                 # sglang 0.5.23: Requires-Dist transformers==5.19.0
     "numpy<2.4",                            # mistral-common (sglang dep) on Python <=3.12: numpy<2.4
-    "transformer-engine[pytorch]==2.11.0",  # megatron-core 0.16.1 [dev]: transformer-engine>=2.9.0a0,<2.12.0 (0.19.2, the 3.12 release, declares no range); sdist, build with --no-build-isolation
+    # megatron-core 0.19.2 (the 3.12 release): extra "te" = transformer-engine[pytorch,core_cu13], no range (METADATA);
+    # its pyproject builds against TE git 27486e03 = "2.18.0+27486e03" (tool.uv.sources / dependency-metadata).
+    # TE-torch is an sdist: build with --no-build-isolation (docs/environment.md)
+    "transformer-engine[pytorch,core_cu13]==2.18.0",
     "flash-linear-attention[cuda]==0.6.0",  # Gated DeltaNet kernels; needs Triton >=3.7.1 on Hopper: torch 2.14.1 brings triton~=3.8.0
     "nvidia-modelopt==0.47.0",              # pure Python, torch>=2.8 (0.39.0 predates torch 2.14 by a year)
 ]

@@ -40,8 +40,8 @@ from packaging.version import InvalidVersion, Version
 MATRIX: dict[str, Optional[str]] = {
     "torch": "2.14.1",
     "triton": None,  # torch 2.14.1 declares triton~=3.8.0; checked through torch's own pin
-    "transformer-engine": "2.11.0",
-    "transformer-engine-torch": "2.11.0",
+    "transformer-engine": "2.18.0",  # megatron-core 0.19.2's pyproject: TE git 27486e03 = 2.18.0+27486e03
+    "transformer-engine-torch": "2.18.0",
     "megatron-core": "0.19.2",  # the GPU path is Python 3.12 (setup.py pins 0.19.2 there; 0.16.1 on 3.11)
     "sglang": "0.5.23",
     "sglang-kernel": "0.4.10",
@@ -66,10 +66,13 @@ _ALSO_READ = ("transformer-engine-cu12", "transformer-engine-cu13")
 
 # The wrapper in rollout/engines/sglang/engine.py is checked against this release only (it raises otherwise).
 SGLANG_WRAPPED = "0.5.23"
-# megatron-core's own declared Transformer Engine range (megatron-core 0.16.1 wheel, extra "dev":
-# transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0). Outside it: untested, a warning. The 0.19.2
-# wheel declares none (extra "te": transformer-engine[core_cu13,pytorch], no version; "dev" names no TE).
-MCORE_TE_RANGE = {"0.16": SpecifierSet(">=2.9.0a0,<2.12.0")}
+# The Transformer Engine each megatron-core release is built against. 0.16.1: its wheel's declared range (extra "dev":
+# transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0). 0.19.2: its wheel declares none (METADATA extra "te":
+# transformer-engine[core_cu13,pytorch], no version; "dev" names no TE), but its pyproject.toml builds against TE git
+# 27486e03 (tool.uv.sources), described as version "2.18.0+27486e03" (tool.uv.dependency-metadata): the 2.18 line.
+# Outside it: untested, a warning.
+MCORE_TE_RANGE = {"0.16": SpecifierSet(">=2.9.0a0,<2.12.0"), "0.19": SpecifierSet(">=2.18.0,<2.19")}
+MCORE_TE_FIX = {"0.16": "2.11.0", "0.19": "2.18.0"}
 # fla 0.6 refuses its gated-delta-rule backward on Hopper for these Triton versions unless tilelang is
 # installed (fla's own message; seen on an H200 with Triton 3.6: docs/device_checks/qwen3_5_cuda.md).
 FLA_BAD_TRITON_ON_HOPPER = SpecifierSet(">=3.4.0,<3.7.1")
@@ -265,9 +268,10 @@ def _mcore_findings(versions) -> list[Finding]:
     te = _v(versions.get("transformer-engine-torch") or versions.get("transformer-engine"))
     rng = MCORE_TE_RANGE.get(f"{mv.major}.{mv.minor}")
     if te is not None and rng is not None and not rng.contains(_public(te), prereleases=True):
-        out.append(Finding("warning", f"Transformer Engine {te} is outside megatron-core {mv}'s declared range "
+        out.append(Finding("warning", f"Transformer Engine {te} is outside megatron-core {mv}'s range "
                                       f"transformer-engine{rng} (untested with it)",
-                           f"pip install --no-build-isolation 'transformer-engine[pytorch]==2.11.0'"))
+                           f"pip install --no-build-isolation 'transformer-engine[pytorch,core_cu13]=="
+                           f"{MCORE_TE_FIX[f'{mv.major}.{mv.minor}']}'"))
     return out
 
 

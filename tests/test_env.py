@@ -137,6 +137,25 @@ def test_te_outside_megatron_declared_range_is_a_warning():
     assert "2.20.2" in report.findings[0].what and "<2.12.0" in report.findings[0].what
 
 
+def test_te_range_of_megatron_core_019():
+    """0.19.2 declares no TE range; its pyproject builds against TE 2.18.0+27486e03, so 2.18.x is quiet and 2.11.0
+    (0.16.1's) warns naming the 2.18 line and the fix."""
+    def stack(v):
+        return {"transformer-engine": v, "transformer-engine-torch": v, "transformer-engine-cu13": v,
+                "megatron-core": "0.19.2"}
+
+    def requires(v):
+        return {**REQUIRES, "transformer-engine-torch": ["torch>=2.1", f"transformer_engine_cu13=={v}"],
+                "transformer-engine": [f'transformer_engine_torch=={v}; extra == "pytorch"']}
+
+    ok = env.check_environment(True, versions={**GOOD, **stack("2.18.0")}, requires=requires("2.18.0"), runtime=H200)
+    assert ok.ok and ok.findings == []
+    old = env.check_environment(True, versions={**GOOD, **stack("2.11.0")}, requires=requires("2.11.0"), runtime=H200)
+    assert old.ok and [f.level for f in old.findings] == ["warning"]
+    assert "2.11.0" in old.findings[0].what and "<2.19,>=2.18.0" in old.findings[0].what
+    assert "==2.18.0" in old.findings[0].fix
+
+
 def test_te_extension_built_for_another_torch_is_refused():
     rt = {**H200, "load_errors": {"transformer_engine.pytorch": "ImportError: transformer_engine_torch.so: "
                                                                "undefined symbol: _ZN3c104cuda9SetDeviceEab"}}
