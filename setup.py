@@ -35,7 +35,9 @@ GPU = [
     # megatron-core 0.19.2 (the 3.12 release): extra "te" = transformer-engine[pytorch,core_cu13], no range (METADATA);
     # its pyproject builds against TE git 27486e03 = "2.18.0+27486e03" (tool.uv.sources / dependency-metadata).
     # TE-torch is an sdist: build with --no-build-isolation (docs/environment.md)
-    "transformer-engine[pytorch,core_cu13]==2.18.0",
+    "transformer-engine[pytorch,core_cu13]==2.18.0; python_version >= '3.12'",
+    # megatron-core 0.16.1 (Python 3.11) [dev]: transformer-engine>=2.9.0a0,<2.12.0
+    "transformer-engine[pytorch]==2.11.0; python_version < '3.12'",
     "flash-linear-attention[cuda]==0.6.0",  # Gated DeltaNet kernels; needs Triton >=3.7.1 on Hopper: torch 2.14.1 brings triton~=3.8.0
     "nvidia-modelopt==0.47.0",              # pure Python, torch>=2.8 (0.39.0 predates torch 2.14 by a year)
 ]
