@@ -94,7 +94,7 @@ def test_registered_kind_is_validated_by_its_spec():
     cfg = load_config(None, SMALL + ["rollout.engine=toy_cpu"])
     assert cfg.rollout.engine == "toy_cpu"
     with pytest.raises(TrainerConfigError, match=r"rollout.partial_rollout=true: rollout.engine=toy_cpu cannot pause "
-                                                 r"generation \(only cpu / hf / sglang can\)"):
+                                                 r"generation \(only cpu / hf / sglang / vllm can\)"):
         load_config(None, SMALL + ["rollout.engine=toy_cpu", "rollout.partial_rollout=true", "train.max_staleness=1",
                                    "rollout.placement=separate"])
     with pytest.raises(TrainerConfigError, match=r"rollout.engine: 'trtllm' is not one of \('cpu', 'hf', 'sglang', "
