@@ -466,9 +466,7 @@ def save_checkpoint(tr, keep_last: int) -> str:
     # every rank, before any collective of the save: the asynchronous source collects what is still generating
     # (rank 0 waits on the engine there, the others on the gloo rank-0 group), so the trainer_state.pt rank 0 writes
     # between the save's barriers waits for nothing
-    before = getattr(tr.source, "before_save", None)
-    if before is not None:
-        before()
+    tr.source.before_save()
     with _resident(tr):
         return _save_checkpoint(tr, keep_last)
 

@@ -22,17 +22,13 @@ from __future__ import annotations
 import base64
 import datetime
 import math
-import os
-import threading
 
 import torch
 import torch.distributed as dist
 
-from megatron_s3ac.rollout.sync.transfer_groups import abort_group, transfer_group_error_handling  # noqa: F401
+from megatron_s3ac.rollout.sync.transfer_groups import transfer_group_error_handling
 
 BACKENDS = ("gloo", "nccl")
-
-# transfer groups are built CleanUpOnly and aborted when their engine died (issue 41, fourth review, finding 2)
 
 
 def _pad8(n: int) -> int:
@@ -102,7 +98,7 @@ def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     device = torch.device("cuda", torch.cuda.current_device())
-    with transfer_group_error_handling():  # an engine's death must not take this process down (see above)
+    with transfer_group_error_handling():  # an engine's death must not take this process down (rollout.sync.transfer_groups)
         pg = dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
     return TransferGroup(pg, store, device)
 
