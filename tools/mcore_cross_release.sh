@@ -1,5 +1,5 @@
 #!/bin/bash
-# Cross-release checks between two venvs (default: .venv = megatron-core 0.16.1 / Python 3.11, .venv312 = 0.19.2 / 3.12),
+# Cross-release checks between two venvs (default: .venv311 = megatron-core 0.16.1 / Python 3.11, .venv = 0.19.2 / 3.12),
 # as run for docs/environment.md ("megatron-core"):
 #   1. tiny Qwen2 / Qwen3 / Qwen3-MoE / Qwen3.5-MoE text / VL HF checkpoints converted by OLD, `s3ac-convert verify`
 #      by NEW at tp1, tp2, pp2, ep2 (MoE), cp2 (verify's default tolerance: atol 1e-4, top-1 100%);
@@ -8,7 +8,7 @@
 # usage: tools/mcore_cross_release.sh [OLD_VENV] [NEW_VENV] [WORK_DIR]     (~15 min on 2 cores)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-OLD=${1:-.venv}; NEW=${2:-.venv312}; W=${3:-/tmp/s3ac_cross_release}
+OLD=${1:-.venv311}; NEW=${2:-.venv}; W=${3:-/tmp/s3ac_cross_release}
 rm -rf "$W" && mkdir -p "$W"
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1
 ver() { "$1/bin/python" -c "import sys; from megatron_s3ac.models.cpu_compat import megatron_core_version as v; print('megatron-core', v(), 'python', sys.version.split()[0])" 2>/dev/null; }
