@@ -160,6 +160,21 @@ class VLLMStageSync(VLLMSessionSync):
                     self.engine.open_sender_group(f"pp{s}", h, p)
         dist.barrier()
 
+    def close(self) -> None:
+        """Leave the stage groups: the next sync connects afresh (``_connect``) to the engine then attached. The
+        asynchronous loop's restart calls this before it builds a new server: the old groups' peers (the dead
+        server's workers) are gone, and broadcasting into them fails ("Connection closed by peer";
+        tests/rollout/test_vllm_restart.py). An NCCL group is aborted (its pending broadcast never completes);
+        a group is kept referenced, not destroyed, for the reason ``VLLMEngine._abandon_group`` gives."""
+        g = getattr(self, "group", None)
+        if g is not None:
+            try:
+                g.abort()
+            except Exception:  # noqa: BLE001 - best effort: CleanUpOnly either way (rollout.sync.transfer_groups)
+                pass
+            self._stale_groups = getattr(self, "_stale_groups", []) + [g]
+        self.group, self.roles = None, None
+
     def _backend(self, dev) -> str:
         """The stage groups' backend: the engine's resolved ``rollout.vllm.weight_transfer`` (nccl on GPU, gloo on
         CPU), the same on every rank."""
