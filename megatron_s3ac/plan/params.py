@@ -121,8 +121,10 @@ class StageParams:
         return self.dense + self.expert
 
 
-def rank_params(info: ModelInfo, layout, critic: bool = False) -> list[StageParams]:
-    """Parameters per rank on each pipeline stage for ``layout`` (a ``ParallelLayout``).
+def rank_params(info: ModelInfo, layout, critic: bool = False, keep=None, layers=None) -> list[StageParams]:
+    """Parameters per rank on each pipeline stage for ``layout`` (a ``ParallelLayout``); ``keep(tensor)``: count
+    only the checkpoint tensors it accepts, ``layers``: only these global layers' (the rehearsal's groups phase: one
+    layer's MLP; no value head with either).
 
     TP ranks of a stage hold equal counts when the layout is valid (every split dim divides)."""
     tp, ep, etp = layout.tp, layout.ep, layout.etp
@@ -130,6 +132,8 @@ def rank_params(info: ModelInfo, layout, critic: bool = False) -> list[StagePara
     out = [StageParams(stage=i, layers=r) for i, r in enumerate(stages)]
     h = info.hidden_size
     for t in tensors(info):
+        if keep is not None and not keep(t):
+            continue
         if t.expert:
             share = t.numel // (ep * etp)
         elif t.replicated:
@@ -156,7 +160,8 @@ def rank_params(info: ModelInfo, layout, critic: bool = False) -> list[StagePara
                         st.shared_embedding = share
             continue
         for st in out:
-            n = len(st.layers) if t.layer == -1 else int(t.layer in st.layers)
+            mine = st.layers if layers is None else [x for x in st.layers if x in layers]
+            n = len(mine) if t.layer == -1 else int(t.layer in mine)
             if not n:
                 continue
             if t.expert:
@@ -166,7 +171,7 @@ def rank_params(info: ModelInfo, layout, critic: bool = False) -> list[StagePara
             else:
                 st.dense += share * n
                 st.dense_numels += [share] * n
-    if critic:
+    if critic and keep is None and layers is None:
         out[-1].dense += h + 1  # value head: weight [1, H] + bias [1], replicated over TP
         out[-1].dense_numels += [h, 1]
     return out

@@ -22,7 +22,9 @@ warnings (stderr), or exit 2 with ``--strict``.
 ``rehearse`` (not under torchrun; trainer.rehearse, docs/rehearse.md) runs the job's start-up at the cluster's
 size on this machine: config checks and the planner at the cluster's world size, the engines' launch (devices per
 process, the engine's own argument rules; Ray placing SGLang's pool on fake GPUs), the layer spec on a GPU with
-TE. Exit 1 naming the first defect, 2 for a config it cannot read.
+TE, the job shrunk on CPU ranks (``--max-ranks``: degrees reduced to fit) and, for a reduced world, the groups the
+reduction shrank at their real sizes (``--max-group-ranks``, default 32). Exit 1 naming the first defect, 2 for a
+config it cannot read.
 
 ``train`` / ``value-pretrain`` / ``demo`` on a machine with CUDA first check the installed GPU stack
 (``megatron_s3ac.env.check_environment(require_gpu=True)``): a known-bad combination (e.g. an sglang
@@ -50,7 +52,8 @@ _USAGE = {
     "check": ("s3ac-train check CONFIG.yaml [key=value ...] [--strict] [--for train|pipeline]",
               "validate the config and run the planner's pre-flight (layout rules; memory fit with a cluster: "
               "section). Layout errors exit 2; memory misfits are warnings, or exit 2 with --strict."),
-    "rehearse": ("s3ac-train rehearse CONFIG.yaml [key=value ...] [--report FILE] [--max-ranks N] [--no-run]   "
+    "rehearse": ("s3ac-train rehearse CONFIG.yaml [key=value ...] [--report FILE] [--max-ranks N] "
+                 "[--max-group-ranks N] [--no-run]   "
                  "(not under torchrun)",
                  "the cluster job's start-up rehearsed on CPU at the cluster's size (docs/rehearse.md): exit 1 "
                  "naming the first defect; TRAINER_GPUS_PER_NODE as launch.sh takes it."),
@@ -93,9 +96,9 @@ def main(argv=None) -> int:
         if check_for not in ("train", "pipeline"):
             print(f"s3ac-train check: --for {check_for!r} must be train or pipeline", file=sys.stderr)
             return 2
-    report, max_ranks, run_job = None, 8, "--no-run" not in args
+    report, max_ranks, max_group_ranks, run_job = None, 8, None, "--no-run" not in args
     args = [a for a in args if a != "--no-run"]
-    for flag in ("--report", "--max-ranks"):
+    for flag in ("--report", "--max-ranks", "--max-group-ranks"):
         if flag in args:
             i = args.index(flag)
             if i + 1 >= len(args):
@@ -106,10 +109,12 @@ def main(argv=None) -> int:
             if flag == "--report":
                 report = value
             elif not value.isdigit() or int(value) < 1:
-                print(f"s3ac-train: --max-ranks {value!r} must be a positive integer", file=sys.stderr)
+                print(f"s3ac-train: {flag} {value!r} must be a positive integer", file=sys.stderr)
                 return 2
-            else:
+            elif flag == "--max-ranks":
                 max_ranks = int(value)
+            else:
+                max_group_ranks = int(value)
     cmd, path, overrides = _parse(args)
     if cmd not in _USAGE:
         print(f"unknown command {cmd!r}; use {' | '.join(_USAGE)}", file=sys.stderr)
@@ -119,7 +124,7 @@ def main(argv=None) -> int:
         if cmd == "rehearse":
             from megatron_s3ac.trainer.rehearse import rehearse
 
-            return rehearse(cfg, report=report, max_ranks=max_ranks, run=run_job)
+            return rehearse(cfg, report=report, max_ranks=max_ranks, run=run_job, max_group_ranks=max_group_ranks)
         if cmd in ("pipeline", "demo"):
             from megatron_s3ac.trainer.stages.pipeline import pipeline_errors
 

@@ -14,6 +14,11 @@ would start. Phases, each a function of the ``Rehearsal`` below, each adding the
   assumption (TE's kernels: grouped GEMM, fused attention, CP ring).
 * ``run``: the job shrunk, through its stages on CPU ranks under the collective and residency audits
   (trainer/rehearse_run.py).
+* ``groups``: for a world the run phase had to reduce, the groups it ran smaller than the cluster's (the
+  expert-parallel, expert-data-parallel, data-parallel groups...) at their real sizes: one pipeline stage's ranks
+  (or the smallest world holding the group) running the model's MoE layer, megatron's DDP reduce and one optimizer
+  step under the collective audit, against the planner's per-rank share at the real degree
+  (trainer/rehearse_groups.py).
 
 What it cannot see: the weights (the served directory is the model's real config.json beside placeholder weights
 and a tokenizer; nothing reads weights before a process starts), the NCCL / CUDA calls themselves, a real
@@ -211,8 +216,12 @@ def served_dir(cfg: Config, out: str) -> str:
 class Rehearsal:
     """One rehearsal of ``cfg``; ``run()`` -> the phases in order (a phase's exception is its defect)."""
 
-    def __init__(self, cfg: Config, log: Callable[[str], None] = print, max_ranks: int = 8, run: bool = True):
+    def __init__(self, cfg: Config, log: Callable[[str], None] = print, max_ranks: int = 8, run: bool = True,
+                 max_group_ranks: Optional[int] = None):
+        from megatron_s3ac.trainer.rehearse_groups import MAX_GROUP_RANKS
+
         self.cfg, self.log, self.max_ranks, self.run_job = cfg, log, max_ranks, run
+        self.max_group_ranks = MAX_GROUP_RANKS if max_group_ranks is None else max_group_ranks
         self.shape, self.launches = cluster_shape(cfg)
         self.world = self.shape.nodes * self.shape.trainer_per_node  # node_defects: every node runs node 0's count
         self.phases: list[Phase] = []
@@ -221,7 +230,8 @@ class Rehearsal:
         with tempfile.TemporaryDirectory(prefix="s3ac-rehearse-") as tmp:
             self.tmp = tmp
             phases = [("config", self.config), ("engines", self.engines), ("kernels", self.kernels)]
-            for name, fn in phases + ([("run", self.run_shrunk)] if self.run_job else []):
+            ranks = [("run", self.run_shrunk), ("groups", self.groups)] if self.run_job else []
+            for name, fn in phases + ranks:
                 p = Phase(name)
                 t0 = time.monotonic()
                 try:
@@ -320,6 +330,14 @@ class Rehearsal:
 
         run_phase(copy.deepcopy(self.cfg), os.path.join(self.tmp, "job"), self.max_ranks, p)
 
+    def groups(self, p: Phase) -> None:
+        import copy
+
+        from megatron_s3ac.trainer.rehearse_groups import groups_phase
+
+        groups_phase(copy.deepcopy(self.cfg), os.path.join(self.tmp, "groups"), self.world, self.max_ranks,
+                     self.max_group_ranks, p)
+
     def kernels(self, p: Phase) -> None:
         from megatron_s3ac.models.actor_critic import build_transformer_config
         from megatron_s3ac.models.registry import get_arch
@@ -391,10 +409,11 @@ def format_phase(p: Phase) -> str:
 
 
 def rehearse(cfg: Config, log: Callable[[str], None] = print, report: Optional[str] = None, max_ranks: int = 8,
-             run: bool = True) -> int:
+             run: bool = True, max_group_ranks: Optional[int] = None) -> int:
     """Run the rehearsal; 0 when no phase found a defect, else 1 (the first defect printed last). ``run``: the
-    shrunk job too (``--no-run``: the start-up phases only, seconds)."""
-    phases = Rehearsal(cfg, log, max_ranks, run).run()
+    shrunk job and the groups phase too (``--no-run``: the start-up phases only, seconds); ``max_group_ranks``: the
+    most ranks one world of the groups phase starts (None: ``rehearse_groups.MAX_GROUP_RANKS``)."""
+    phases = Rehearsal(cfg, log, max_ranks, run, max_group_ranks).run()
     if report:
         with open(report, "w") as f:
             json.dump([dataclasses.asdict(p) for p in phases], f, indent=1)

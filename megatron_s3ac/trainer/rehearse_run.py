@@ -335,7 +335,8 @@ def run_phase(cfg, tmp: str, max_ranks: int, p) -> None:
         p.ran.append(f"degrees reduced to fit --max-ranks {max_ranks} (the config's layouts need {world} ranks): "
                      f"{', '.join(notes)}; every kind of parallelism still runs, at smaller groups: what the full "
                      f"sizes add (those groups' collectives at their sizes, the per-rank shares of the experts / "
-                     f"sequence / heads) is not seen (docs/rehearse.md)")
+                     f"sequence / heads) is not seen here; the groups phase runs those groups at their real sizes "
+                     f"(docs/rehearse.md)")
         reduced = {f"{name}.{f}": getattr(l, f) for name, l in zip(("actor_layout", "critic_layout"), fit)
                    for f in _REDUCE_ORDER if getattr(l, f) is not None}
         layouts, world = fit, min_world(fit, max_ranks)

@@ -211,6 +211,7 @@ def test_finding_1_class_launch_script_gives_ray_the_trainers_gpus(capsys, monke
     (MOE + ["cluster.gpus=12"], None, "cluster.gpus: 12 is not a whole number of nodes of 8 GPUs"),
     (MOE + ["cluster.gpus=0"], None, "cluster.gpus: not set"),
     (MOE, 9, "TRAINER_GPUS_PER_NODE=9 must be 1..GPUS_PER_NODE (8)"),
+    (MOE + ["--max-group-ranks", "0"], None, "--max-group-ranks '0' must be a positive integer"),
 ])
 def test_bad_input_exits_2_naming_it(capsys, monkeypatch, args, trainer_gpus, message):
     rc, out = _rehearse(capsys, monkeypatch, args, trainer_gpus=trainer_gpus)
@@ -384,3 +385,122 @@ def test_run_phase_rehearses_the_397b_at_reduced_expert_parallelism(monkeypatch,
     assert got["experts"] % 2 == 0  # the shrunk model's experts divide over EP 2
     assert p.ran[0].startswith("degrees reduced to fit --max-ranks 8 (the config's layouts need 128 ranks): "
                                "actor_layout.ep 32 -> 2;")
+
+
+# the groups phase (trainer/rehearse_groups.py): the groups the reduced run phase ran smaller, at their real sizes
+MOE8 = MOE + ["cluster.gpus=8"]  # the 30B's TP2 EP8 on 8 GPUs: under --max-ranks 4 the run phase runs EP 4 on 4
+
+
+def test_group_sizes_and_worlds_by_hand():
+    """By hand: the 397B's TP2 PP4 EP32 on 128 ranks has DP 128 / (2 x 4) = 16, expert-DP 128 / (32 x 4) = 1; the
+    run phase's TP2 PP4 EP2 on 8 ranks has DP 1, EP 2. One stage is 128 / 4 = 32 ranks and holds EP 32 and DP 16;
+    at --max-group-ranks 16 only the DP group fits (16 ranks, the other degrees 1) and EP 32 is named as not
+    rehearsed."""
+    from megatron_s3ac.models.parallel import ParallelLayout
+    from megatron_s3ac.trainer.rehearse_groups import group_sizes, worlds
+
+    lay = ParallelLayout(tp=2, pp=4, ep=32, etp=1)
+    assert group_sizes(lay, 128) == dict(tp=2, cp=1, pp=4, dp=16, dp_cp=16, ep=32, etp=1, tp_ep=32, edp=1)
+    assert group_sizes(ParallelLayout(tp=2, pp=4, ep=2, etp=1), 8) == dict(tp=2, cp=1, pp=4, dp=1, dp_cp=1, ep=2,
+                                                                           etp=1, tp_ep=2, edp=1)
+    gaps = ["dp", "dp_cp", "ep", "tp_ep"]
+    todo, notes = worlds(lay, 128, gaps, 32)
+    assert [(w.size, w.layout.tp, w.layout.pp, w.layout.ep, w.real) for w in todo] == [(32, 2, 1, 32, gaps)]
+    assert notes == []
+    todo, notes = worlds(lay, 128, gaps, 16)
+    assert [(w.size, w.layout.tp, w.layout.ep, w.real) for w in todo] == [(16, 1, 1, ["dp", "dp_cp"])]
+    assert notes == [f"{k} (32): not rehearsed: the smallest world holding it at its real size is 32 ranks "
+                     f"(> --max-group-ranks 16)" for k in ("expert-parallel",
+                                                           "expert-tensor x expert-parallel (the token dispatch)")]
+
+
+def _groups(monkeypatch, tmp_path, rank_fn=None, timeout_s=60.0):
+    import megatron_s3ac.trainer.rehearse_groups as rg
+    from megatron_s3ac.config import load_config
+    from megatron_s3ac.trainer.rehearse import Phase
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(MOE8[0], MOE8[1:], check=False)
+    p = Phase("groups")
+    rg.groups_phase(cfg, str(tmp_path / "groups"), 8, 4, 8, p, rank_fn=rank_fn, timeout_s=timeout_s)
+    return p
+
+
+def test_groups_phase_runs_the_expert_group_at_its_real_size(monkeypatch, tmp_path):
+    """The 30B on 8 GPUs under --max-ranks 4: the run phase's EP 4 / DP 2 on 4 ranks; the groups phase starts the
+    stage's 8 ranks: EP 8 (128 experts, 16 per rank, top-8, alltoall, R3 replay with the full recompute), DP 4,
+    expert-DP 1, each group's size and collectives; the all-to-all's deliveries, the replayed routes and the bytes
+    per rank against the planner's share at the real degree all pass."""
+    p = _groups(monkeypatch, tmp_path)
+    out = "\n".join(p.ran)
+    assert p.defects == [], out
+    assert "smaller in the run phase: data-parallel 2 (real 4), data x context-parallel (the distributed " \
+           "optimizer's) 2 (real 4), expert-parallel 4 (real 8)" in out
+    assert "TP 2 CP 1 EP 8 ETP 1 on 8 ranks (one pipeline stage's ranks (world 8 / PP 1)): megatron's MoELayer " \
+           "(128 experts, 16 per rank, top-8, alltoall dispatcher, R3 replay, full recompute)" in out
+    assert "  expert-parallel: 8 ranks (real size; the run phase: 4)" in out
+    assert "  data-parallel: 4 ranks (real size; the run phase: 2)" in out
+    assert "all-to-all: every local expert received exactly the tokens its group routed to it" in out
+    assert "R3: the router used the replayed routes on every rank (forward and the full recompute)" in out
+    rows = {r["kind"]: r for r in p.residency}
+    assert rows["params"]["ratio"] == pytest.approx(1.0, abs=0.02) and rows["grads"]["ratio"] == pytest.approx(
+        1.0, abs=0.02) and rows["optimizer"]["ratio"] <= 1.02
+    assert out.splitlines()[-1] == "  data-parallel, data x context-parallel (the distributed optimizer's), " \
+        "expert-parallel, expert-tensor x expert-parallel (the token dispatch) rehearsed at the real size: no defect"
+
+
+def test_groups_phase_names_a_rank_holding_another_expert_count(monkeypatch, tmp_path):
+    """Rank 3 built from a config.json with 8 more experts (17 per EP 8 rank): named, with the planner's share, before
+    any collective that would hang on it (tests/gpu_readiness/_groups_faults.py: a light module, as the ranks import
+    it)."""
+    from tests.gpu_readiness._groups_faults import rank_3_holds_another_expert_count
+
+    p = _groups(monkeypatch, tmp_path, rank_3_holds_another_expert_count)
+    assert len(p.defects) == 1, p.defects
+    assert p.defects[0].endswith("rank 3 holds 17 local experts (the planner's share at EP 8: 128 / 8 = 16)")
+
+
+def test_groups_phase_not_needed_when_the_run_phase_keeps_every_degree(monkeypatch, tmp_path):
+    import megatron_s3ac.trainer.rehearse_groups as rg
+    from megatron_s3ac.config import load_config
+    from megatron_s3ac.trainer.rehearse import Phase
+
+    monkeypatch.chdir(ROOT)
+    p = Phase("groups")
+    rg.groups_phase(load_config(MOE8[0], MOE8[1:], check=False), str(tmp_path), 8, 8, 8, p)
+    assert p.ran[0].startswith("not needed: the run phase keeps every degree of the layouts (its world 8 fits "
+                               "--max-ranks 8)") and p.defects == []
+
+
+def test_groups_phase_names_a_rank_issuing_other_collectives(monkeypatch, tmp_path):
+    """Rank 5 without the full recompute: its collective sequence on the expert-parallel group leaves the others'
+    (they wait in the recompute's all-to-all until the groups' timeout, 20 s here); the audit names the group, both
+    ranks and the first collective where they part."""
+    from tests.gpu_readiness._groups_faults import rank_5_without_the_recompute
+
+    p = _groups(monkeypatch, tmp_path, rank_5_without_the_recompute, timeout_s=20.0)
+    assert len(p.defects) == 1, p.defects
+    assert ": the expert-parallel group " in p.defects[0] and "and rank 5 diverge at collective #" in p.defects[0], \
+        p.defects[0]
+
+
+def test_groups_phase_runs_the_397b_stage_at_ep_32(monkeypatch, tmp_path):
+    """The 397B (TP2 PP4 EP32 on 128 GPUs; the run phase: EP 2 on 8 ranks): one stage's 32 ranks, EP 32 (512
+    experts, 16 per rank, top-10), DP 16; the planner's share of the layer at the real degree exactly (11-27 s here
+    on 2 cores, 2.3 GiB at most)."""
+    import megatron_s3ac.trainer.rehearse_groups as rg
+    from megatron_s3ac.config import load_config
+    from megatron_s3ac.trainer.rehearse import Phase
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config("examples/qwen3_5/qwen3_5_397b_layout.yaml",
+                      ["model.hf_config=examples/hf_configs/qwen3_5_397b_a17b"], check=False)
+    p = Phase("groups")
+    rg.groups_phase(cfg, str(tmp_path / "groups"), 128, 8, 32, p)
+    out = "\n".join(p.ran)
+    assert p.defects == [], out
+    assert "megatron's MoELayer (512 experts, 16 per rank, top-10, alltoall dispatcher, R3 replay, full recompute)" \
+        in out
+    assert "  expert-parallel: 32 ranks (real size; the run phase: 2)" in out
+    assert "  data x context-parallel (the distributed optimizer's): 16 ranks (real size; the run phase: 1)" in out
+    assert {r["kind"]: r["ratio"] for r in p.residency} == {"params": 1.0, "grads": 1.0, "optimizer": 1.0}
