@@ -34,13 +34,34 @@ case "${1:-}" in pipeline|train|value-pretrain|demo) CMD=$1; shift ;; esac
 CFG=${1:?usage: launch.sh [pipeline|train|value-pretrain] CONFIG.yaml [key=value ...]}; shift
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+# The GPUs this process and its children (torchrun's ranks, Ray, vLLM's servers) can use: CUDA_VISIBLE_DEVICES when
+# set (Slurm sets it for each step's tasks from their GPU allocation: srun --gpus-per-task / --gpu-bind / a step given
+# part of the node), else every GPU of the node. nvidia-smi (NVML) ignores CUDA_VISIBLE_DEVICES, so its count is the
+# node's, not this task's: it is used only when nothing narrows the view.
+VISIBLE_GPUS=
+[ -z "${CUDA_VISIBLE_DEVICES+x}" ] || VISIBLE_GPUS=$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c . || true)
 if [ -z "${GPUS_PER_NODE:-}" ]; then  # count "GPU i: ..." lines; no nvidia-smi (or no GPU) -> say what to set
-  GPUS_PER_NODE=$( { nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU ' || true)
+  if [ -n "$VISIBLE_GPUS" ]; then
+    GPUS_PER_NODE=$VISIBLE_GPUS
+  else
+    GPUS_PER_NODE=$( { nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU ' || true)
+  fi
   if [ "${GPUS_PER_NODE:-0}" -lt 1 ]; then
-    echo "launch.sh: cannot count this node's GPUs (nvidia-smi -L is missing or lists none); set GPUS_PER_NODE" \
-      "to the number of GPUs per node, e.g. GPUS_PER_NODE=8" >&2
+    echo "launch.sh: cannot count this node's GPUs (nvidia-smi -L is missing or lists none, or" \
+      "CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES-}' lists none); set GPUS_PER_NODE to the number of GPUs per" \
+      "node, e.g. GPUS_PER_NODE=8" >&2
     exit 2
   fi
+fi
+# Under sbatch the batch step counts once and the srun tasks below inherit GPUS_PER_NODE: each node's task must
+# see that many (torchrun's rank r takes cuda:r, Ray refuses --num-gpus above its visible devices:
+# ray/_private/resource_and_label_spec.py _resolve_accelerator_resources).
+if [ -n "$VISIBLE_GPUS" ] && [ "$VISIBLE_GPUS" -ne "$GPUS_PER_NODE" ]; then
+  echo "launch.sh: GPUS_PER_NODE=$GPUS_PER_NODE, but this task sees $VISIBLE_GPUS GPU(s)" \
+    "(CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES${SLURM_JOB_ID:+, set by Slurm for this task of the step}): torchrun's" \
+    "ranks and Ray can use only those. Give the one task per node every GPU of its node (sbatch --gpus-per-node=G" \
+    "--ntasks-per-node=1, without --gpus-per-task / --gpu-bind narrowing it) or set GPUS_PER_NODE=$VISIBLE_GPUS" >&2
+  exit 2
 fi
 # rollout.placement: separate (the engines on GPUs of their own): TRAINER_GPUS_PER_NODE of each node's GPUs run the
 # trainer's ranks (torchrun; rank r uses cuda:LOCAL_RANK, the first ones), the rest go to Ray for the engine actors

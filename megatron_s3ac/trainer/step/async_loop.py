@@ -313,8 +313,14 @@ class AsyncSource:
         version = tr.step_idx + int(self._trained)  # after this step's update: its next version
         self.version = version  # what the rebuilt engine holds (a later eager replacement is tagged with it)
         # the batch being awaited first: the engine runs its calls in order, and the trainer waits for this one now
+        if self.partial is not None:
+            self.partial.restarted()
         for e in [q for q in entries if q not in self.queue] + list(self.queue):
             if e.step in lost:
+                # partial rollout: a batch whose continuations were lost sends them again (its pieces kept, its
+                # version the oldest token's as before); any other batch is generated again, tagged ``version``
+                if tr.rank == 0 and self.partial is not None and self.partial.resubmit(e, version):
+                    continue
                 e.version = version
                 if tr.rank == 0:
                     self._send(e)
@@ -456,8 +462,26 @@ class AsyncSource:
             self._sync_surviving()
         m["time/sync"] = time.time() - t
         if self.partial is not None:
-            self.partial.resume(tr.step_idx + 1)  # rank 0: the unfinished responses continue on the new weights
+            self._resume(tr.step_idx + 1)  # rank 0: the unfinished responses continue on the new weights
         m["time/weight_sync_exposed_s"] = time.time() - t0  # what the trainer waited for: drain + sync, or staging
+
+    def _resume(self, version: int) -> None:
+        """Every rank: partial rollout's ``resume`` on rank 0, guarded as ``generate``: an engine that dies while it
+        is told to continue or takes the continuations is rebuilt, re-synced and the batches it had not returned
+        resubmitted (their continuations again, ``PartialRollout.resubmit``), then the rest resume on the new one.
+        Issue 41, fifth review, finding 1: rank 0 raised the death alone, out of the step, the others went on."""
+        tr = self.tr
+        while True:
+            verdict = None
+            if tr.rank == 0:
+                try:
+                    self.partial.resume(version)
+                except engine_death_types() as err:
+                    verdict = (f"{type(err).__name__} while partial rollout resumed: {err}", self.lost_steps())
+            verdict = self._share(verdict)
+            if verdict is None:
+                return
+            self.recover(*verdict)
 
     def end_step(self, m: dict, t0: float, result) -> None:
         """After the step (``Trainer.step_idx`` advanced): the engine's weights version, ``time/step`` and the

@@ -54,7 +54,9 @@ class PartialRollout:
 
     def resume(self, version: int) -> None:
         """Rank 0, after the weight sync to ``version``: continue generation and resubmit every aborted response of
-        the queued batches as a continuation (or from its prompt, past ``rollout.partial_max_versions``)."""
+        the queued batches as a continuation (or from its prompt, past ``rollout.partial_max_versions``). A batch
+        already resumed (its continuation in flight: a restart in this call resubmitted it) is left as it is. May
+        raise the engine's death (``engine_death_types``): ``AsyncSource.sync_weights`` shares it and recovers."""
         from megatron_s3ac.rollout.partial import PartialPending, continuation_requests
 
         ar, tr = self.ar, self.ar.tr
@@ -65,8 +67,8 @@ class PartialRollout:
             self._paused = False
         r = tr.cfg.rollout
         for e in ar.queue:
-            if e.pending is None:
-                continue
+            if e.pending is None or (not e.collected and isinstance(e.pending, PartialPending)):
+                continue  # its continuations are in flight: resumed already (a restart in this call resent them)
             groups, reqs, n = continuation_requests(ar._result(e), e.version, version, r.max_new_tokens,
                                                     self.max_versions)
             self.step_counts["async/partial_interrupted"] += len(reqs)
@@ -75,23 +77,51 @@ class PartialRollout:
             self.step_counts["async/partial_unstarted"] += n.unstarted
             self.step_counts["async/partial_kept_tokens"] += n.kept_tokens
             self.resumes_total += n.resumed
-            pend = None
-            if reqs:
-                p = ar._params(e.step)
-                import dataclasses
+            self.send(e, groups, reqs, version)
 
-                # a seed of its own per (batch, version): the continuation draws differ from the first piece's
-                p = dataclasses.replace(p, seed=p.seed + 104_729 * (version + 1))
-                # an image prompt's continuation needs its images again (the engine would prefill the image pad
-                # tokens as text otherwise: sglang/engine.py generate_continuations); text-only batches pass none
-                images = [groups[gi][ki].images for gi, ki, _, _ in reqs]
-                kw = {"images": images} if any(im is not None for im in images) else {}
-                pend = tr.engine.continue_async([(pre, b) for _, _, pre, b in reqs], p,
-                                                return_routed_experts=tr.r3_on, **kw)
-            e.pending = PartialPending(groups, reqs, pend, version)
-            if reqs:  # streaming rewards scored the pieces: the merged responses are scored at collection instead
-                e.rewards = None
-            e.collected = not reqs  # its continuation's engine span is this run's engine time
+    def send(self, e, groups, reqs, version: int) -> None:
+        """Rank 0: ``e``'s aborted samples ``reqs`` (``continuation_requests``) to the engine as continuations on
+        weights ``version``; ``e.pending`` becomes the ``PartialPending`` that merges them into ``groups``."""
+        from megatron_s3ac.rollout.partial import PartialPending
+
+        ar, tr = self.ar, self.ar.tr
+        pend = None
+        if reqs:
+            import dataclasses
+
+            # a seed of its own per (batch, version): the continuation draws differ from the first piece's
+            p = ar._params(e.step)
+            p = dataclasses.replace(p, seed=p.seed + 104_729 * (version + 1))
+            # an image prompt's continuation needs its images again (the engine would prefill the image pad
+            # tokens as text otherwise: sglang/engine.py generate_continuations); text-only batches pass none
+            images = [groups[gi][ki].images for gi, ki, _, _ in reqs]
+            kw = {"images": images} if any(im is not None for im in images) else {}
+            pend = tr.engine.continue_async([(pre, b) for _, _, pre, b in reqs], p,
+                                            return_routed_experts=tr.r3_on, **kw)
+        e.pending = PartialPending(groups, reqs, pend, version)
+        if reqs:  # streaming rewards scored the pieces: the merged responses are scored at collection instead
+            e.rewards = None
+        e.collected = not reqs  # its continuation's engine span is this run's engine time
+
+    def resubmit(self, e, version: int) -> bool:
+        """Rank 0, after an engine restart (``AsyncSource._restart``): a batch whose continuations the dead engine
+        had not returned sends the same continuations to the rebuilt engine (weights ``version``), so its kept
+        pieces - tokens, behaviour log-probs and versions of the weights that generated them - and its finished
+        samples stay; True if it did (False: not a resumed batch, resubmitted from its prompts). Issue 41, fifth
+        review, finding 1: the whole batch was generated again from its prompts, its pieces lost while the step's
+        partial-rollout counts still held them."""
+        from megatron_s3ac.rollout.partial import PartialPending
+
+        p = e.pending
+        if not isinstance(p, PartialPending) or p.pending is None:
+            return False
+        self.send(e, p.groups, p.reqs, version)
+        return True
+
+    def restarted(self) -> None:
+        """Every rank: the engine was rebuilt; the new one is not paused (its ``continue_generation`` is not
+        called: on SGLang it would refuse while a resubmitted generate runs)."""
+        self._paused = False
 
     # ---- at collection ----------------------------------------------------------------------------
     def tag_collected(self, e, samples: list[dict], groups) -> None:

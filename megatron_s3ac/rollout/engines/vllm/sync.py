@@ -115,8 +115,10 @@ class VLLMStageSync(VLLMSessionSync):
     engine's workers, over a group of its own (``pp<stage>``: the leader is its rank 0, the workers 1..tp), as
     ``StageBroadcastSync`` does for sglang; nothing of another stage goes through rank 0. Rank 0 (the controller,
     which leads stage 0) only drives the engine: per bucket it receives the bucket's (names, dtypes, shapes) from
-    the stage's leader, checks them, asks the engine to receive and lets the leader broadcast. Stages take turns in
-    stage order. One weight-update session around the whole sync, checked whole before it opens (``_open``).
+    the stage's leader, checks them, asks the engine to receive, lets the leader broadcast and tells it whether the
+    workers took the bucket (the leader waits for its broadcast only then). Stages take turns in stage order. A
+    failure stops the transfers, not the export (``_transfer``); ``close`` leaves the groups (the next sync joins
+    fresh ones). One weight-update session around the whole sync, checked whole before it opens (``_open``).
     The groups are gloo on CPU and torch ProcessGroupNCCL on GPU (``s3ac_nccl``: CUDA buckets, the trainer needs
     no vLLM)."""
 
@@ -161,19 +163,15 @@ class VLLMStageSync(VLLMSessionSync):
         dist.barrier()
 
     def close(self) -> None:
-        """Leave the stage groups: the next sync connects afresh (``_connect``) to the engine then attached. The
-        asynchronous loop's restart calls this before it builds a new server: the old groups' peers (the dead
-        server's workers) are gone, and broadcasting into them fails ("Connection closed by peer";
-        tests/rollout/test_vllm_restart.py). An NCCL group is aborted (its pending broadcast never completes);
-        a group is kept referenced, not destroyed, for the reason ``VLLMEngine._abandon_group`` gives."""
-        g = getattr(self, "group", None)
-        if g is not None:
-            try:
-                g.abort()
-            except Exception:  # noqa: BLE001 - best effort: CleanUpOnly either way (rollout.sync.transfer_groups)
-                pass
-            self._stale_groups = getattr(self, "_stale_groups", []) + [g]
-        self.group, self.roles = None, None
+        """Every rank (``Trainer.close_weight_sync``: before an engine restart, the coverage stage, the end of a
+        run): leave this rank's stage group and forget the roles, so the next ``sync`` connects again (``_connect``,
+        collective): a fresh port and store per stage, the engine's workers told to join them. A restarted engine's
+        workers never joined the old groups, and the old groups' peers are gone; issue 41, fifth review, finding 2:
+        the next sync reused them. An NCCL group is aborted (a broadcast still pending with a dead peer raises and
+        frees the stream it holds, instead of waiting out the group's timeout); the group object is kept, not
+        destroyed (a process group's destructor waits for a pending broadcast)."""
+        self._abandon()
+        self.roles = None
 
     def _backend(self, dev) -> str:
         """The stage groups' backend: the engine's resolved ``rollout.vllm.weight_transfer`` (nccl on GPU, gloo on
@@ -183,24 +181,57 @@ class VLLMStageSync(VLLMSessionSync):
         setting = self.settings.weight_transfer if self.settings is not None else "auto"
         return transfer_backend(setting, "separate", dev.type == "cuda")
 
+    def _broadcast(self, flat, t, box: dict, timeout: float, meta: dict) -> None:
+        """The controller's own stage: broadcast ``flat`` while the engine's workers receive it (thread ``t``,
+        its error in ``box``), as ``VLLMEngine.send_bucket``: an engine that failed (died, refused) is seen at once,
+        not after the group's timeout; the group is then out of step and abandoned (NCCL: aborted), the next sync
+        after ``close`` joins a fresh one."""
+        import time
+
+        work = self.group.broadcast(flat, 0)
+        deadline = time.monotonic() + timeout
+        try:
+            while not work.is_completed():
+                if "error" in box or time.monotonic() > deadline:
+                    raise box.get("error") or RuntimeError(
+                        f"the weight broadcast of {meta['names'][0]} .. {meta['names'][-1]} to the vLLM engine's "
+                        f"workers did not complete within {timeout:g} s")
+                time.sleep(0.002)
+            work.wait()
+            t.join()
+            if "error" in box:
+                raise box["error"]
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """This rank's stage group is out of step or its peers are gone: aborted (NCCL) and kept, not destroyed (a
+        process group's destructor waits for a pending broadcast); ``self.group`` is None until ``close`` and the
+        next ``_connect``."""
+        group, self.group = getattr(self, "group", None), None
+        if group is None:
+            return
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - best effort: the group is CleanUpOnly either way (transfer_groups.py)
+            pass
+        self.__dict__.setdefault("_stale_groups", []).append(group)
+
     def sync(self, chunks, info, weights_loaded=None):
         import threading
         import time
 
         from megatron.core import parallel_state as ps
 
-        from megatron_s3ac.convert.export import export_hf_weights
-        from megatron_s3ac.rollout.engines.vllm.transfer import bucket_meta, pack
-        from megatron_s3ac.rollout.sync.weight_sync import SyncStats, _comm_device
+        from megatron_s3ac.rollout.sync.weight_sync import SyncStats
 
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
         if getattr(self, "roles", None) is None:
             self._connect(group)
         woke = self._wake_weights()
         self._open(info)
-        ctl, leaders, stage, leader = (self.roles[k] for k in ("controller", "leaders", "stage", "leader"))
-        me, dev = dist.get_rank(), _comm_device()
-        stats = SyncStats(engine_rank=ctl)
+        stats = SyncStats(engine_rank=self.roles["controller"])
         t0 = time.perf_counter()
         bucket_bytes = self.settings.bucket_bytes if self.settings is not None else 256 << 20
 
@@ -216,48 +247,85 @@ class VLLMStageSync(VLLMSessionSync):
             t.start()
             return t, box
 
+        # A failure (the engine died, or refused a bucket) stops the transfers, not the export: every rank of a stage
+        # iterates it to its end (its collectives and point-to-point pieces; a rank left inside one hangs until its
+        # group's timeout), the other stages' leaders are answered "stop" and drained to their end marker, and the
+        # controller raises once the protocol is through (rollout.sync.weight_sync.sync_weights does the same; the
+        # asynchronous loop then restarts a dead engine: trainer.step.async_loop._sync_surviving). Issue 41, fifth
+        # review, finding 2.
+        failed: list = []
+        timeout = float(self.settings.timeout_s) if self.settings is not None else 600.0
         try:
-            for bucket in export_hf_weights(chunks, info, bucket_bytes, group=group):
-                if me != leader or not bucket:
-                    continue
-                meta, flat = bucket_meta(bucket), pack(bucket, self.group.device)
-                if me == ctl:  # its own stage: receive and send here
-                    t, box = receive_async(meta, stage)
-                else:
-                    send_obj(meta, ctl, dev)
-                    if not recv_obj(ctl, dev):
-                        raise RuntimeError(f"rank {me}: the rank driving the vLLM engine stopped the weight sync at "
-                                           f"bucket {meta['names'][0]} .. {meta['names'][-1]}")
-                self.group.broadcast(flat, 0).wait()
-                if me == ctl:
-                    t.join()
-                    if "error" in box:
-                        raise box["error"]
-                stats.bytes += flat.numel()
-                stats.tensors += len(bucket)
-                stats.buckets += 1
-            if me == leader and me != ctl:
-                send_obj(None, ctl, dev)
-            if me == ctl:
-                for s in sorted(leaders):
-                    if leaders[s] == ctl:
-                        continue
-                    while (meta := recv_obj(leaders[s], dev)) is not None:
-                        try:
-                            self.engine.check_weights(meta["names"], meta["shapes"], f"bucket of stage {s}")
-                        except BaseException:
-                            send_obj(False, leaders[s], dev)
-                            raise
-                        t, box = receive_async(meta, s)
-                        send_obj(True, leaders[s], dev)
-                        t.join()
-                        if "error" in box:
-                            raise box["error"]
-        except BaseException:
+            self._transfer(chunks, info, bucket_bytes, group, stats, failed, timeout, receive_async)
+        except BaseException:  # the export itself failed (not the engine): as before, the session is aborted
             if self.engine is not None:
                 self.engine._abort_quietly()
             raise
+        if failed:  # the controller, once every stage is through
+            self.engine._abort_quietly()
+            raise failed[0]
         self._finish(woke, weights_loaded)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _transfer(self, chunks, info, bucket_bytes, group, stats, failed, timeout, receive_async) -> None:
+        """``sync``'s protocol (see there): every stage's buckets to the engine; the controller's failures in
+        ``failed``."""
+        from megatron_s3ac.convert.export import export_hf_weights
+        from megatron_s3ac.rollout.engines.vllm.transfer import bucket_meta, pack
+        from megatron_s3ac.rollout.sync.weight_sync import _comm_device
+
+        ctl, leaders, stage, leader = (self.roles[k] for k in ("controller", "leaders", "stage", "leader"))
+        me, dev = dist.get_rank(), _comm_device()
+        stopped = False  # another stage's leader: the controller said stop; it sends nothing more
+        for bucket in export_hf_weights(chunks, info, bucket_bytes, group=group):
+            if me != leader or not bucket or failed or stopped:
+                continue
+            meta, flat = bucket_meta(bucket), pack(bucket, self.group.device)
+            if me != ctl:
+                send_obj(meta, ctl, dev)
+                if not recv_obj(ctl, dev):  # the controller's failure is raised there; this stage only stops
+                    stopped = True
+                    continue
+                # the controller says whether the workers took the bucket before this rank waits for the broadcast:
+                # ``wait()`` would make this rank's stream wait for it, and on NCCL's intra-node transports a dead
+                # peer is seen only at the group's timeout (the messages below would queue behind it)
+                work = self.group.broadcast(flat, 0)
+                if not recv_obj(ctl, dev):  # they did not: the group is out of step
+                    self._abandon()
+                    stopped = True
+                    continue
+                work.wait()
+            else:  # its own stage: receive and send here
+                t, box = receive_async(meta, stage)
+                try:
+                    self._broadcast(flat, t, box, timeout, meta)
+                except BaseException as e:  # noqa: BLE001 - raised after the protocol
+                    failed.append(e)
+                    continue
+            stats.bytes += flat.numel()
+            stats.tensors += len(bucket)
+            stats.buckets += 1
+        if me == leader and me != ctl:
+            send_obj(None, ctl, dev)
+        if me == ctl:
+            for s in sorted(leaders):
+                if leaders[s] == ctl:
+                    continue
+                while (meta := recv_obj(leaders[s], dev)) is not None:
+                    if failed:
+                        send_obj(False, leaders[s], dev)
+                        continue
+                    try:
+                        self.engine.check_weights(meta["names"], meta["shapes"], f"bucket of stage {s}")
+                        t, box = receive_async(meta, s)
+                    except BaseException as e:  # noqa: BLE001 - raised after the protocol
+                        failed.append(e)
+                        send_obj(False, leaders[s], dev)
+                        continue
+                    send_obj(True, leaders[s], dev)
+                    t.join()
+                    send_obj("error" not in box, leaders[s], dev)  # the workers took it (see the leader's side)
+                    if "error" in box:
+                        failed.append(box["error"])
 
