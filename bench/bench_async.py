@@ -73,7 +73,7 @@ def _run(n, overrides, steps, out_dir):
             t = time.perf_counter()
             m = tr.step()
             rows.append({"wall": time.perf_counter() - t, **{k: v for k, v in m.items() if k.startswith(
-                ("time/", "async/", "filter/", "mismatch/", "actor/", "refill/"))}})
+                ("time/", "async/", "filter/", "mismatch/", "actor/", "refill/", "rollout/"))}})
         return rows
     finally:
         tr.close()
