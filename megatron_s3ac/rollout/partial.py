@@ -90,12 +90,17 @@ class Resume:
 
 
 def continuation_requests(groups: list[list[Sample]], batch_version: int, new_version: int, max_new_tokens: int,
-                          max_versions: int) -> tuple[list[list[Sample]], list[tuple[int, int, list[int], int]],
-                                                      Resume]:
+                          max_versions: int, length_tail: tuple = ()) -> tuple[list[list[Sample]],
+                                                                           list[tuple[int, int, list[int], int]],
+                                                                           Resume]:
     """For a batch's groups as the paused engine returned them: (the groups with every token tagged, the
     requests [(group, sample, prefix ids, budget)] for its aborted samples, counts). An aborted sample already at
     ``max_versions`` versions restarts from its prompt (its partial tokens dropped); one with the whole budget used
-    cannot happen (it would have finished "length")."""
+    cannot happen (it would have finished "length"). ``length_tail`` (the batch's ``SamplingParams.length_tail``):
+    sample k of a group had the designed budget ``rollout.lengths.response_budget(...)``, not ``max_new_tokens``;
+    its continuation gets what is left of that."""
+    from megatron_s3ac.rollout.lengths import response_budget
+
     if max_versions < 1:
         raise ValueError(f"rollout.partial_max_versions={max_versions} must be >= 1")
     out, reqs, n = [], [], Resume()
@@ -116,7 +121,8 @@ def continuation_requests(groups: list[list[Sample]], batch_version: int, new_ve
                     n.resumed += int(r > 0)
                     n.unstarted += int(r == 0)
                     n.kept_tokens += r
-                reqs.append((gi, ki, list(s.prompt_ids) + list(s.response_ids), max_new_tokens - len(s.response_ids)))
+                budget = response_budget(length_tail, max_new_tokens, s.prompt_ids, ki)
+                reqs.append((gi, ki, list(s.prompt_ids) + list(s.response_ids), budget - len(s.response_ids)))
             row.append(s)
         out.append(row)
     return out, reqs, n

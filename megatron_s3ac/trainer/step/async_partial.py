@@ -70,7 +70,7 @@ class PartialRollout:
             if e.pending is None or (not e.collected and isinstance(e.pending, PartialPending)):
                 continue  # its continuations are in flight: resumed already (a restart in this call resent them)
             groups, reqs, n = continuation_requests(ar._result(e), e.version, version, r.max_new_tokens,
-                                                    self.max_versions)
+                                                    self.max_versions, ar._params(e.step).length_tail)
             self.step_counts["async/partial_interrupted"] += len(reqs)
             self.step_counts["async/partial_resumes"] += n.resumed
             self.step_counts["async/partial_regenerated"] += n.regenerated
@@ -91,7 +91,8 @@ class PartialRollout:
 
             # a seed of its own per (batch, version): the continuation draws differ from the first piece's
             p = ar._params(e.step)
-            p = dataclasses.replace(p, seed=p.seed + 104_729 * (version + 1))
+            # (and no length_tail: each continuation carries its own budget, what is left of its response's)
+            p = dataclasses.replace(p, seed=p.seed + 104_729 * (version + 1), length_tail=())
             # an image prompt's continuation needs its images again (the engine would prefill the image pad
             # tokens as text otherwise: sglang/engine.py generate_continuations); text-only batches pass none
             images = [groups[gi][ki].images for gi, ki, _, _ in reqs]

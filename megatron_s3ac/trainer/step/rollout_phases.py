@@ -28,8 +28,12 @@ def sampling_params(cfg, step: int, round_idx: int = 0):
     from megatron_s3ac.rollout.base import SamplingParams
 
     r = cfg.rollout
+    lt = r.length_tail
+    # rollout.length_tail (rollout/lengths.py): designed per-response budgets, each decoded to its end (ignore_eos)
+    tail = (lt.long_frac, lt.short_min, lt.short_max, lt.salt) if lt.long_frac > 0 else ()
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                          seed=cfg.train.seed * 1_000_003 + step + 7919 * round_idx)
+                          seed=cfg.train.seed * 1_000_003 + step + 7919 * round_idx, length_tail=tail,
+                          ignore_eos=bool(tail))
 
 
 @dataclasses.dataclass
@@ -264,7 +268,10 @@ class RolloutPhases:
         m.update({"rollout/reward_mean": float(r.drawn.scores.mean()),
                   "rollout/pass_rate": float((r.drawn.scores > 0).float().mean()),
                   "rollout/response_len": float(r.drawn.resp_len.float().mean()),
-                  "rollout/truncated_frac": sum(s["finish"] == "length" for s in r.samples) / len(r.samples)})
+                  "rollout/truncated_frac": sum(s["finish"] == "length" for s in r.samples) / len(r.samples),
+                  # at the cap (rollout.max_new_tokens), not only at a response's own budget (rollout.length_tail)
+                  "rollout/capped_frac": float((r.drawn.resp_len >= self.cfg.rollout.max_new_tokens).float().mean()),
+                  "rollout/response_len_max": float(r.drawn.resp_len.max())})
         if self.reward_pool is not None:  # verifier health (rank 0 only; cumulative counts)
             st = self.reward_pool.stats
             m.update({"reward/timeouts": st.timeouts, "reward/crashes": st.crashes, "reward/errors": st.errors})

@@ -568,7 +568,10 @@ class CPUEngine(RolloutEngine):
             yield from ((i, []) for i in range(len(prompt_ids)))
             return
         row_images = [im for im in images for _ in range(n_samples)] if images is not None else None
-        yield from self._iter_rows(prompts, params, [params.max_new_tokens] * len(prompts), return_routed_experts,
+        from megatron_s3ac.rollout.lengths import row_budgets
+
+        # params.max_new_tokens for every row, or the designed per-response budgets (rollout/lengths.py)
+        yield from self._iter_rows(prompts, params, row_budgets(params, prompts, n_samples), return_routed_experts,
                                    row_images, n_samples)
 
     # -- partial rollout (rollout/partial.py; docs/rollout.md "Partial rollout") --------------------

@@ -201,6 +201,9 @@ def to_sglang_sampling_params(params: SamplingParams, seed_offset: int = 0, base
                               ) -> dict[str, Any]:
     """Our SamplingParams -> one request's sglang sampling_params dict. The seed is always set
     (``params.seed``, else ``base_seed``) plus ``seed_offset``, so requests never share sglang's default 42."""
+    if params.length_tail:
+        raise ValueError("the sglang engine does not apply SamplingParams.length_tail (rollout.length_tail: cpu, hf, "
+                         "vllm)")
     out = {
         "temperature": params.temperature,
         "top_p": params.top_p,

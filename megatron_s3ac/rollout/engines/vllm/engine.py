@@ -343,6 +343,16 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         return out
 
     @staticmethod
+    def _tail_budgets(params: SamplingParams, prompts: list, n_samples: int) -> Optional[list[int]]:
+        """The designed per-response budgets of ``params.length_tail`` (rollout/lengths.py), sent as the
+        request's ``max_new_tokens`` list (the server takes one per request); None when the tail is off."""
+        if not params.length_tail:
+            return None
+        from megatron_s3ac.rollout.lengths import row_budgets
+
+        return row_budgets(params, prompts, n_samples)
+
+    @staticmethod
     def _grouped(samples: list, n_samples: int) -> list[list[Sample]]:
         return [samples[i * n_samples:(i + 1) * n_samples] for i in range(len(samples) // max(n_samples, 1))]
 
@@ -380,7 +390,8 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         batching); a weight-update session opened later waits for it (server.py)."""
         prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
         imgs = None if images is None else [im for im in images for _ in range(n_samples)]
-        body = self._prepare(prompts, params, return_routed_experts, imgs)
+        body = self._prepare(prompts, params, return_routed_experts, imgs, self._tail_budgets(params, prompts,
+                                                                                              n_samples))
         return self._background("generate", f"generate ({len(prompts)} samples)", body, lambda r: self._grouped(
             self._samples(prompts, r["outputs"], return_routed_experts), n_samples))
 
@@ -390,7 +401,8 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         group of ``n_samples`` requests, in the order the engine finishes them; the same samples)."""
         prompts = [list(map(int, p)) for p in prompt_ids for _ in range(n_samples)]
         imgs = None if images is None else [im for im in images for _ in range(n_samples)]
-        body = dict(self._prepare(prompts, params, return_routed_experts, imgs), group_size=int(n_samples))
+        body = dict(self._prepare(prompts, params, return_routed_experts, imgs,
+                                  self._tail_budgets(params, prompts, n_samples)), group_size=int(n_samples))
         what = f"generate ({len(prompts)} samples, streamed)"
         items: queue.Queue = queue.Queue()
 
