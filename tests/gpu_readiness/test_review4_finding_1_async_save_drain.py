@@ -20,6 +20,7 @@ engine hands each batch back 6.5 s late; here with ``rollout.sync.overlap=true``
 """
 import pytest
 
+from megatron_s3ac.config.rollout import RolloutLengthTailCfg
 from megatron_s3ac.audit.pg_timeout import run_with_pg_timeout, slow_rank0_engine
 from megatron_s3ac.models.gloo_ranks import DistributedTestError
 from tests.gpu_readiness.test_finding_4_rank0_phase_timeout import PG_TIMEOUT_S, SLOW_S, SMALL
@@ -96,7 +97,8 @@ def test_a_restart_while_saving_tags_the_version_the_rebuilt_engine_holds():
                          cfg=SimpleNamespace(rollout=SimpleNamespace(stream_rewards=False, max_engine_restarts=3,
                                                                      k=1, temperature=1.0, top_p=1.0,
                                                                      max_new_tokens=2, partial_rollout=False,
-                                                                     sync=SimpleNamespace(overlap=False)),
+                                                                     sync=SimpleNamespace(overlap=False),
+                                                                     length_tail=RolloutLengthTailCfg()),
                                              algo=SimpleNamespace(dynamic_sampling_refill=False),
                                              train=SimpleNamespace(seed=1, steps=5)))
     ar = AsyncSource(tr, 1)

@@ -82,11 +82,12 @@ class _Engine:
 
 def _source(engine, calls, monkeypatch, rebuilt):
     from megatron_s3ac.trainer.step import build
+    from megatron_s3ac.config.rollout import RolloutLengthTailCfg
     from megatron_s3ac.trainer.step.async_loop import AsyncSource
 
     rollout = SimpleNamespace(stream_rewards=False, max_engine_restarts=3, k=1, temperature=1.0, top_p=1.0,
                               max_new_tokens=8, partial_rollout=True, partial_max_versions=4,
-                              sync=SimpleNamespace(overlap=False))
+                              sync=SimpleNamespace(overlap=False), length_tail=RolloutLengthTailCfg())
     tr = SimpleNamespace(rank=0, world=1, step_idx=0, engine=engine, prompts=[SimpleNamespace(ids=[1, 2])],
                          r3_on=False, image_kwargs=lambda pids: {}, close_weight_sync=lambda: None,
                          sync_weights=lambda: calls.append("sync"),

@@ -268,7 +268,10 @@ def test_async_submission_passes_the_prompts_images(tmp_path):
 
     tr = Tr()
     tr.prompts, tr.engine, tr.r3_on = prompts, engine, True
-    tr.cfg = SimpleNamespace(rollout=SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=4, k=2),
+    from megatron_s3ac.config.rollout import RolloutLengthTailCfg
+
+    tr.cfg = SimpleNamespace(rollout=SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=4, k=2,
+                                                     length_tail=RolloutLengthTailCfg()),
                              train=SimpleNamespace(seed=3))
     ar = AsyncSource(tr, 1)
     pids = torch.tensor([2, 3, 0])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_s3ac.config.rollout import RolloutLengthTailCfg
 from megatron_s3ac.data.prompts import Prompt
 from megatron_s3ac.rollout.base import Sample, StreamingGeneration
 from megatron_s3ac.trainer.step.rollout_phases import RolloutPhases
@@ -65,7 +66,8 @@ def make_trainer(n_prompts=40, target=4, factor=3.0, order="fifo", informative=l
 
     tr = Tr()
     tr.cfg = SimpleNamespace(
-        rollout=SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=4, k=K, prompts_per_step=target),
+        rollout=SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=4, k=K, prompts_per_step=target,
+                                length_tail=RolloutLengthTailCfg()),
         train=SimpleNamespace(seed=3), algo=SimpleNamespace(refill_max_factor=factor, dynamic_sampling=True))
     tr.rank, tr.step_idx, tr.r3_on, tr.daps = 0, 5, False, None
     tr.rank0 = SimpleNamespace(share=lambda phase, obj: obj)
