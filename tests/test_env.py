@@ -37,7 +37,8 @@ REQUIRES = {
     "flash-linear-attention": ["fla-core==0.6.0", "transformers<6,>=5.6.2"],
     "fla-core": ["einops", 'torch>=2.7.0; extra == "cuda"', 'triton>=3.3; extra == "cuda"'],
     "megatron-core": ["torch>=2.6.0", "numpy", "packaging>=24.2", 'flash-linear-attention~=0.4.0; extra == "dev"',
-                      'flashinfer-python<0.7.0,>=0.5.0; extra == "dev"', 'transformer-engine[core_cu13,pytorch]; extra == "te"'],
+                      'flashinfer-python<0.7.0,>=0.5.0; extra == "dev"',
+                      'transformer-engine[core_cu13,pytorch]; extra == "te"'],
     "flashinfer-python": ["torch", "numpy"],
 }
 H200 = {"torch_cuda": "13.0", "cuda_available": True, "device_count": 8, "capability": (9, 0),
