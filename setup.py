@@ -6,8 +6,7 @@ from setuptools import find_packages, setup
 # the NGC image brings its own torch, and sglang 0.5.23 pins torch 2.14.1 / transformers 5.19.0.
 CORE = [
     "torch>=2.6,<=2.14.1",
-    "megatron-core==0.16.1; python_version < '3.12'",  # Python 3.11: the last release for it
-    "megatron-core==0.19.2; python_version >= '3.12'",  # Python 3.12 (docs/environment.md, "megatron-core")
+    "megatron-core==0.19.2",  # the only supported release, on Python 3.12 (docs/environment.md, "megatron-core")
     "transformers>=5.19.0,<=5.24.0",
     "safetensors==0.8.0",
     "ray[default]==2.60.0",
@@ -17,7 +16,7 @@ CORE = [
     "tensorboard==2.21.0",
     "matplotlib==3.11.2",
     "pyarrow==26.0.1",
-    "numpy>=1.26,<2.5",  # a range like torch: CPU locks 2.4.6 (requirements-cpu.txt, requirements-cpu-py311.txt); sglang's mistral-common needs <2.4 on py3.12
+    "numpy>=1.26,<2.5",  # a range like torch: CPU lock 2.4.6 (requirements-cpu.txt); sglang's mistral-common needs <2.4 on py3.12
     "packaging>=24.2",  # megatron_s3ac.env and the megatron-core version gate (models.cpu_compat)
     "pyyaml==6.0.4",
     "requests==2.34.2",  # eval.judge: the LLM judge's OpenAI-compatible HTTP client (already in the CPU lock)
@@ -32,12 +31,10 @@ GPU = [
     "flashinfer-python[cu13]==0.7.2",       # sglang 0.5.23: Requires-Dist flashinfer_python[cu13]==0.7.2
     "transformers==5.19.0",                 # sglang 0.5.23: Requires-Dist transformers==5.19.0
     "numpy<2.4",                            # mistral-common (sglang dep) on Python <=3.12: numpy<2.4
-    # megatron-core 0.19.2 (the 3.12 release): extra "te" = transformer-engine[pytorch,core_cu13], no range (METADATA);
+    # megatron-core 0.19.2: extra "te" = transformer-engine[pytorch,core_cu13], no range (METADATA);
     # its pyproject builds against TE git 27486e03 = "2.18.0+27486e03" (tool.uv.sources / dependency-metadata).
     # TE-torch is an sdist: build with --no-build-isolation (docs/environment.md)
-    "transformer-engine[pytorch,core_cu13]==2.18.0; python_version >= '3.12'",
-    # megatron-core 0.16.1 (Python 3.11) [dev]: transformer-engine>=2.9.0a0,<2.12.0
-    "transformer-engine[pytorch]==2.11.0; python_version < '3.12'",
+    "transformer-engine[pytorch,core_cu13]==2.18.0",
     "flash-linear-attention[cuda]==0.6.0",  # Gated DeltaNet kernels; needs Triton >=3.7.1 on Hopper: torch 2.14.1 brings triton~=3.8.0
     "nvidia-modelopt==0.47.0",              # pure Python, torch>=2.8 (0.39.0 predates torch 2.14 by a year)
 ]
@@ -53,7 +50,9 @@ setup(
     version="0.1.0",
     description="S3AC: stabilized, selective, scalable actor-critic RL on megatron-core",
     packages=find_packages(include=["megatron_s3ac", "megatron_s3ac.*", "checkpoints_convert", "checkpoints_convert.*"]),
-    python_requires=">=3.10",
+    # megatron-core 0.19.2 needs 3.12 here (0.16.1, the last release for 3.11, was dropped). The vLLM engine's own
+    # environment stays Python 3.11: it never installs this package (PYTHONPATH, rollout/engines/vllm/engine.py)
+    python_requires=">=3.12",
     install_requires=CORE,
     extras_require={"gpu": GPU, "test": TEST, "wandb": ["wandb>=0.22,<0.23"]},
     entry_points={"console_scripts": [

@@ -35,23 +35,21 @@ KNOWN = (
           "megatron-core (optimizer/__init__.py, optimizer.py, clip_grads.py, megatron_fsdp) falls back to "
           "torch optimizers and multi_tensor_* reference kernels: what the CPU path runs on purpose"),
     Known("`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning, (),
-          "torch 2.14 deprecates the API megatron-core 0.16.1 calls inside its distributed optimizer; "
-          "nothing in this project calls it and the call still works"),
+          "torch 2.14 deprecates the API megatron-core 0.19.2 calls for its distributed optimizer's and "
+          "tensor-parallel collectives (distributed/param_and_grad_buffer.py:50-51, "
+          "tensor_parallel/mappings.py:12-13); nothing in this project calls it and the call still works"),
     Known("`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning, (),
           "as all_gather_into_tensor: megatron-core's gradient reduce-scatter, a deprecation only"),
     Known("full scope is deprecated", UserWarning, ("megatron.core.transformer.transformer_config",),
-          "megatron-core 0.16.1's own TransformerConfig default cuda_graph_scope='full' triggers its own "
-          "deprecation notice in __post_init__ (transformer_config.py:1701-1707); CUDA graphs are off here"),
+          "megatron-core 0.19.2's own TransformerConfig default cuda_graph_modules='full' (transformer_config.py:1047) "
+          "triggers its own deprecation notice in __post_init__ (transformer_config.py:2414-2418); CUDA graphs are off "
+          "here"),
     Known("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning,
           ("megatron.core.optimizer.optimizer", "megatron_s3ac.models.cpu_compat"),
           "megatron's DistributedOptimizer.zero_grad reads .grad of its fp32 shard views only to set it to None "
-          "(optimizer.py:66 _zero_grad_group_helper via distrib_optimizer.py:2290, marked 'throws grad-access "
+          "(optimizer.py:68 _zero_grad_group_helper via distrib_optimizer.py:2580-2586, marked 'throws grad-access "
           "warning' there). On CPU the read passes through cpu_compat's TorchFunctionMode, hence that module; the "
           "training gradients live in megatron's main_grad buffers, not in .grad"),
-    Known("`load_state_dict` is deprecated and will be removed in future versions", FutureWarning,
-          ("megatron.core.dist_checkpointing.strategies.torch",),
-          "megatron-core 0.16.1 loads torch_dist checkpoints through torch.distributed.checkpoint's old name; "
-          "same function, a rename notice"),
     Known("MimoModelConfig is experimental and still under active development.", UserWarning,
           ("megatron.core.models.mimo.config.base_configs",),
           "megatron-core 0.19.2 warns in MimoModelConfig's class body, at import (models/mimo/config/base_configs.py:"

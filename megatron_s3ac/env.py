@@ -42,7 +42,7 @@ MATRIX: dict[str, Optional[str]] = {
     "triton": None,  # torch 2.14.1 declares triton~=3.8.0; checked through torch's own pin
     "transformer-engine": "2.18.0",  # megatron-core 0.19.2's pyproject: TE git 27486e03 = 2.18.0+27486e03
     "transformer-engine-torch": "2.18.0",
-    "megatron-core": "0.19.2",  # the GPU path is Python 3.12 (setup.py pins 0.19.2 there; 0.16.1 on 3.11)
+    "megatron-core": "0.19.2",  # on Python 3.12 (setup.py); the only supported release (0.16.1 was dropped)
     "sglang": "0.5.23",
     "sglang-kernel": "0.4.10",
     "sgl-kernel": None,  # the old name of sglang-kernel (same `sgl_kernel` module); must not shadow it
@@ -66,13 +66,12 @@ _ALSO_READ = ("transformer-engine-cu12", "transformer-engine-cu13")
 
 # The wrapper in rollout/engines/sglang/engine.py is checked against this release only (it raises otherwise).
 SGLANG_WRAPPED = "0.5.23"
-# The Transformer Engine each megatron-core release is built against. 0.16.1: its wheel's declared range (extra "dev":
-# transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0). 0.19.2: its wheel declares none (METADATA extra "te":
+# The Transformer Engine megatron-core 0.19.2 is built against: its wheel declares none (METADATA extra "te":
 # transformer-engine[core_cu13,pytorch], no version; "dev" names no TE), but its pyproject.toml builds against TE git
 # 27486e03 (tool.uv.sources), described as version "2.18.0+27486e03" (tool.uv.dependency-metadata): the 2.18 line.
 # Outside it: untested, a warning.
-MCORE_TE_RANGE = {"0.16": SpecifierSet(">=2.9.0a0,<2.12.0"), "0.19": SpecifierSet(">=2.18.0,<2.19")}
-MCORE_TE_FIX = {"0.16": "2.11.0", "0.19": "2.18.0"}
+MCORE_TE_RANGE = SpecifierSet(">=2.18.0,<2.19")
+MCORE_TE_FIX = "2.18.0"
 # fla 0.6 refuses its gated-delta-rule backward on Hopper for these Triton versions unless tilelang is
 # installed (fla's own message; seen on an H200 with Triton 3.6: docs/device_checks/qwen3_5_cuda.md).
 FLA_BAD_TRITON_ON_HOPPER = SpecifierSet(">=3.4.0,<3.7.1")
@@ -263,15 +262,13 @@ def _mcore_findings(versions) -> list[Finding]:
     if mv is None:
         return [Finding("error", "megatron-core is not installed", MCORE_FIX)]
     if not MCORE_SUPPORTED.contains(_public(mv), prereleases=True):
-        out.append(Finding("error", f"megatron-core {mv} is not supported (supported: {MCORE_SUPPORTED}): {MCORE_WHY}",
-                           MCORE_FIX))
+        return [Finding("error", f"megatron-core {mv} is not supported (supported: {MCORE_SUPPORTED}): {MCORE_WHY}",
+                        MCORE_FIX)]
     te = _v(versions.get("transformer-engine-torch") or versions.get("transformer-engine"))
-    rng = MCORE_TE_RANGE.get(f"{mv.major}.{mv.minor}")
-    if te is not None and rng is not None and not rng.contains(_public(te), prereleases=True):
+    if te is not None and not MCORE_TE_RANGE.contains(_public(te), prereleases=True):
         out.append(Finding("warning", f"Transformer Engine {te} is outside megatron-core {mv}'s range "
-                                      f"transformer-engine{rng} (untested with it)",
-                           f"pip install --no-build-isolation 'transformer-engine[pytorch,core_cu13]=="
-                           f"{MCORE_TE_FIX[f'{mv.major}.{mv.minor}']}'"))
+                                      f"transformer-engine{MCORE_TE_RANGE} (untested with it)",
+                           f"pip install --no-build-isolation 'transformer-engine[pytorch,core_cu13]=={MCORE_TE_FIX}'"))
     return out
 
 

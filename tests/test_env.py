@@ -1,11 +1,13 @@
 """The environment check (megatron_s3ac/env.py) on faked stacks, and the megatron-core refusal.
 
 The "good" stack is the matrix of docs/environment.md; its ``Requires-Dist`` lines are copied from the
-wheels' METADATA (sglang-0.5.23-cp312, sglang_kernel-0.4.10, torch-2.14.1, transformer_engine_torch
-2.11.0 built against a CUDA 13 torch, flash_linear_attention-0.6.0, fla_core-0.6.0). Bad stacks change
-one thing each; the expected finding is derived from that change, not from the code under test.
+wheels' METADATA (sglang-0.5.23-cp312, sglang_kernel-0.4.10, torch-2.14.1, flash_linear_attention-0.6.0,
+fla_core-0.6.0, megatron_core-0.19.2; transformer_engine_torch 2.18.0 as TE's wheels state their pin on the core
+library, ``transformer_engine_cu13==V``). Bad stacks change one thing each; the expected finding is derived from
+that change, not from the code under test.
 """
 import json
+import re
 import subprocess
 import sys
 
@@ -14,12 +16,12 @@ import pytest
 from megatron_s3ac import env
 from megatron_s3ac.models import cpu_compat
 
-# the megatron-core each lock installs: requirements-cpu.txt (Python 3.12), requirements-cpu-py311.txt (3.11)
-LOCKED_MCORE = "0.16.1" if sys.version_info < (3, 12) else "0.19.2"
+# the megatron-core the lock installs: requirements-cpu.txt (Python 3.12)
+LOCKED_MCORE = "0.19.2"
 
 GOOD = {
-    "torch": "2.14.1", "triton": "3.8.0", "transformer-engine": "2.11.0", "transformer-engine-torch": "2.11.0",
-    "transformer-engine-cu13": "2.11.0", "transformer-engine-cu12": None, "megatron-core": "0.16.1",
+    "torch": "2.14.1", "triton": "3.8.0", "transformer-engine": "2.18.0", "transformer-engine-torch": "2.18.0",
+    "transformer-engine-cu13": "2.18.0", "transformer-engine-cu12": None, "megatron-core": "0.19.2",
     "sglang": "0.5.23", "sglang-kernel": "0.4.10", "sgl-kernel": None, "flashinfer-python": "0.7.2",
     "flash-linear-attention": "0.6.0", "fla-core": "0.6.0", "tilelang": "0.1.12", "ray": "2.60.0",
     "nvidia-modelopt": "0.47.0", "transformers": "5.19.0", "numpy": "2.3.5",
@@ -30,11 +32,13 @@ REQUIRES = {
                'nvidia-modelopt; extra == "diffusion"'],
     "sglang-kernel": ["torch==2.14.1"],
     "torch": ['triton~=3.8.0; platform_system == "Linux" and python_version < "3.15"', "filelock"],
-    "transformer-engine-torch": ["torch>=2.1", "transformer_engine_cu13==2.11.0"],
-    "transformer-engine": ['transformer_engine_torch==2.11.0; extra == "pytorch"'],
+    "transformer-engine-torch": ["torch>=2.1", "transformer_engine_cu13==2.18.0"],
+    "transformer-engine": ['transformer_engine_torch==2.18.0; extra == "pytorch"'],
     "flash-linear-attention": ["fla-core==0.6.0", "transformers<6,>=5.6.2"],
     "fla-core": ["einops", 'torch>=2.7.0; extra == "cuda"', 'triton>=3.3; extra == "cuda"'],
-    "megatron-core": ["torch>=2.6.0", "numpy", 'transformer-engine[core_cu13,pytorch]<2.12.0,>=2.9.0a0; extra == "dev"'],
+    "megatron-core": ["torch>=2.6.0", "numpy", "packaging>=24.2", 'flash-linear-attention~=0.4.0; extra == "dev"',
+                      'flashinfer-python<0.7.0,>=0.5.0; extra == "dev"',
+                      'transformer-engine[core_cu13,pytorch]; extra == "te"'],
     "flashinfer-python": ["torch", "numpy"],
 }
 H200 = {"torch_cuda": "13.0", "cuda_available": True, "device_count": 8, "capability": (9, 0),
@@ -68,8 +72,7 @@ def test_matrix_agrees_with_setup_gpu_extra():
     for elt in gpu.elts:
         from packaging.requirements import Requirement
         r = Requirement(elt.value)
-        if r.marker is not None and not r.marker.evaluate({"python_version": "3.12"}):
-            continue  # MATRIX is the GPU path's, Python 3.12 (megatron-core 0.19.2); 3.11's TE pin is 0.16.1's
+        assert r.marker is None, elt.value  # one Python (3.12), one megatron-core (0.19.2): no per-Python pins
         spec = str(r.specifier)
         if spec.startswith("=="):
             pins[r.name.lower()] = spec[2:]
@@ -96,7 +99,7 @@ def test_local_build_tag_satisfies_pin():
     ("sglang-kernel", "0.4.9", "sglang 0.5.23", "sglang-kernel==0.4.10"),
     ("transformers", "5.24.0", "sglang 0.5.23", "transformers==5.19.0"),
     ("triton", "3.6.0", "torch 2.14.1", "triton~=3.8.0"),
-    ("transformer-engine-cu13", "2.9.0", "transformer-engine-torch 2.11.0", "transformer_engine_cu13==2.11.0"),
+    ("transformer-engine-cu13", "2.9.0", "transformer-engine-torch 2.18.0", "transformer_engine_cu13==2.18.0"),
     ("fla-core", "0.5.2", "flash-linear-attention 0.6.0", "fla-core==0.6.0"),
 ])
 def test_violated_declared_pin_is_an_error(pkg, bad, owner, spec):
@@ -106,9 +109,11 @@ def test_violated_declared_pin_is_an_error(pkg, bad, owner, spec):
 
 
 def test_extra_and_platform_markers_are_not_requirements():
-    # sglang's `ray` extra wants ray>=2.55.1 and megatron-core's `dev` extra wants TE<2.12: not installed
-    # through those extras, so not checked as pins
+    # sglang's `ray` extra wants ray>=2.55.1, megatron-core's `dev` extra wants flash-linear-attention~=0.4.0 and
+    # flashinfer-python<0.7.0 (0.6.0 / 0.7.2 installed), its `te` extra names TE: not installed through those
+    # extras, so not checked as pins
     assert run(ray="2.40.0").ok
+    assert not any("megatron-core 0.19.2 requires" in f.what for f in run().findings)
     assert not any("requires transformer-engine" in f.what for f in run(**{"transformer-engine-torch": "2.20.2",
                                                                            "transformer-engine": "2.20.2"}).errors)
 
@@ -124,10 +129,12 @@ def test_both_sgl_kernel_names_installed_is_refused():
         "both sgl-kernel 0.3.21 and sglang-kernel 0.4.10 are installed"]
 
 
-@pytest.mark.parametrize("mcore", ["0.17.1", "0.18.2", "0.19.1", "0.20.0", "0.15.3", "0.16.0"])
+@pytest.mark.parametrize("mcore", ["0.16.1", "0.17.1", "0.18.2", "0.19.1", "0.20.0", "0.15.3", "0.16.0"])
 def test_unsupported_megatron_core_is_refused(mcore):
+    """0.16.1 (Python 3.11) was dropped: refused like any other release but 0.19.2, naming the fix."""
     report = run(**{"megatron-core": mcore})
     assert any(f"megatron-core {mcore} is not supported" in f.what for f in report.errors)
+    assert any("megatron-core==0.19.2" in f.fix for f in report.errors)
 
 
 def test_te_outside_megatron_declared_range_is_a_warning():
@@ -136,12 +143,12 @@ def test_te_outside_megatron_declared_range_is_a_warning():
     report = env.check_environment(True, versions={**GOOD, **stack}, requires=requires, runtime=H200)
     assert report.ok
     assert [f.level for f in report.findings] == ["warning"]
-    assert "2.20.2" in report.findings[0].what and "<2.12.0" in report.findings[0].what
+    assert "2.20.2" in report.findings[0].what and "<2.19,>=2.18.0" in report.findings[0].what
 
 
 def test_te_range_of_megatron_core_019():
     """0.19.2 declares no TE range; its pyproject builds against TE 2.18.0+27486e03, so 2.18.x is quiet and 2.11.0
-    (0.16.1's) warns naming the 2.18 line and the fix."""
+    (the TE of the dropped 0.16.1) warns naming the 2.18 line and the fix."""
     def stack(v):
         return {"transformer-engine": v, "transformer-engine-torch": v, "transformer-engine-cu13": v,
                 "megatron-core": "0.19.2"}
@@ -164,7 +171,7 @@ def test_te_extension_built_for_another_torch_is_refused():
     report = run(runtime=rt)
     assert len(report.errors) == 1
     f = report.errors[0]
-    assert "transformer-engine-torch 2.11.0" in f.what and "torch 2.14.1" in f.what and "undefined symbol" in f.what
+    assert "transformer-engine-torch 2.18.0" in f.what and "torch 2.14.1" in f.what and "undefined symbol" in f.what
     assert "--no-build-isolation" in f.fix
 
 
@@ -206,7 +213,7 @@ def test_all_errors_are_reported_at_once():
 
 def test_this_machine_real_metadata():
     """The real readers on this (CPU) venv: versions and Requires-Dist come from importlib.metadata,
-    nothing here violates a declared pin, megatron-core 0.16.1 (Python 3.11) / 0.19.2 (3.12) is accepted."""
+    nothing here violates a declared pin, megatron-core 0.19.2 (Python 3.12) is accepted."""
     versions = env.installed_versions()
     assert versions["megatron-core"] == cpu_compat.megatron_core_version() == LOCKED_MCORE
     assert versions["torch"] is not None
@@ -238,10 +245,10 @@ def test_module_entry_point():
 
 def test_cpu_shim_refuses_unsupported_megatron_core():
     assert cpu_compat.require_supported_megatron() == LOCKED_MCORE  # the installed one
-    for good in ("0.16.1+local", "0.19.2", "0.19.2+ba40176"):  # 0.19.2 appends the enclosing checkout's commit
+    for good in ("0.19.2", "0.19.2+ba40176"):  # 0.19.2 appends the enclosing checkout's commit
         assert cpu_compat.require_supported_megatron(good) == good
-    for bad in ("0.17.1", "0.18.2", "0.19.1", "0.20.0", "0.16.0", "garbage"):
-        with pytest.raises(cpu_compat.UnsupportedMegatronCore, match=f"megatron-core {bad} is installed"):
+    for bad in ("0.16.1", "0.16.1+local", "0.17.1", "0.18.2", "0.19.1", "0.20.0", "0.16.0", "garbage"):
+        with pytest.raises(cpu_compat.UnsupportedMegatronCore, match=re.escape(f"megatron-core {bad} is installed")):
             cpu_compat.require_supported_megatron(bad)
 
 

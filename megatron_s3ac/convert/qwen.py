@@ -1,7 +1,7 @@
 """Qwen2 / Qwen3 / Qwen3-MoE <-> megatron-core GPTModel: the one name/layout mapping.
 
-Checkpoint keys are those megatron-core 0.16 writes for a TP1/PP1/EP1 ``GPTModel.sharded_state_dict()``
-(the torch_dist layout is the same at every TP/PP/EP/ETP):
+Checkpoint keys are those megatron-core 0.19.2 writes (as 0.16.1 did) for a TP1/PP1/EP1
+``GPTModel.sharded_state_dict()`` (the torch_dist layout is the same at every TP/PP/EP/ETP):
   * dense models stack layers: ``decoder.layers.<name>`` with a prepended layer axis [L, ...];
     MoE models (``moe_layer_freq`` is a list) key layers individually: ``decoder.layers.<i>.<name>``;
   * ``linear_qkv.weight`` [(nh + 2*ng) * d, H]: per query group g, [q heads of g; k_g; v_g];

@@ -1,6 +1,6 @@
 """Qwen3.5-MoE (``qwen3_5_moe`` / ``qwen3_5_moe_text``) <-> megatron-core checkpoint mapping.
 
-Checkpoint keys are those megatron-core 0.16.1 writes for the hybrid model of
+Checkpoint keys are those megatron-core 0.19.2 writes (as 0.16.1 did) for the hybrid model of
 ``models/qwen3_5_spec.py`` (per-layer keys ``decoder.layers.<i>.``: ``linear_attention_freq`` and
 ``moe_layer_freq`` are lists). Every region is a row range of one HF tensor, so the converter copies
 bytes only:

@@ -51,13 +51,7 @@ def build_transformer_config(info: ModelInfo, layout: ParallelLayout, dtype: tor
         kw["pipeline_dtype"] = dtype
     kw.update(recompute_kwargs(recompute, recompute_modules, recompute_num_layers))
     kw.update(overrides)
-    cp = kw.get("context_parallel_size", 1)
-    if cp > 1 and get_arch(info.model_type).own_context_parallel:
-        # megatron's only cp check for it is "not supported yet" (the GDN's); nothing is derived from cp
-        config = TransformerConfig(**{**kw, "context_parallel_size": 1})
-        config.context_parallel_size = cp
-    else:
-        config = TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
     # the torch spec's CP attention exchange (SDPAttention); not a megatron field, TE reads its cp_comm_type
     config.s3ac_cp_comm = layout.cp_comm
     return config

@@ -17,8 +17,7 @@ On GPUs with Transformer Engine the TE layer spec is used (``models.specs``) and
 attention runs (``TransformerConfig.cp_comm_type``, default ``'p2p'``: a ring exchanging K/V
 blocks); this module is the torch spec's path (CPU, and GPUs without TE).
 
-Gated DeltaNet: a head-parallel all-to-all, megatron-core 0.19.2's own (``ssm/gated_delta_net/gdn.py``) or, on
-0.16.1, the project's (``qwen3_5_spec._gdn_class_016``: ``TorchGatedDeltaNet._forward_cp``).
+Gated DeltaNet: a head-parallel all-to-all, megatron-core 0.19.2's own (``ssm/gated_delta_net/gdn.py:134-164``).
 """
 from __future__ import annotations
 

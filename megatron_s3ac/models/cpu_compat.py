@@ -1,22 +1,21 @@
-"""Run megatron-core (0.16.1 on Python 3.11, 0.19.2 on Python 3.12) on CPU (gloo) when CUDA is absent.
+"""Run megatron-core 0.19.2 (Python 3.12) on CPU (gloo) when CUDA is absent.
 
 megatron-core assumes a GPU in a handful of places (see ../shared/notes/megatron_on_cpu.md):
 direct ``torch.cuda.*`` calls (current_device, synchronize, streams, CUDA RNG state), hard-coded
-``device="cuda"`` literals inside schedules and mask helpers, a ``torch.cuda.Stream()`` built by the
-all-to-all dispatcher, and a ``te_general_gemm`` name referenced without Transformer Engine (0.16.1).
+``device="cuda"`` literals inside schedules and mask helpers, and a ``torch.cuda.Stream()`` built by the
+all-to-all dispatcher. (Without Transformer Engine megatron defines ``moe_utils.te_general_gemm`` as None
+itself, ``megatron/core/transformer/moe/moe_utils.py:41-53``: no shim; 0.16.1 needed one.)
 
 ``enable()`` neutralises exactly those, without editing megatron-core:
   * ``torch.cuda`` functions megatron calls become CPU-safe stand-ins (streams are no-ops, the "CUDA"
     RNG state is a CPU generator state so ``get_cuda_rng_tracker().fork()`` works);
   * a ``TorchFunctionMode`` rewrites any CUDA ``device=`` argument (``"cuda"``, ``cuda:N``, an int)
     to CPU, drops ``pin_memory=True``, makes ``Tensor.cuda()`` a no-op, and reports CPU tensors' ``Tensor.type()`` as the CUDA
-    type name the optimizers dispatch on;
-  * ``moe_utils.te_general_gemm`` is defined as None (0.16.1; 0.19.2 defines it as None itself,
-    ``megatron/core/transformer/moe/moe_utils.py:41-53``).
+    type name the optimizers dispatch on.
 
 ``patch_missing_fla()`` binds torch kernels where megatron's Gated DeltaNet reads the
-flash-linear-attention names (0.16.1: ``megatron/core/ssm/gated_delta_net.py``; 0.19.2: the package
-``megatron/core/ssm/gated_delta_net/``, whose ``common.py`` and ``gdn.py`` each hold their own copies).
+flash-linear-attention names (the package ``megatron/core/ssm/gated_delta_net/``, whose ``common.py`` and
+``gdn.py`` each hold their own copies).
 
 It is inert (returns False and changes nothing) when CUDA is available, so the same code runs on GPUs.
 The function mode is per-thread; ``enable()`` enters it on the calling thread, which is also where CPU
@@ -37,37 +36,15 @@ from torch.overrides import TorchFunctionMode
 _STATE = {"enabled": False}
 _LOCAL = threading.local()
 
-# megatron-core releases this shim (and the models built on it) are written against, one per Python:
-# 0.16.1 is the last release for Python 3.11, 0.19.2 the one for Python 3.12 (docs/environment.md,
-# "megatron-core"). Others are refused up front: 0.17 / 0.18 are untested (0.18's Gated DeltaNet has
-# neither the module-level ``causal_conv1d_fn`` the 0.16 override calls nor 0.19's package layout that
-# ``patch_missing_fla`` patches), and a newer release may move the internals patched here again.
-class _Releases(tuple):
-    """SpecifierSets of which any one may match (a SpecifierSet alone cannot say "0.16 or 0.19")."""
-
-    def contains(self, version, prereleases=True) -> bool:
-        return any(s.contains(version, prereleases=prereleases) for s in self)
-
-    def __str__(self) -> str:
-        return " or ".join(f"'{s}'" for s in self)
-
-
-MCORE_SUPPORTED = _Releases((SpecifierSet(">=0.16.1,<0.17"), SpecifierSet(">=0.19.2,<0.20")))
-MCORE_WHY = ("megatron_s3ac is written and tested against megatron-core 0.16.1 (Python 3.11) and 0.19.2 "
-             "(Python 3.12): RouterReplay, the Gated DeltaNet internals it overrides, torch_dist checkpoints, "
-             "this CPU shim; 0.17 / 0.18 are untested")
-MCORE_FIX = "pip install megatron-core==0.16.1 (Python 3.11) or megatron-core==0.19.2 (Python 3.12)"
-
-
-def is_mcore_019(version: str | None = None) -> bool:
-    """Whether megatron-core (installed, or ``version``) is the 0.19 line: Gated DeltaNet is the package
-    ``megatron/core/ssm/gated_delta_net/`` (forward split over ``common.py`` / ``gdn.py``, with context
-    parallelism) instead of 0.16's module ``megatron/core/ssm/gated_delta_net.py``."""
-    found = megatron_core_version() if version is None else version
-    try:
-        return Version(Version(found).public) >= Version("0.19")
-    except InvalidVersion:
-        return False
+# The megatron-core release this shim (and the models built on it) is written against: 0.19.2, on
+# Python 3.12 (docs/environment.md, "megatron-core"; 0.16.1 on Python 3.11 was dropped). Others are
+# refused up front: 0.17 / 0.18 are untested (0.18's Gated DeltaNet is not yet 0.19's package layout
+# that ``patch_missing_fla`` patches), and a newer release may move the internals patched here again.
+MCORE_SUPPORTED = SpecifierSet(">=0.19.2,<0.20")
+MCORE_WHY = ("megatron_s3ac is written and tested against megatron-core 0.19.2 (Python 3.12): RouterReplay, "
+             "the Gated DeltaNet internals it overrides, torch_dist checkpoints, this CPU shim; "
+             "0.16.1 (Python 3.11) is no longer supported, 0.17 / 0.18 are untested")
+MCORE_FIX = "pip install megatron-core==0.19.2 (Python 3.12)"
 
 
 class UnsupportedMegatronCore(RuntimeError):
@@ -76,8 +53,9 @@ class UnsupportedMegatronCore(RuntimeError):
 
 def megatron_core_version() -> str:
     """The installed release, as its wheel's metadata names it. (0.19.2's ``package_info.__version__``
-    appends ``+<hash>`` of whatever git checkout its site-packages lies in, ``megatron/core/package_info.py:
-    19-31``: inside this repository's ``.venv312`` it names this repository's commit, not megatron's.)"""
+    appends ``+<hash>`` of whatever git checkout its site-packages lies in unless ``NO_VCS_VERSION=1``,
+    ``megatron/core/package_info.py:20-32``: inside this repository's ``.venv`` it would name this
+    repository's commit, not megatron's; the Makefile's ``.pth`` sets the variable.)"""
     from importlib import metadata
 
     try:
@@ -225,24 +203,13 @@ def enter_device_mode() -> None:
         _LOCAL.mode.__enter__()
 
 
-def patch_missing_te() -> None:
-    """megatron-core 0.16.1's router references ``te_general_gemm`` even without Transformer Engine
-    (a NameError on CPU and on GPU alike); define it as None so the torch path is taken."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def enable() -> bool:
-    """Make megatron-core CPU-safe in this process. Returns True if the CPU shim is active.
-
-    The Transformer-Engine-absent fix is applied on GPUs too; everything else only without CUDA.
-    Raises ``UnsupportedMegatronCore`` first if megatron-core is not a supported release."""
+    """Make megatron-core CPU-safe in this process. Returns True if the CPU shim is active (only
+    without CUDA: on a GPU it changes nothing). Raises ``UnsupportedMegatronCore`` first if
+    megatron-core is not a supported release."""
     if not _STATE.get("version_ok"):
         require_supported_megatron()
         _STATE["version_ok"] = True
-    patch_missing_te()
     if cuda_available():
         return False
     if not _STATE["enabled"]:
@@ -320,7 +287,7 @@ def _torch_causal_conv1d(x, weight, bias=None, activation=None, initial_state=No
                          cu_seqlens=None, **kwargs):
     """fla's ``causal_conv1d`` (the call megatron-core 0.19.2 makes, ``ssm/gated_delta_net/gdn.py:214-222``)
     in torch: x [b, s, d], weight [d, w] (depthwise), the same zero left-padding as megatron's own
-    ``nn.Conv1d(padding=w-1)`` path (``gdn.py:199-211``, and 0.16.1's fallback), then SiLU; returns
+    ``nn.Conv1d(padding=w-1)`` path (``gdn.py:199-211``), then SiLU; returns
     (y [b, s, d], None). Neither packed sequences (``cu_seqlens``) nor a carried conv state (inference)."""
     import torch.nn.functional as F
 
@@ -339,17 +306,12 @@ def _torch_causal_conv1d(x, weight, bias=None, activation=None, initial_state=No
 def _gdn_kernel_modules():
     """The modules whose globals megatron's Gated DeltaNet reads the fla names from, and the flag's home.
 
-    0.16.1: the one module ``megatron/core/ssm/gated_delta_net.py`` (``l2norm`` / ``chunk_gated_delta_rule``;
-    its conv falls back to torch by itself). 0.19.2: the package ``megatron/core/ssm/gated_delta_net/``
-    imports them into three namespaces: ``common.py:43-54`` (the fla try-import; ``HAVE_FLA`` is checked by
+    The package ``megatron/core/ssm/gated_delta_net/`` imports them into three namespaces: ``common.py:43-54`` (the fla try-import; ``HAVE_FLA`` is checked by
     ``_GDNBase.__init__``, ``common.py:141-145``; ``l2norm`` is read by ``_prepare_input_for_gated_delta_rule``,
     ``common.py:411``), ``gdn.py:17-26`` (``from common import causal_conv1d, chunk_gated_delta_rule``: read
     by ``GatedDeltaNet._setup_variant_attrs``, ``gdn.py:59-62``, and ``forward``, ``gdn.py:214``) and the
     package ``__init__.py:9-19`` (re-exports)."""
     from megatron.core.ssm import gated_delta_net as pkg
-
-    if not is_mcore_019():
-        return pkg, [pkg]
     from megatron.core.ssm.gated_delta_net import common, gdn
 
     return pkg, [pkg, common, gdn]
@@ -363,9 +325,9 @@ def patch_missing_fla() -> bool:
     ``torch_chunk_gated_delta_rule``, the transformers reference algorithm, wrapped), and let the
     constructor pass. Precision: under bf16 the normalised q / k, the chunk products and the
     recurrent state are fp32 and only the kernel's output is cast back (the decay ``g`` is fp32 too,
-    see ``qwen3_5_spec.TorchGatedDeltaNet``); in fp32 nothing changes. 0.16.1's causal conv1d falls
-    back to ``torch.nn.Conv1d`` without the causal_conv1d package; 0.19.2's calls fla's ``causal_conv1d``
-    outside deterministic mode, so it is bound to ``_torch_causal_conv1d`` (the same convolution).
+    see ``qwen3_5_spec.TorchGatedDeltaNet``); in fp32 nothing changes. The causal conv1d is fla's
+    ``causal_conv1d`` outside deterministic mode, so it is bound to ``_torch_causal_conv1d`` (the same
+    convolution).
     The names are bound in every module that reads them (``_gdn_kernel_modules``). Applied on CPU and GPU alike;
     a no-op when fla is installed and usable (see ``fla_refusal``). Returns True if the torch path
     is in use."""
@@ -383,7 +345,7 @@ def patch_missing_fla() -> bool:
     for mod in mods:
         mod.l2norm = _torch_l2norm
         mod.chunk_gated_delta_rule = _torch_chunk_gated_delta_rule
-        if hasattr(mod, "causal_conv1d"):  # 0.19.2: the conv is fla's unless deterministic_mode (gdn.py:199-222)
+        if hasattr(mod, "causal_conv1d"):  # the conv is fla's unless deterministic_mode (gdn.py:199-222)
             mod.causal_conv1d = _torch_causal_conv1d
         mod.HAVE_FLA = True  # only lets __init__ pass: the names above are the torch kernels
     pkg._s3ac_torch_path = True

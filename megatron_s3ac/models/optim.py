@@ -31,14 +31,18 @@ def _have_te() -> bool:
 
 def optimizer_refusal(ddp_models: list, cpu_offload: bool, precision_aware: bool,
                       distributed_optimizer: bool = True) -> str | None:
-    """Why megatron-core 0.16.1 cannot build this optimizer here, or None. Observed on CPU:
+    """Why megatron-core 0.19.2 cannot build this optimizer here, or None. Observed on CPU with 0.16.1;
+    the code paths are unchanged in 0.19.2 (line numbers are 0.19.2's ``megatron/core/optimizer/``):
 
-    * cpu_offload: ``HybridDeviceOptimizer._get_sub_optimizer_param_groups`` (hybrid_optimizer.py)
-      offloads only parameters with ``is_cuda``; host parameters end up in its CPU group with no
-      device twin, and the first ``step`` fails with a KeyError in ``_set_sub_optimizer_grads``.
+    * cpu_offload: ``HybridDeviceOptimizer._get_sub_optimizer_param_groups``
+      (cpu_offloading/hybrid_optimizer.py:251-297) offloads only parameters with ``is_cuda`` (:273);
+      host parameters end up in its CPU group with no device twin (:285-288), and the first ``step``
+      fails with a KeyError in ``_set_sub_optimizer_grads`` (``cpu_copys_map_gpu_param[param]``, :101).
       So it needs the model on CUDA (on a CPU-only machine the state is host memory anyway).
-    * precision_aware: ``OptimizerConfig.__post_init__`` calls ``is_te_min_version`` (a TypeError
-      without Transformer Engine) and, without cpu_offload, needs TE's FusedAdam for bf16 moments.
+    * precision_aware: without cpu_offload ``OptimizerConfig.__post_init__`` requires TE's FusedAdam
+      for bf16 moments (optimizer_config.py:430-461, a RuntimeError without it). (0.16.1's
+      ``is_te_min_version`` also raised a TypeError without TE; 0.19.2's reads TE as version 0.0.0,
+      utils.py:317-323.) With cpu_offload but without TE it stays refused: not run on any release.
     """
     params = [p for m in ddp_models for p in m.parameters() if p.requires_grad]
     if cpu_offload and params and not params[0].is_cuda:

@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE (the Intern-S2 397B / 35B architecture) on megatron-core 0.16.1 and 0.19.2.
+"""Qwen3.5-MoE (the Intern-S2 397B / 35B architecture) on megatron-core 0.19.2.
 
 HF model_types: ``qwen3_5_moe`` (``Qwen3_5MoeForConditionalGeneration`` checkpoints; the language model
 is the ``text_config``, HF tensors under ``model.language_model.``) and ``qwen3_5_moe_text``
@@ -9,8 +9,7 @@ asking for MTP layers raises.
 
 What the architecture needs from megatron-core, and where it comes from:
   * hybrid layers from ``layer_types`` (or ``full_attention_interval``): ``linear_attention`` ->
-    megatron's Gated DeltaNet (0.16.1: ``megatron/core/ssm/gated_delta_net.py``; 0.19.2: the package
-    ``megatron/core/ssm/gated_delta_net/``), ``full_attention`` ->
+    megatron's Gated DeltaNet (the package ``megatron/core/ssm/gated_delta_net/``), ``full_attention`` ->
     SelfAttention with ``attention_output_gate`` (per-head sigmoid gate, HF's [q, gate] per head);
     megatron's config fields ``experimental_attention_variant='gated_delta_net'`` and
     ``linear_attention_freq`` (a 1/0 list) record the pattern (and make checkpoints per-layer);
@@ -28,11 +27,11 @@ What the architecture needs from megatron-core, and where it comes from:
 Kernels: without flash-linear-attention (CPU, or a GPU without fla) the GDN runs megatron's own torch
 ``torch_chunk_gated_delta_rule`` (``cpu_compat.patch_missing_fla``). Under bf16 the GDN core (q/k
 l2norm, decay ``-exp(A_log) * softplus(.)``, chunked recurrence) is computed in fp32 and only its output
-is cast back, as in transformers and fla (bit-identical to before in fp32). megatron-core's GDN (0.16.1
-and 0.19.2) ignores the attention mask, so packed sequences and left padding are refused (``TorchGatedDeltaNet``).
+is cast back, as in transformers and fla (bit-identical to before in fp32). megatron-core's GDN
+(0.19.2, ``gated_delta_net/gdn.py:64-278``) ignores the attention mask, so packed sequences and left
+padding are refused (``TorchGatedDeltaNet``).
 Context parallel: the gated attention all-gathers K/V like every attention layer here, the GDN runs a
-head-parallel all-to-all: 0.19.2's own (``gated_delta_net/gdn.py:134-164``), on 0.16.1 the project's
-(``TorchGatedDeltaNet._forward_cp`` in ``qwen3_5_spec._gdn_class_016``; docs/context_parallel.md).
+head-parallel all-to-all, megatron's own (``gated_delta_net/gdn.py:134-164``; docs/context_parallel.md).
 The megatron modules and layer specs are in ``qwen3_5_spec.py`` (imported when a model is built).
 """
 from __future__ import annotations
@@ -116,9 +115,6 @@ class Qwen35Moe(Arch):
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
     required_keys = ()  # every size has a default (the released model's)
     qk_norm = True
-    # megatron-core 0.16.1's TransformerConfig refuses cp > 1 with a GDN (this project's GDN implements it there);
-    # 0.19.2 accepts it (its GDN has CP), the config is built the same way on both
-    own_context_parallel = True
 
     def from_checkpoint(self, cfg: dict, hf_dir: str) -> dict:
         """The expert layout from the tensor names (``mlp.experts.0.`` = per expert), unless set."""

@@ -38,9 +38,10 @@ def recompute_kwargs(recompute: str = "none", modules: list[str] | None = None,
         needs_te = sorted(set(modules or ()) & set(TE_ONLY_RECOMPUTE_MODULES))
         if needs_te and not _have_te():
             raise ValueError(
-                f"train.recompute_modules {needs_te} need Transformer Engine: megatron-core 0.16.1 recomputes them "
+                f"train.recompute_modules {needs_te} need Transformer Engine: megatron-core 0.19.2 recomputes them "
                 "through tensor_parallel.CheckpointWithoutOutput, whose __init__ sets fp8 = (fp8 is not None), "
-                "i.e. always True, and then calls TE's FP8GlobalStateManager (a NameError without TE); "
+                "i.e. always True (tensor_parallel/random.py:739-740), and then calls TE's FP8GlobalStateManager "
+                "(:692-695, a NameError without TE); "
                 f"use {sorted(set(SELECTIVE_MODULES) - set(TE_ONLY_RECOMPUTE_MODULES))} or install transformer-engine")
         kw = dict(recompute_granularity="selective")
         if modules:

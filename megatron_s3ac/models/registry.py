@@ -224,9 +224,6 @@ class Arch:
     required_keys: ClassVar[tuple[str, ...]] = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                 "vocab_size")
     qk_norm: ClassVar[bool] = False
-    # True: megatron-core's TransformerConfig asserts cp == 1 for this architecture but the project's
-    # modules implement CP (the config is built at cp = 1 and given the real cp afterwards)
-    own_context_parallel: ClassVar[bool] = False
 
     def qkv_bias(self, cfg: dict) -> bool:
         return bool(cfg.get("attention_bias", False))

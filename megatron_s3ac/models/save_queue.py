@@ -1,8 +1,7 @@
 """megatron-core's torch_dist writer reports its write results through a queue served by a ``multiprocessing``
-Manager, started with the spawn method at a process's first save (megatron-core 0.16.1
-dist_checkpointing/strategies/filesystem_async.py:51-56, ``_get_write_results_queue``; called from
-``FileSystemWriterAsync.prepare_write_data``, :185, by synchronous saves too; 0.19.2 renamed it
-``get_write_results_queue(mp_mode='spawn')``, filesystem_async.py:52-66, called at :200): one server process, plus its
+Manager, started with the spawn method at a process's first save (megatron-core 0.19.2
+dist_checkpointing/strategies/filesystem_async.py:52-66, ``get_write_results_queue(mp_mode='spawn')``; called from
+``FileSystemWriterAsync.prepare_write_data``, :200, by synchronous saves too): one server process, plus its
 resource tracker, per saving process. Nothing ties that server to its parent. A normal exit shuts it down (the
 Manager's finalizer); a trainer killed by SIGKILL (the OOM killer, a preempted node, torchrun ending a failed
 job, the kill-and-resume tests) leaves both alive under init, asleep, one more pair per killed rank and restart.
@@ -34,9 +33,8 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def write_results_queue(mp_mode: str = "spawn"):
-    """megatron's ``_get_write_results_queue`` (0.16.1) / ``get_write_results_queue`` (0.19.2), its Manager's
-    server bound to this process's life. Always spawn, megatron's default (``mp_mode`` is accepted for 0.19.2's
-    signature; no megatron caller passes another)."""
+    """megatron's ``get_write_results_queue``, its Manager's server bound to this process's life. Always spawn,
+    megatron's default (``mp_mode`` is accepted for megatron's signature; no megatron caller passes another)."""
     if _STATE["queue"] is None:
         import multiprocessing as mp
         from multiprocessing.managers import SyncManager
@@ -56,5 +54,4 @@ def install() -> None:
 
     if fa._results_queue is not None:
         return
-    name = "get_write_results_queue" if hasattr(fa, "get_write_results_queue") else "_get_write_results_queue"
-    setattr(fa, name, write_results_queue)
+    fa.get_write_results_queue = write_results_queue

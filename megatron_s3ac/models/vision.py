@@ -21,9 +21,9 @@ megatron decoder input at the image tokens, and the interleaved multimodal rotar
 * ``InterleavedMRoPE``: the rotary embedding of ``Qwen3_5MoeTextRotaryEmbedding`` (modeling_qwen3_5_moe.py:
   195-218): frequency i takes its position from axis H when i % 3 == 1 and i < 3 * section[1], from W when
   i % 3 == 2 and i < 3 * section[2], else from T (``mrope_interleaved``); [cos | cos] halves as megatron's
-  rotate-half ``apply_rotary_pos_emb`` expects. megatron-core 0.16.1's ``MultimodalRotaryEmbedding``
-  (models/common/embeddings/rotary_pos_embedding.py:258-359) concatenates contiguous sections instead
-  (Qwen2-VL's layout) and allocates on CUDA, hence this module. For text (all three axes equal) it equals
+  rotate-half ``apply_rotary_pos_emb`` expects. megatron-core 0.19.2's ``MultimodalRotaryEmbedding``
+  (models/common/embeddings/rotary_pos_embedding.py:266-367) concatenates contiguous sections instead
+  (Qwen2-VL's layout, :356-357) and allocates on CUDA (:305), hence this module. For text (all three axes equal) it equals
   megatron's 1-D ``RotaryEmbedding`` bit for bit.
 """
 from __future__ import annotations

@@ -290,9 +290,9 @@ def gdn_torch_kernel_bytes(nv: int, dk: int, dv: int, C: int = C.GDN_CHUNK) -> f
 
 def layer_activation(info: ModelInfo, mixer: str, mlp: str, layout, knobs: Knobs) -> LayerAct:
     """Saved-for-backward bytes per token of one layer. The element counts per token follow what the
-    modules keep for backward: megatron-core 0.16.1 with TE / flash-attention / fla kernels
-    (``backend='gpu'``) or this project's torch spec (``backend='cpu'``, counted with
-    ``saved_tensors_hooks`` in tests/plan). Under SP everything is sequence-sharded, so each rank keeps
+    modules keep for backward: megatron-core with TE / flash-attention / fla kernels
+    (``backend='gpu'``; counted from 0.16.1's modules, not re-derived for 0.19.2) or this project's torch
+    spec (``backend='cpu'``, counted with ``saved_tensors_hooks`` in tests/plan). Under SP everything is sequence-sharded, so each rank keeps
     1/TP. Expert-side terms scale with the tokens routed to the rank (k x imbalance when EP > 1, x ETP
     with the FFN dim / ETP)."""
     b = C.DTYPE_BYTES[knobs.dtype]

@@ -1,7 +1,8 @@
 """Exact parameter counts per rank, summed from the converter plan's global tensor shapes.
 
 ``convert.plan.build_plan(info)`` lists every megatron-core checkpoint tensor with its global shape
-(layout-independent). How each one shards follows megatron-core 0.16.1's modules:
+(layout-independent). How each one shards follows megatron-core 0.19.2's modules (checked against the built
+models by tests/plan/test_calibration_states.py):
   * experts (``mlp.experts.experts.*``): the expert axis over EP, the FFN dim over ETP -> numel/(EP*ETP);
   * norms, q/k layernorms, the GDN ``out_norm``, the router and the shared-expert gate are replicated
     over TP;

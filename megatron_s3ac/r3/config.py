@@ -1,12 +1,15 @@
 """The R3 switch and the megatron-core settings replay needs, with refusals for those that skip it.
 
-megatron-core 0.16.1 replays top-k *indices* inside ``topk_routing_with_score_function``. Some
-settings route around that code or undo its result without any error, so a run would silently train
-on native routing. ``check_replay_config`` refuses them by name:
-  * ``moe_router_fusion=True``: TE's fused top-k returns before the replay hook is consulted;
-  * ``moe_router_load_balancing_type="sinkhorn"``: a different routing function, no replay hook;
+megatron-core 0.19.2 replays top-k *indices* inside ``topk_routing_with_score_function``
+(transformer/moe/moe_utils.py:710, the hook at :826-833). Some settings route around that code or undo
+its result without any error, so a run would silently train on native routing. ``check_replay_config``
+refuses them by name (line numbers: 0.19.2's transformer/moe/):
+  * ``moe_router_fusion=True``: TE's fused top-k returns before the replay hook is consulted (moe_utils.py:772-791);
+  * ``moe_router_load_balancing_type`` ``"sinkhorn"`` or ``"quantile_balancing"`` (new in 0.19): other routing
+    functions, no replay hook (router.py:766-772);
   * ``moe_expert_capacity_factor``: token dropping runs after replay and drops replayed tokens;
-  * ``moe_router_force_load_balancing``: random logits (a benchmark mode), the gates would be noise;
+  * ``moe_router_force_load_balancing`` / ``moe_router_force_biased`` (new in 0.19): random logits (benchmark
+    modes, router.py:856-864), the gates would be noise;
   * CUDA graphs (``cuda_graph_impl != "none"``): the captured graph bakes in one set of indices;
   * MTP layers (``mtp_num_layers``): their routers have replay instances but no rollout routes.
 """
@@ -59,13 +62,17 @@ def check_replay_config(config) -> None:
         raise R3ConfigError("moe_router_fusion=True: the fused TE top-k bypasses RouterReplay, so replay "
                             "would be silently skipped; set moe_router_fusion=False")
     lb = config.moe_router_load_balancing_type
-    if lb == "sinkhorn" or (isinstance(lb, list) and "sinkhorn" in lb):
-        raise R3ConfigError("moe_router_load_balancing_type='sinkhorn' routes without the replay hook")
+    for other in ("sinkhorn", "quantile_balancing"):
+        if lb == other or (isinstance(lb, list) and other in lb):
+            raise R3ConfigError(f"moe_router_load_balancing_type='{other}' routes without the replay hook")
     if config.moe_expert_capacity_factor is not None:
         raise R3ConfigError(f"moe_expert_capacity_factor={config.moe_expert_capacity_factor}: token dropping "
                             "runs after replay and would drop replayed tokens; use dropless MoE (None)")
     if config.moe_router_force_load_balancing:
         raise R3ConfigError("moe_router_force_load_balancing=True replaces router logits with noise")
+    if getattr(config, "moe_router_force_biased", None) is not None:
+        raise R3ConfigError(f"moe_router_force_biased={config.moe_router_force_biased} replaces router logits with "
+                            "biased noise")
     if getattr(config, "cuda_graph_impl", "none") != "none" or getattr(config, "enable_cuda_graph", False):
         raise R3ConfigError("CUDA graphs capture one set of routing indices; replay needs them off")
     if getattr(config, "mtp_num_layers", None):

@@ -1,7 +1,7 @@
 """Drive megatron-core's RouterReplay through one ``forward_backward`` call.
 
-megatron-core 0.16.1 gives every ``TopKRouter`` a ``RouterReplay`` when
-``moe_enable_routing_replay=True``. Its action decides where the top-k indices come from:
+megatron-core 0.19.2 gives every ``TopKRouter`` a ``RouterReplay`` when
+``moe_enable_routing_replay=True`` (transformer/moe/router.py:255-257). Its action decides where the top-k indices come from:
   REPLAY_FORWARD   ``target_topk_idx`` (the latest ``set_target_indices``),
   REPLAY_BACKWARD  pop the oldest entry of ``replay_backward_list`` (``set_target_indices``
                    also appends there), used when activation recomputation re-runs the router

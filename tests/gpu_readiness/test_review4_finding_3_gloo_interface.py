@@ -1,8 +1,8 @@
 """Fourth GPU-path review, finding 3: on hosts whose name resolves to a loopback address, gloo told the other nodes
 127.0.1.1.
 
-The trainer uses gloo across nodes: megatron-core 0.16.1's gloo groups (``initialize_model_parallel``'s
-``create_gloo_process_groups=True``, parallel_state.py:565) and the rank-0 wait group (trainer/step/rank0.py:33,
+The trainer uses gloo across nodes: megatron-core 0.19.2's gloo groups (``initialize_model_parallel``'s
+``create_gloo_process_groups=True``, parallel_state.py:620) and the rank-0 wait group (trainer/step/rank0.py:33,
 ``dist.new_group(backend="gloo")``). Without ``GLOO_SOCKET_IFNAME`` torch's ProcessGroupGloo.createDefaultDevice
 resolves ``gethostname()`` and uses the first address that binds (``doesHostnameResolveToUsableAddress``: a
 ``bind()`` test, which 127.0.1.1 passes), so on a stock Debian/Ubuntu /etc/hosts every node advertises a loopback

@@ -1,4 +1,4 @@
-"""What ``cpu_compat`` binds for megatron-core 0.19.2's Gated DeltaNet package (and stays right on 0.16.1).
+"""What ``cpu_compat`` binds for megatron-core 0.19.2's Gated DeltaNet package, and the release it accepts.
 
 0.19.2's ``gated_delta_net/`` imports the fla names into ``common.py`` and ``gdn.py`` separately, so the torch
 kernels must be bound in each module that reads them; its conv is fla's ``causal_conv1d`` outside deterministic
@@ -18,7 +18,7 @@ def test_torch_causal_conv1d_equals_megatron_conv1d_path():
     with torch.no_grad():
         conv.weight.copy_(torch.randn(d, 1, w, generator=g))
         conv.bias.copy_(torch.randn(d, generator=g))
-    ref = F.silu(conv(x.transpose(1, 2))[..., :s]).transpose(1, 2)  # gdn.py's deterministic branch, 0.16.1's
+    ref = F.silu(conv(x.transpose(1, 2))[..., :s]).transpose(1, 2)  # gdn.py's deterministic branch
     y, state = cpu_compat._torch_causal_conv1d(x=x, weight=conv.weight.squeeze(1), bias=conv.bias,
                                                activation="silu", initial_state=None, output_final_state=False,
                                                cu_seqlens=None)
@@ -32,19 +32,20 @@ def test_installed_release_is_supported_and_the_torch_kernels_are_bound_where_re
     if cpu_compat.have_fla():
         pytest.skip("flash-linear-attention installed: its kernels are used")
     assert cpu_compat.patch_missing_fla() and cpu_compat.torch_gdn_in_use()
-    pkg, mods = cpu_compat._gdn_kernel_modules()
-    if cpu_compat.is_mcore_019():
-        from megatron.core.ssm.gated_delta_net import common, gdn
+    from megatron.core.ssm.gated_delta_net import common, gdn
 
-        assert mods == [pkg, common, gdn]
-        assert common.l2norm is cpu_compat._torch_l2norm and common.HAVE_FLA
-        assert gdn.chunk_gated_delta_rule is cpu_compat._torch_chunk_gated_delta_rule
-        assert gdn.causal_conv1d is cpu_compat._torch_causal_conv1d
-    else:
-        assert mods == [pkg] and pkg.l2norm is cpu_compat._torch_l2norm
+    pkg, mods = cpu_compat._gdn_kernel_modules()
+    assert mods == [pkg, common, gdn]
+    assert common.l2norm is cpu_compat._torch_l2norm and common.HAVE_FLA
+    assert gdn.chunk_gated_delta_rule is cpu_compat._torch_chunk_gated_delta_rule
+    assert gdn.causal_conv1d is cpu_compat._torch_causal_conv1d
 
 
 def test_release_lines():
-    assert cpu_compat.is_mcore_019("0.19.2") and cpu_compat.is_mcore_019("0.19.2+ba40176")
-    assert not cpu_compat.is_mcore_019("0.16.1") and not cpu_compat.is_mcore_019("garbage")
-    assert str(cpu_compat.MCORE_SUPPORTED) == "'<0.17,>=0.16.1' or '<0.20,>=0.19.2'"
+    """0.19.2 only: 0.16.1 (Python 3.11) was dropped (docs/environment.md)."""
+    assert str(cpu_compat.MCORE_SUPPORTED) == "<0.20,>=0.19.2"
+    for good in ("0.19.2", "0.19.2+ba40176"):
+        assert cpu_compat.require_supported_megatron(good) == good
+    for bad in ("0.16.1", "0.18.2", "0.20.0", "garbage"):
+        with pytest.raises(cpu_compat.UnsupportedMegatronCore, match="0.19.2"):
+            cpu_compat.require_supported_megatron(bad)

@@ -107,7 +107,7 @@ def test_bf16_close_to_fp32(ckpt):
 
 
 def test_optimizer_refusals_are_clear():
-    """What megatron-core 0.16.1 cannot do on this CPU machine is refused by name (models/optim.py)."""
+    """What megatron-core 0.19.2 cannot do on this CPU machine is refused by name (models/optim.py)."""
     from megatron_s3ac.models.gloo_ranks import DistributedTestError
 
     with pytest.raises(DistributedTestError, match="OptimizerUnavailable: optim.cpu_offload needs the model on a CUDA"):

@@ -24,49 +24,31 @@ def router_hooks(model, record=None, replay=None):
 def use_legacy_gdn(model) -> None:
     """Run the GDN mixers as before the fp32 changes, to measure the 'before' figures: megatron-core's
     own numerics (decay from ``A_log.exp()`` in the parameter dtype), the torch l2norm in the input dtype,
-    and the torch kernel returning q's dtype. 0.16.1: its own forward with those module names swapped;
-    0.19.2: its forward is already upstream's, so its own ``_compute_g_and_beta`` (undecorated), its
-    kernel attribute and ``common.l2norm`` are swapped."""
-    from megatron.core.ssm import gated_delta_net as gdn
+    and the torch kernel returning q's dtype. The forward is already upstream's, so its own
+    ``_compute_g_and_beta`` (undecorated), its kernel attribute and ``common.l2norm`` are swapped."""
+    import inspect
 
-    from megatron_s3ac.models.cpu_compat import is_mcore_019
+    from megatron.core.ssm import gated_delta_net as gdn
+    from megatron.core.ssm.gated_delta_net import common
 
     def l2norm(x, dim=-1, eps=1e-6):
         return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
-    if is_mcore_019():
-        import inspect
-
-        from megatron.core.ssm.gated_delta_net import common
-
-        upstream_g = inspect.unwrap(common._GDNBase._compute_g_and_beta)
-
-        def forward(self, *args, **kwargs):
-            saved = common.l2norm
-            common.l2norm = l2norm
-            try:
-                return gdn.GatedDeltaNet.forward(self, *args, **kwargs)
-            finally:
-                common.l2norm = saved
-
-        for m in model.modules():
-            if isinstance(m, gdn.GatedDeltaNet):
-                m.__dict__.setdefault("_s3ac_current_rule", m.gated_delta_rule)
-                m.gated_delta_rule = gdn.torch_chunk_gated_delta_rule
-                m._compute_g_and_beta = types.MethodType(upstream_g, m)
-                m.forward = types.MethodType(forward, m)
-        return
+    upstream_g = inspect.unwrap(common._GDNBase._compute_g_and_beta)
 
     def forward(self, *args, **kwargs):
-        saved = gdn.l2norm, gdn.chunk_gated_delta_rule
-        gdn.l2norm, gdn.chunk_gated_delta_rule = l2norm, gdn.torch_chunk_gated_delta_rule
+        saved = common.l2norm
+        common.l2norm = l2norm
         try:
             return gdn.GatedDeltaNet.forward(self, *args, **kwargs)
         finally:
-            gdn.l2norm, gdn.chunk_gated_delta_rule = saved
+            common.l2norm = saved
 
     for m in model.modules():
         if isinstance(m, gdn.GatedDeltaNet):
+            m.__dict__.setdefault("_s3ac_current_rule", m.gated_delta_rule)
+            m.gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+            m._compute_g_and_beta = types.MethodType(upstream_g, m)
             m.forward = types.MethodType(forward, m)
 
 

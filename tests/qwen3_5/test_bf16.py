@@ -133,7 +133,7 @@ def test_bf16_gdn_core_only_rounds_its_output():
             l2 = lambda x: x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
             g = -A_log.exp() * F.softplus(a.float() + dt_bias)
             return torch_chunk_gated_delta_rule(l2(q), l2(k), v, g=g, beta=beta)[0]
-        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # TorchGatedDeltaNet.forward
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # TorchGatedDeltaNet._compute_g_and_beta
         return _torch_chunk_gated_delta_rule(_torch_l2norm(q), _torch_l2norm(k), v, g=g, beta=beta)[0]
 
     gen = torch.Generator().manual_seed(0)

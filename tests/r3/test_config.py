@@ -37,7 +37,9 @@ def test_default_config_passes():
     (dict(moe_router_fusion=True), "moe_router_fusion"),
     (dict(moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="aux_loss"), "capacity"),
     (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
+    (dict(moe_router_load_balancing_type="quantile_balancing"), "quantile_balancing"),
     (dict(moe_router_force_load_balancing=True), "force_load_balancing"),
+    (dict(moe_router_force_biased=0.1), "force_biased"),
 ])
 def test_refusals(overrides, match):
     try:

@@ -19,7 +19,7 @@ def _bad_stack(require_gpu, **kw):
     """The real rules on a faked stack: sglang 0.5.23 pins torch==2.14.1, torch 2.9.0 is installed."""
     assert require_gpu is True
     return _real_check(
-        require_gpu=True, versions={"torch": "2.9.0", "sglang": "0.5.23", "megatron-core": "0.16.1"},
+        require_gpu=True, versions={"torch": "2.9.0", "sglang": "0.5.23", "megatron-core": "0.19.2"},
         requires={"sglang": ["torch==2.14.1"]},
         runtime={"cuda_available": True, "device_count": 1, "nccl_available": True, "torch_cuda": "13.0"})
 
@@ -43,7 +43,7 @@ def test_gpu_job_refused_naming_both_versions(monkeypatch, capsys, tmp_path, no_
 def test_gpu_job_prints_the_report_and_runs(monkeypatch, capsys, tmp_path, no_demo):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("RANK", raising=False)
-    good = {"torch": "2.14.1", "sglang": "0.5.23", "megatron-core": "0.16.1"}
+    good = {"torch": "2.14.1", "sglang": "0.5.23", "megatron-core": "0.19.2"}
     monkeypatch.setattr(s3ac_env, "check_environment", lambda require_gpu, real=s3ac_env.check_environment: real(
         require_gpu=require_gpu, versions=good, requires={"sglang": ["torch==2.14.1"]},
         runtime={"cuda_available": True, "device_count": 1, "nccl_available": True, "torch_cuda": "13.0"}))

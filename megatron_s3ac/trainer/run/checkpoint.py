@@ -73,12 +73,13 @@ def _inner(opt) -> list:
 
 
 # ---- optimizer checkpoint formats ----------------------------------------------------------------
-# megatron's DistributedOptimizer.sharded_state_dict formats (megatron-core 0.16.1, distrib_optimizer.py
+# megatron's DistributedOptimizer.sharded_state_dict formats (megatron-core 0.19.2, distrib_optimizer.py:1460-1580
 # `sharded_state_dict`): "fully_reshardable" gathers each DP group's buffers on its DP rank 0 and
 # saves one canonical tensor per parameter, so it loads at any TP / PP / EP / DP; "dp_reshardable"
 # saves each rank's flat buffer shard in parallel (no gather) and reshards in DP only. The third
-# format, "fully_sharded_model_space", raises "ShardedTensor.flattened_range is not supported" in
-# 0.16.1's dist_checkpointing (measured), so it is not offered.
+# format, "fully_sharded_model_space", raises "ShardedTensor.flattened_range is not supported" (measured on
+# 0.16.1; still so in 0.19.2: its tensors are built with ``flattened_range=item_slice``, distrib_optimizer.py:2037,
+# which ShardedTensor refuses, dist_checkpointing/mapping.py:133-134), so it is not offered.
 DIST_FORMATS = ("fully_reshardable", "dp_reshardable")
 OPTIM_FORMATS = DIST_FORMATS + ("per_rank",)
 META_FILE = "checkpoint_meta.json"
@@ -155,9 +156,9 @@ class CheckpointLayoutError(RuntimeError):
 
 
 def optimizer_refusal(opt) -> str | None:
-    """Why megatron 0.16.1 cannot save ``opt`` through ``DistributedOptimizer.sharded_state_dict`` on this
+    """Why megatron-core 0.19.2 cannot save ``opt`` through ``DistributedOptimizer.sharded_state_dict`` on this
     rank, else None. Mirrors the asserts on megatron's paths so no rank enters a collective save that
-    another rank would abort: without TE / Apex, ``DistributedOptimizer.state_dict`` (distrib_optimizer.py,
+    another rank would abort: without TE / Apex, ``DistributedOptimizer.state_dict`` (distrib_optimizer.py:836-840,
     "Extract 'step', for non-Apex/TE support") asserts that every param of the inner torch Adam holds the
     same ``step`` (so there must be at least one optimizer step, and no param may have skipped one)."""
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
@@ -311,15 +312,17 @@ def _load_optimizer(tr, name: str, model, opt, path: str, entry: dict) -> None:
 
 
 def _load_sub_optimizer(sub, state: dict) -> None:
-    """``DistributedOptimizer.load_state_dict`` in its two halves, around two megatron-core 0.16.1 defects
-    on the TE/Apex-free path (torch Adam keeps a per-param ``step`` tensor):
-    - ``_set_main_param_and_optimizer_states`` (distrib_optimizer.py:936-940) copies *every* key of the
-      Adam state, ``step`` included, from tensors the loaders built without ``step`` (they skip it,
-      e.g. :2101-2103): KeyError. ``step`` is held aside while the parameter state is copied in
-      (under no_grad: ``load_parameter_state_from_dp_reshardable``, :1772, is not decorated with it);
-    - the common half gives every param the *same* ``step`` tensor (:822-825), and torch Adam increments
-      each param's step in place, so one shared tensor would advance once per param per update: each
-      param gets its own copy."""
+    """``DistributedOptimizer.load_state_dict`` in its two halves, around two megatron-core defects on the
+    TE/Apex-free path (torch Adam keeps a per-param ``step`` tensor), found on 0.16.1 and still in 0.19.2
+    (line numbers are 0.19.2's distrib_optimizer.py):
+    - ``_set_main_param_and_optimizer_states`` (:1216-1225) copies *every* tensor key of the Adam state,
+      ``step`` included, from tensors the loaders built without ``step`` (they skip it, :2390-2392 and
+      :2108-2110): KeyError. ``step`` is held aside while the parameter state is copied in (under no_grad:
+      ``load_parameter_state_from_dp_reshardable``, :2061, is not decorated with it; its
+      fully_reshardable sibling is, :2358);
+    - the common half gives every param the *same* ``step`` tensor (:1024-1032; only the
+      HybridDeviceOptimizer branch clones it, :1043), and torch Adam increments each param's step in
+      place, so one shared tensor would advance once per param per update: each param gets its own copy."""
     state = dict(state)
     param_state, fmt = state.pop("param_state"), state.pop("param_state_sharding_type")
     sub.load_state_dict(state)  # param groups and the Adam step (no "param_state": megatron skips that half)

@@ -55,7 +55,7 @@ def check_packing(cfg: Config, info) -> None:
 
     if info.model_type.startswith("qwen3_5"):
         raise ConfigError("algo.max_tokens_per_micro_batch: sequence packing is refused for Qwen3.5 "
-                          "(megatron-core 0.16.1's Gated DeltaNet ignores the attention mask, so packed "
+                          "(megatron-core 0.19.2's Gated DeltaNet ignores the attention mask, so packed "
                           "samples would share recurrent state)")
     if have_transformer_engine():
         raise ConfigError("algo.max_tokens_per_micro_batch: packing is expressed as a block-diagonal "
