@@ -161,9 +161,22 @@ def _mlp_spec(config, info):
     layers = getattr(block, "layer_specs", None) or [block]
     for i, spec in enumerate(layers):
         mlp = spec.submodules.mlp
-        if getattr(mlp, "module", None) is MoELayer:
+        if getattr(mlp, "module", None) is MoELayer or getattr(mlp, "func", None) is MoELayer:  # spec / builder
             return i, mlp
     return 0, layers[0].submodules.mlp
+
+
+def _build_mlp(mlp, config, pg):
+    """The layer's MLP built as megatron-core 0.19.2's TransformerLayer builds it (transformer_layer.py:419-438): the
+    spec's ``mlp`` is a builder (``partial(MoELayer, submodules=...)``, moe_module_specs.py:87-89) called with the
+    config and the process groups; a dense ``ModuleSpec(MLP)`` is rewrapped through ``MLP.as_mlp_submodule``."""
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(mlp, ModuleSpec):
+        mlp = functools.partial(mlp.module.as_mlp_submodule, submodules=mlp.submodules, **mlp.params)
+    return mlp(config=config, pg_collection=pg, is_mtp_layer=False)
 
 
 def _groups() -> dict:
@@ -221,7 +234,6 @@ def _body(spec: dict) -> dict:
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
-    from megatron.core.transformer.spec_utils import build_module
 
     from megatron_s3ac.audit.residency import resident_bytes
     from megatron_s3ac.models.actor_critic import build_transformer_config
@@ -239,11 +251,9 @@ def _body(spec: dict) -> dict:
     config = build_transformer_config(info, layout, dtype=torch.float32, **spec["recompute"], **spec["r3"])
     layer, mlp = _mlp_spec(config, info)
     pg = get_default_pg_collection()
-    if getattr(mlp, "module", None) is MoELayer:
-        module = build_module(mlp, config=config, pg_collection=pg)
+    module = _build_mlp(mlp, config, pg)
+    if hasattr(module, "set_layer_number"):
         module.set_layer_number(layer + 1)
-    else:
-        module = build_module(mlp, config=config, tp_group=pg.tp)
     moe = isinstance(module, MoELayer)
     facts = {"rank": rank, "experts": module.num_local_experts if moe else 0,
              "first_expert": module.local_expert_indices[0] if moe else 0,
