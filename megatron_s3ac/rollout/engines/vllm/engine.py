@@ -582,7 +582,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
     def send_bucket(self, bucket: list) -> None:
         """One checked bucket into the open session: the server receives it while this process broadcasts (gloo /
         NCCL), or maps the bucket this process shares (IPC: the call returns once the workers copied it)."""
-        from megatron_s3ac.rollout.engines.vllm.transfer import bucket_meta, pack, share_flat
+        from megatron_s3ac.rollout.engines.vllm.transfer import await_broadcast, bucket_meta, pack, share_flat
 
         meta = bucket_meta(bucket)
         what = f"update_weights (bucket {bucket[0][0]} .. {bucket[-1][0]}, {len(bucket)} tensors)"
@@ -609,16 +609,9 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         t = threading.Thread(target=post, daemon=True)
         t.start()
         work = self._group.broadcast(flat, 0)
-        deadline = time.monotonic() + float(self.settings.timeout_s)
         try:
-            while not work.is_completed():
-                if "error" in box or time.monotonic() > deadline:
-                    raise box.get("error") or VLLMEngineError(f"{self.name}: {what}: broadcast timed out")
-                time.sleep(0.002)
-            work.wait()
-            t.join()
-            if "error" in box:
-                raise box["error"]
+            await_broadcast(work, t, box, self.settings.timeout_s,
+                            lambda: VLLMEngineError(f"{self.name}: {what}: broadcast timed out"))
         except BaseException:
             self._abandon_group()
             raise

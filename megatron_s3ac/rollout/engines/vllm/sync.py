@@ -186,21 +186,13 @@ class VLLMStageSync(VLLMSessionSync):
         its error in ``box``), as ``VLLMEngine.send_bucket``: an engine that failed (died, refused) is seen at once,
         not after the group's timeout; the group is then out of step and abandoned (NCCL: aborted), the next sync
         after ``close`` joins a fresh one."""
-        import time
+        from megatron_s3ac.rollout.engines.vllm.transfer import await_broadcast
 
         work = self.group.broadcast(flat, 0)
-        deadline = time.monotonic() + timeout
         try:
-            while not work.is_completed():
-                if "error" in box or time.monotonic() > deadline:
-                    raise box.get("error") or RuntimeError(
-                        f"the weight broadcast of {meta['names'][0]} .. {meta['names'][-1]} to the vLLM engine's "
-                        f"workers did not complete within {timeout:g} s")
-                time.sleep(0.002)
-            work.wait()
-            t.join()
-            if "error" in box:
-                raise box["error"]
+            await_broadcast(work, t, box, timeout, lambda: RuntimeError(
+                f"the weight broadcast of {meta['names'][0]} .. {meta['names'][-1]} to the vLLM engine's "
+                f"workers did not complete within {timeout:g} s"))
         except BaseException:
             self._abandon()
             raise

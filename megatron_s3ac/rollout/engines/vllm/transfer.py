@@ -103,6 +103,23 @@ def join_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
     return TransferGroup(pg, store, device)
 
 
+def await_broadcast(work, receiver, box: dict, timeout_s: float, timed_out) -> None:
+    """Wait for a started broadcast ``work`` while thread ``receiver`` (the engine's workers asked to receive it) runs,
+    its error in ``box["error"]``: a receive that failed (engine died, refused) is seen at once, not after the group's
+    timeout. Raises that error, or ``timed_out()`` (an exception) past ``timeout_s``; returns once both are done."""
+    import time
+
+    deadline = time.monotonic() + float(timeout_s)
+    while not work.is_completed():
+        if "error" in box or time.monotonic() > deadline:
+            raise box.get("error") or timed_out()
+        time.sleep(0.002)
+    work.wait()
+    receiver.join()
+    if "error" in box:
+        raise box["error"]
+
+
 class TransferGroup:
     """A process group, the store it was made from (the store must outlive the group) and its buckets' device."""
 
