@@ -61,6 +61,15 @@ ARMS = {"sync": (0, []), "async": (1, []), "partial": (None, ["rollout.partial_r
         "eager": (1, ["algo.dynamic_sampling=true", "algo.dynamic_sampling_refill=true", "algo.refill_eager=true"])}
 
 
+def _busy_core_s() -> float:
+    """The machine's busy CPU seconds so far, over every core and process (psutil.cpu_times: all but idle / iowait):
+    the trainer, the engine's processes and anything else running."""
+    import psutil
+
+    c = psutil.cpu_times()
+    return c.user + c.nice + c.system + getattr(c, "irq", 0.0) + getattr(c, "softirq", 0.0) + getattr(c, "steal", 0.0)
+
+
 def _run(n, overrides, steps, out_dir):
     from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.step.trainer import Trainer
@@ -70,9 +79,10 @@ def _run(n, overrides, steps, out_dir):
     try:
         rows = []
         for _ in range(steps):
-            t = time.perf_counter()
+            c, t = _busy_core_s(), time.perf_counter()
             m = tr.step()
-            rows.append({"wall": time.perf_counter() - t, **{k: v for k, v in m.items() if k.startswith(
+            rows.append({"wall": time.perf_counter() - t, "busy_core_s": _busy_core_s() - c,
+                         **{k: v for k, v in m.items() if k.startswith(
                 ("time/", "async/", "filter/", "mismatch/", "actor/", "refill/", "rollout/"))}})
         return rows
     finally:
@@ -134,7 +144,11 @@ def measure(args) -> dict:
             f"rollout.max_new_tokens={args.max_new_tokens}", "data.num_prompts=400", "data.eval_prompts=16",
             "algo.actor_minibatches=2", "algo.critic_minibatches=2", "algo.dynamic_sampling=false",
             "daps.warmup_steps=0", "daps.rampup_steps=1", "train.progress=false", "train.tensorboard=false",
-            "train.eval_every=0", "rollout.placement=separate"] + (
+            "train.eval_every=0", "rollout.placement=separate",
+            # uniform draws: DAPS picks prompts from the critic's and the pass rates' state at the draw, which an
+            # asynchronous arm reads earlier, so its batches (and their designed lengths) would differ from the
+            # synchronous arm's; without it every arm trains the same prompt stream (checked: same_lengths)
+            "daps.enabled=false"] + (
             [] if args.dense else [f"actor_layout.ep={args.world}"]) + list(args.set)
     out = {"config": over, "world": args.world, "steps": args.steps, "warmup": args.warmup, "engine": args.engine,
            "load_before": os.getloadavg()}
@@ -163,7 +177,20 @@ def measure(args) -> dict:
             timed = rows[args.warmup:]
             wall = sum(r["wall"] for r in timed)
             pair[name] = {"samples_per_s": samples * len(timed) / wall, "s_per_step": wall / len(timed),
+                          # every step from the first (the pipeline's fill included): a floor under the steady rate
+                          "samples_per_s_all_steps": samples * len(rows) / sum(r["wall"] for r in rows),
+                          # the later half of the timed steps alone: equal to the whole window's rate in a steady
+                          # state (a head start of batches generated in the warm-up inflates the early steps)
+                          "samples_per_s_late_half": samples * (len(timed) - len(timed) // 2) / sum(
+                              r["wall"] for r in timed[len(timed) // 2:]),
+                          "step_walls": [round(r["wall"], 3) for r in rows],
+                          # cores the machine kept busy in the timed steps (of os.cpu_count())
+                          "busy_cores": sum(r["busy_core_s"] for r in timed) / wall,
+                          "busy_core_s_per_step": sum(r["busy_core_s"] for r in timed) / len(timed),
                           "arm_wall_s": arm_wall, "timed_steps": len(timed), "trained_samples": samples * len(timed),
+                          # the timed steps' response tokens: equal across arms when they train the same batches
+                          "trained_response_tokens": int(round(sum(r.get("rollout/response_len", 0.0)
+                                                                   for r in timed) * samples)),
                           "response_len_mean": sum(r.get("rollout/response_len", 0.0) for r in timed) / len(timed),
                           "response_len_max": max(r.get("rollout/response_len_max", 0.0) for r in timed),
                           "capped_frac": sum(r.get("rollout/capped_frac", 0.0) for r in timed) / len(timed),
@@ -190,17 +217,23 @@ def measure(args) -> dict:
         # the next batch at no extra cost per decode step needs only g / N of engine time per step (the cap
         # response still needs its decode steps, spread over N steps)
         pair["bound_one_step"] = (g + t) / max(g, t, 1e-9)
+        pair["cores"] = os.cpu_count() or 1  # the engine's processes and the trainer share them (not on a cluster)
         pair[f"bound_staleness_{args.partial_staleness}_continuous_batching"] = (g + t) / max(
             t, g / args.partial_staleness, 1e-9)
         for name in [a for a in arms if a != "sync"]:
             pair[f"ratio_{name}"] = pair[name]["samples_per_s"] / pair["sync"]["samples_per_s"]
+            for suffix in ("_all_steps", "_late_half"):
+                pair[f"ratio_{name}{suffix}"] = (pair[name][f"samples_per_s{suffix}"]
+                                                 / pair["sync"][f"samples_per_s{suffix}"])
+        pair["same_lengths"] = len({pair[a]["trained_response_tokens"] for a in arms}) == 1
         pair["load_after"] = os.getloadavg()
         pairs.append(pair)
     out["pairs"] = pairs
     for name in [a for a in arms if a != "sync"]:
-        ratios = sorted(p[f"ratio_{name}"] for p in pairs)
-        out[f"ratio_{name}_over_sync_samples_per_s"] = {"median": ratios[len(ratios) // 2], "min": ratios[0],
-                                                        "max": ratios[-1]}
+        for suffix in ("", "_all_steps", "_late_half"):
+            ratios = sorted(p[f"ratio_{name}{suffix}"] for p in pairs)
+            out[f"ratio_{name}_over_sync_samples_per_s{suffix}"] = {"median": ratios[len(ratios) // 2],
+                                                                    "min": ratios[0], "max": ratios[-1]}
     return out
 
 
@@ -210,18 +243,25 @@ def table(measured: dict) -> str:
     for i, pair in enumerate(measured["pairs"]):
         arms = [a for a in pair if isinstance(pair[a], dict)]
         lines += [f"round {i}: sync gen / train {pair['sync']['gen_over_train']:.2f}, one-step bound "
-                  f"{pair['bound_one_step']:.2f}x, load {measured['load_before'][0]:.1f} -> {pair['load_after'][0]:.1f}",
-                  "| arm | max staleness | trained samples | samples/s | x sync | s/step | rollout s/step | train s/step "
-                  "| weight_sync_exposed_s/step | response len mean / max | at cap | trainer wait s/step | resumed/step |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"{pair['bound_one_step']:.2f}x "
+                  f"(sync keeps {pair['sync']['busy_cores']:.2f} of {pair['cores']} cores busy), load {measured['load_before'][0]:.1f} -> {pair['load_after'][0]:.1f}, "
+                  f"same trained lengths in every arm: {pair['same_lengths']}",
+                  "| arm | max staleness | trained samples | samples/s | x sync | x sync, later half | x sync, all steps "
+                  "| s/step "
+                  "| rollout s/step | train s/step | weight_sync_exposed_s/step | response tokens | response len mean / max "
+                  "| at cap | trainer wait s/step | resumed/step | busy cores |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for a in arms:
             r = pair[a]
             ratio = pair.get(f"ratio_{a}", 1.0)
             lines.append(f"| {a} | {r.get('max_staleness', 0)} | {r['trained_samples']} | {r['samples_per_s']:.1f} | "
-                         f"{ratio:.2f}x | {r['s_per_step']:.2f} | {r['rollout_s_per_step']:.2f} | "
-                         f"{r['train_s_per_step']:.2f} | {r['weight_sync_exposed_s_per_step']:.3f} | "
+                         f"{ratio:.2f}x | {pair.get(f'ratio_{a}_late_half', 1.0):.2f}x | "
+                         f"{pair.get(f'ratio_{a}_all_steps', 1.0):.2f}x | {r['s_per_step']:.2f} | "
+                         f"{r['rollout_s_per_step']:.2f} | {r['train_s_per_step']:.2f} | "
+                         f"{r['weight_sync_exposed_s_per_step']:.3f} | {r['trained_response_tokens']} | "
                          f"{r['response_len_mean']:.1f} / {r['response_len_max']:.0f} | {r['capped_frac']:.3f} | "
-                         f"{r.get('time/trainer_wait', 0.0):.2f} | {r.get('async/partial_resumes', 0.0):.1f} |")
+                         f"{r.get('time/trainer_wait', 0.0):.2f} | {r.get('async/partial_resumes', 0.0):.1f} | "
+                         f"{r['busy_cores']:.2f} |")
     return "\n".join(lines)
 
 

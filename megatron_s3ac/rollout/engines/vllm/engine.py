@@ -167,6 +167,14 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         if self.device == "cpu":
             penv.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(s.cpu_kvcache_gb)))
             penv.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared host: no core pinning
+            if s.tp_size == 1:
+                # the worker inside the engine core's process (vLLM's "uni" executor, config/parallel.py:1079-1080):
+                # vllm-cpu otherwise forces the "mp" executor (platforms/cpu.py:333-341), whose engine core reads
+                # each forward step's result from a shared-memory queue spinning on sched_yield for 1 s after every
+                # read (shm_broadcast.py:138, 206-208): ~0.8 of a core taken from the trainer beside it for the
+                # same decode speed (docs/rollout.md "The vLLM server's processes on a CPU host"). AsyncLLM keeps
+                # its engine core in a process of its own either way (v1/engine/async_llm.py:184).
+                penv.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         else:  # its own GPUs, or its workers take cuda:0..tp-1 of rank 0's view: the trainer's (engine_devices)
             import torch
 
