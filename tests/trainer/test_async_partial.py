@@ -28,14 +28,33 @@ def test_config_rules():
         load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
                                          "rollout.engine=sglang"])
     assert "partial_rollout" not in str(err.value) and "cannot serve the built-in tiny model" in str(err.value)
-    # vllm pauses too (server.py: AsyncLLM.pause_generation in mode abort), one engine only
+    # vllm pauses too (server.py: AsyncLLM.pause_generation in mode abort): no partial-rollout error for it, only
+    # the tiny model's own (vLLM needs an HF directory)
     with pytest.raises(ConfigError) as err:
         load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
                                          "rollout.engine=vllm"])
-    assert "partial_rollout" not in str(err.value)
-    with pytest.raises(ConfigError, match=r"partial_rollout=true with rollout.vllm.num_engines=2: VLLMEnginePool"):
-        load_config(None, SMALL + SEP + ["train.max_staleness=1", "rollout.partial_rollout=true",
-                                         "rollout.engine=vllm", "rollout.vllm.num_engines=2"])
+    assert "partial_rollout" not in str(err.value) and "tiny model" in str(err.value)
+
+
+def test_vllm_pool_with_partial_rollout_is_accepted(tmp_path):
+    """rollout.vllm.num_engines=2 with partial rollout loads (VLLMEnginePool pauses every engine and splits the
+    continuations over them, rollout/engines/vllm/pool.py): with an HF directory vLLM can serve, the config loads
+    with no error at all, and the vllm spec's cross-section rules have nothing to say about it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from megatron_s3ac.rollout.engines.registry import engine_spec
+
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                 max_position_embeddings=64)).save_pretrained(str(tmp_path))
+    keys = [k for k in SMALL if not k.startswith("model.tiny=")] + [
+        f"model.hf_config={tmp_path}", f"model.engine_hf_dir={tmp_path}", "rollout.placement=separate",
+        "train.eval_every=0", "rollout.engine=vllm", "rollout.vllm.num_engines=2"]
+    for n in (1, 2):
+        cfg = load_config(None, keys + [f"train.max_staleness={n}", "rollout.partial_rollout=true"])
+        assert cfg.rollout.partial_rollout and cfg.rollout.vllm.num_engines == 2 and cfg.train.max_staleness == n
+        assert engine_spec("vllm").config_errors(cfg) == []
+        assert engine_spec("vllm").partial_rollout
 
 
 def test_token_staleness_uses_each_tokens_version():

@@ -23,17 +23,9 @@ class VLLMSpec(EngineSpec):
         "on a half-updated model unless paused; no staging copy exists (docs/rollout.md \"Overlapped weight sync\"). "
         "Use rollout.engine=cpu or rollout.sync.overlap=false")
     # partial rollout: the server runs AsyncLLM and pauses it in mode abort (server.py; vllm 0.32
-    # v1/engine/async_llm.py:952-988); one engine only (VLLMEnginePool has no pause: config_errors)
+    # v1/engine/async_llm.py:952-988); num_engines > 1: VLLMEnginePool pauses / continues every engine and splits
+    # the continuations over them (pool.py)
     partial_rollout = True
-
-    def config_errors(self, cfg) -> list[str]:
-        r = cfg.rollout
-        s = self.settings_of(r)
-        if getattr(r, "partial_rollout", False) and s is not None and s.num_engines > 1:
-            return [f"rollout.partial_rollout=true with rollout.vllm.num_engines={s.num_engines}: VLLMEnginePool "
-                    f"(rollout/engines/vllm/pool.py) neither pauses nor submits without waiting; use one vLLM engine "
-                    f"(num_engines: 1) or rollout.partial_rollout=false"]
-        return []
 
     def check_settings(self, settings) -> None:
         validate_vllm_settings(settings)
