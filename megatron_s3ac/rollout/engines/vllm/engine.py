@@ -262,17 +262,21 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
 
     def _stream(self, route: str, what: str, body: dict):
         """POST /route and yield each JSON line of the reply as it arrives (errors as in ``_call``)."""
+        closed = False
         try:
             with self._post(route, what, None, body) as r:
                 for line in r:
                     reply = json.loads(line)
                     if not reply.get("ok"):
                         raise VLLMEngineError(f"{self.name}: {what} failed: {reply.get('error', reply)}")
+                    closed = closed or "span" in reply
                     yield reply
+            if not closed:  # the reply ended without its closing line: the server went away mid-stream
+                raise EOFError("the streamed reply ended before its closing line")
         except urllib.error.HTTPError as e:
             raise VLLMEngineError(f"{self.name}: {what} failed: HTTP {e.code}")
-        except (urllib.error.URLError, OSError) as e:
-            self._no_answer(what, e)
+        except (urllib.error.URLError, OSError, EOFError) as e:
+            self._no_answer(what, e)  # VLLMEngineDied when the process is gone: the loop restarts the engine
 
     def shutdown(self) -> None:
         proc = getattr(self, "proc", None)
