@@ -81,14 +81,13 @@ def split_cores(engine_cores: int = 1) -> None:
     moved (Linux affinity is per thread); called before each step, so processes started late are moved too. Every
     rank shares the trainer cores (rank 0's descendants are the engine's)."""
     import psutil
+    import torch
 
     cores = sorted(os.sched_getaffinity(0) | {c for p in psutil.Process().children(recursive=True)
                                               for c in _affinity(p.pid)})
     if len(cores) <= engine_cores:
-        raise SystemExit(f"--split-cores needs more than {engine_cores} cores, this process may use {cores}")
+        raise RuntimeError(f"--split-cores needs more than {engine_cores} cores, this process may use {cores}")
     trainer, engine = set(cores[:-engine_cores]), set(cores[-engine_cores:])
-    import torch
-
     torch.set_num_threads(len(trainer))  # run_distributed gave the rank cpu_count // world threads
     _pin(os.getpid(), trainer)
     for p in psutil.Process().children(recursive=True):
@@ -456,6 +455,8 @@ def main(argv=None) -> int:
         args.set = COMPARABLE + list(args.set)
     if args.engine == "vllm":
         args.dense = True
+    if args.split_cores and len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit(f"--split-cores: needs 2 or more cores, this process may use {sorted(os.sched_getaffinity(0))}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.mismatch:
         print(json.dumps(mismatch(args), indent=1))
