@@ -81,7 +81,8 @@ def _partial_run(n, extra, out_dir, steps):
         tr.close()
 
 
-def _check(ms, n, max_versions):
+def check_partial_steps(ms, n, max_versions):
+    """Each step's staleness, versions-per-response and interruption counts within partial rollout's bounds."""
     for s, m in enumerate(ms):
         assert m["async/staleness_max"] <= min(s, n)
         assert 0.0 <= m["async/staleness_mean"] <= m["async/staleness_max"]
@@ -100,7 +101,7 @@ def test_partial_rollout_steps_world2(tmp_path, monkeypatch):
     r0, r1 = run_distributed(_partial_run, 2, 1, [], str(tmp_path), 3)
     assert r0["kind"] == "RemoteEngine"
     ms = r0["metrics"]
-    _check(ms, 1, 2)
+    check_partial_steps(ms, 1, 2)
     assert sum(m["async/partial_interrupted"] for m in ms) > 0
     assert ms[-1]["async/partial_resumes_total"] == sum(m["async/partial_resumes"] for m in ms)
     # the batches trained after a resume: some tokens one version newer than the batch
@@ -121,7 +122,7 @@ def test_version_bound_world2(tmp_path, monkeypatch):
     monkeypatch.setenv("S3AC_TESTING_DECODE_DELAY", "0.5")
     r0, _ = run_distributed(_partial_run, 2, 2, ["rollout.partial_max_versions=1"], str(tmp_path), 4)
     ms = r0["metrics"]
-    _check(ms, 2, 1)
+    check_partial_steps(ms, 2, 1)
     assert sum(m["async/partial_regenerated"] for m in ms) > 0
     assert sum(m["async/partial_resumes"] for m in ms) == 0
 
