@@ -15,7 +15,7 @@ class RolloutSyncCfg:
     # true: the next version's buckets go into a staging copy on the engine while it still generates the batches in
     # flight on the current one; the copy is swapped in between two generate calls (docs/trainer.md "Asynchronous
     # rollout"). Needs train.max_staleness >= 1 and an engine whose EngineSpec.stage_weights is true (cpu / hf at
-    # rollout.placement=separate); costs a second copy of the engine's weights. false: the sync waits for the
+    # rollout.placement=separate, vllm); costs a second copy of the engine's weights. false: the sync waits for the
     # batches in flight, then loads (today's loop, unchanged)
     overlap: bool = False
 

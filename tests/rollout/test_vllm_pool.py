@@ -24,7 +24,8 @@ import torch
 from megatron_s3ac.models.gloo_ranks import run_distributed
 from megatron_s3ac.rollout.base import SamplingParams
 from megatron_s3ac.rollout.partial import continuation_requests, merge
-from vllm_fixtures import hf_model, require_vllm, save_tiny_qwen3, teacher_forced, tiny_qwen3_config
+from vllm_fixtures import (arith_dir_fixture, hf_model, require_vllm, rollout_gap, save_tiny_qwen3, teacher_forced,
+                           tiny_qwen3_config)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = [[3, 4, 5, 6, 7], [9, 8], [20, 21, 22], [30, 31]]
@@ -199,22 +200,13 @@ def _pool_steps(path, out_dir, kill_at):
         if tr.engine is not None:
             out["pids"] = [e.proc.pid for e in tr.engine.engines]
             out["alive"] = [e.proc.poll() is None for e in tr.engine.engines]
-        # a fresh rollout from the (rebuilt) pool: its weights are the trainer's
-        samples = tr.rollout(tr.stream.take(4)).samples
-        b = tr.distribute(samples)
-        logp = tr._forward_only("actor", b, "logp")["logp"]
-        out["gap"] = float(((logp - b.rollout_logp).abs() * b.mask).max())
+        out["gap"] = rollout_gap(tr)  # a fresh rollout from the (rebuilt) pool: its weights are the trainer's
         return out
     finally:
         tr.close()
 
 
-@pytest.fixture(scope="module")
-def arith_dir(tmp_path_factory):
-    require_vllm()
-    sys.path.insert(0, HERE)
-    from test_vllm_trainer import dense_arith_dir
-    return dense_arith_dir(str(tmp_path_factory.mktemp("vllm_pool_arith")))
+arith_dir = arith_dir_fixture("vllm_pool_arith")
 
 
 def _check_run(r0, r1, n=2, max_versions=2):

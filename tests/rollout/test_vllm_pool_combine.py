@@ -35,6 +35,7 @@ class ToyServerEngine(VLLMEngine):
         self.settings, self.device, self.moe, self.has_tokenizer = VLLMSettings(), "cpu", False, False
         self.return_routed_experts, self.model_dir = False, "/nowhere"
         self._session_open, self._partial, self._calls = False, False, 0
+        self._init_staging()
         self._seed_base = int(seed) * 1_000_003
         self.paused = threading.Event()
         self.die = None  # an exception to raise from the next generation call

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megatron_s3ac.models.gloo_ranks import run_distributed
-from vllm_fixtures import require_vllm
+from vllm_fixtures import arith_dir_fixture, rollout_gap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -48,21 +48,13 @@ def _killed(path, out_dir):
                "st": [m.get("async/staleness_max") for m in ms], "trained": [m["actor/opt_steps"] for m in ms],
                "kind": type(tr.engine).__name__ if tr.engine is not None else None,
                "new_pid": tr.engine.proc.pid if tr.engine is not None else None}
-        samples = tr.rollout(tr.stream.take(4)).samples
-        b = tr.distribute(samples)
-        logp = tr._forward_only("actor", b, "logp")["logp"]
-        res["gap"] = float(((logp - b.rollout_logp).abs() * b.mask).max())
+        res["gap"] = rollout_gap(tr)  # a fresh rollout: the engine holds the trainer's weights
         return res
     finally:
         tr.close()
 
 
-@pytest.fixture(scope="module")
-def arith_dir(tmp_path_factory):
-    require_vllm()
-    sys.path.insert(0, HERE)
-    from test_vllm_trainer import dense_arith_dir
-    return dense_arith_dir(str(tmp_path_factory.mktemp("vllm_arith_restart")))
+arith_dir = arith_dir_fixture("vllm_arith_restart")
 
 
 @pytest.mark.slow  # two vLLM server start-ups and 3 asynchronous steps on 2 ranks: minutes here

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_s3ac.models.gloo_ranks import run_distributed
-from vllm_fixtures import require_vllm, save_tiny_qwen3, tiny_qwen3_config
+from vllm_fixtures import arith_dir_fixture
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASE = ["rollout.prompts_per_step=4", "rollout.k=4", "rollout.max_new_tokens=4", "data.num_prompts=200",
@@ -18,16 +18,6 @@ BASE = ["rollout.prompts_per_step=4", "rollout.k=4", "rollout.max_new_tokens=4",
         "algo.dynamic_sampling=false", "actor_layout.tp=2", "rollout.engine=vllm", "rollout.vllm.bucket_mb=1",
         "rollout.vllm.max_model_len=64", "rollout.vllm.max_num_seqs=32"]
 FIXED = [[3, 4, 5, 13, 6, 7, 14, 8], [4, 4, 13, 9, 14, 10, 1]]
-
-
-def dense_arith_dir(path):
-    """A dense Qwen3 over the arithmetic task's character vocabulary, saved with its tokenizer."""
-    from megatron_s3ac.models.tiny_models import char_tokenizer
-    from megatron_s3ac.data.prompts import ARITH_CHARS, BOS, EOS, PAD, CharVocab
-
-    cfg = tiny_qwen3_config(vocab_size=CharVocab().size, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD,
-                            max_position_embeddings=64, num_key_value_heads=2)
-    return save_tiny_qwen3(path, cfg, tokenizer=char_tokenizer(ARITH_CHARS))
 
 
 def three_steps(path, out_dir, dtype, extra=(), steps=3):
@@ -74,10 +64,7 @@ def three_steps(path, out_dir, dtype, extra=(), steps=3):
     return out
 
 
-@pytest.fixture(scope="module")
-def arith_dir(tmp_path_factory):
-    require_vllm()
-    return dense_arith_dir(str(tmp_path_factory.mktemp("vllm_arith")))
+arith_dir = arith_dir_fixture("vllm_arith")
 
 
 def test_three_rl_steps_fp32_engine_follows_every_sync(arith_dir, tmp_path):

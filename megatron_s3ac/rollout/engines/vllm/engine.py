@@ -26,6 +26,7 @@ pickled across the boundary.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -125,6 +126,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         self._seed_base = int(seed) * 1_000_003
         self._calls = 0
         self._session_open = False
+        self._init_staging()
         self._partial = False  # a session failed midway after data moved: refuse to generate until a full one
         self._sent: set = set()  # names sent into the open session
         self._weights: Optional[dict] = None
@@ -316,6 +318,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
                       "use the CPU engine loaded multimodal (make_engine_factory(\"cpu\", ..., multimodal=True)) or SGLang")
         if self._session_open:
             raise VLLMEngineError(f"{self.name}: generate during an open weight-update session")
+        self._raise_commit_error()
         if self._partial:
             raise VLLMEngineError(f"{self.name}: a weight update failed after part of its tensors loaded (old and "
                                   f"new weights are mixed); the engine refuses to generate until an update of every "
@@ -341,7 +344,12 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
              "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
              "stop_strings": list(params.stop_strings), "ignore_eos": params.ignore_eos}
         return {"prompts": prompts, "seeds": [(base + k) % (1 << 63) for k in range(len(prompts))], "params": p,
-                "max_new_tokens": budgets, "detokenize": self.has_tokenizer}
+                "max_new_tokens": budgets, "detokenize": self.has_tokenizer, "commit": self._count_call()}
+
+    def _count_call(self) -> int:
+        """A generation call about to be sent: the swaps it expects applied (counted for the next swap's wait)."""
+        self._sent_calls[self._commits_sent] += 1
+        return self._commits_sent
 
     def _samples(self, prompts: list, rows: list, return_routed_experts: bool) -> list[Sample]:
         if len(rows) != len(prompts):
@@ -478,8 +486,9 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
     def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Teacher-forced log-probs [len - 1] float32 of each sequence's tokens 1.. under the engine's weights
         (vLLM's prompt log-probs at temperature 1): the engine side of a train / inference comparison."""
+        self._raise_commit_error()
         out = self._call("score", f"score ({len(sequences)} sequences)",
-                         sequences=[list(map(int, q)) for q in sequences])["logprobs"]
+                         sequences=[list(map(int, q)) for q in sequences], commit=self._count_call())["logprobs"]
         return [np.asarray(r, dtype=np.float32) for r in out]
 
     def _routes(self, prompt: list, o: dict) -> Optional[np.ndarray]:
@@ -573,31 +582,51 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
     def receive_bucket(self, meta: dict, group: str) -> None:
         """Inside the open session: receive one bucket that group ``group``'s sender broadcasts (blocks until it
         has arrived); ``meta``: its names / dtype_names / shapes, checked here first."""
-        if not self._session_open:
+        if not (self._session_open or self._stage_open):
             raise VLLMEngineError(f"{self.name}: receive_bucket outside a weight-update session")
         self.check_weights(meta["names"], meta["shapes"], f"bucket of group {group!r}")
-        what = f"update_weights (group {group!r}, {meta['names'][0]} .. {meta['names'][-1]}, " \
-               f"{len(meta['names'])} tensors)"
+        route = "stage_bucket" if self._stage_open else "update_weights"
+        what = f"{route} (group {group!r}, {meta['names'][0]} .. {meta['names'][-1]}, {len(meta['names'])} tensors)"
         self._sent.update(meta["names"])
-        self._call("update_weights", what, update_info={**meta, "group": group})
+        t0 = time.time()
+        self._call(route, what, update_info={**meta, "group": group})
+        if self._stage_open:
+            self.stage_log.append(("stage", t0, time.time()))
 
     def begin_weight_update(self) -> None:
-        """Open one weight-update session (each bucket loads as it arrives; finish completes the touched layers)."""
-        if self._session_open:
+        """Open one weight-update session (each bucket loads as it arrives; finish completes the touched layers).
+        While ``staging``: a staged version instead (buckets into the workers' staging buffers beside generation;
+        the previous swap is waited for first: one staging copy)."""
+        if self._session_open or self._stage_open:
             raise VLLMEngineError(f"{self.name}: begin_weight_update: a session is already open")
         self.check_weights([], [], "begin_weight_update")
         self._connect()
+        self._sent = set()
+        if self.staging:
+            self.wait_committed()
+            if self._stage_done is not None:
+                raise VLLMEngineError(f"{self.name}: begin_weight_update: the previous staged version was not "
+                                      f"committed (commit_staged)")
+            self._call("stage_begin")
+            self._stage_open = True
+            return
         self._call("start_weight_update")
         self._session_open = True
-        self._sent = set()
 
     def send_bucket(self, bucket: list) -> None:
         """One checked bucket into the open session: the server receives it while this process broadcasts (gloo /
         NCCL), or maps the bucket this process shares (IPC: the call returns once the workers copied it)."""
+        t0, staged = time.time(), self._stage_open
+        self._send_bucket(bucket)
+        if staged:
+            self.stage_log.append(("stage", t0, time.time()))
+
+    def _send_bucket(self, bucket: list) -> None:
         from megatron_s3ac.rollout.engines.vllm.transfer import await_broadcast, bucket_meta, pack, share_flat
 
         meta = bucket_meta(bucket)
-        what = f"update_weights (bucket {bucket[0][0]} .. {bucket[-1][0]}, {len(bucket)} tensors)"
+        route = "stage_bucket" if self._stage_open else "update_weights"
+        what = f"{route} (bucket {bucket[0][0]} .. {bucket[-1][0]}, {len(bucket)} tensors)"
         self._sent.update(meta["names"])
         if self.transfer == "ipc":
             import torch
@@ -606,7 +635,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
             flat = pack(bucket, torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
             if on_gpu:
                 torch.cuda.synchronize()  # the copy into the bucket is done before the worker reads it
-            self._call("update_weights", what + " via ipc", update_info={**meta, "handle": share_flat(flat)})
+            self._call(route, what + " via ipc", update_info={**meta, "handle": share_flat(flat)})
             del flat  # kept alive until the workers answered
             return
         flat = pack(bucket, self._group.device)
@@ -614,7 +643,7 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
 
         def post():
             try:
-                self._call("update_weights", what, update_info=meta)
+                self._call(route, what, update_info=meta)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller
                 box["error"] = e
 
@@ -643,6 +672,10 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
         """Close the session: the engine completes every layer the session touched, ends the reload, and flushes
         its prefix cache. Clears a failed session's mix once this one covered every served tensor."""
+        if self._stage_open:  # staged: received whole; swapped in by commit_staged
+            self._stage_open = False
+            self._stage_done = {"weight_version": weight_version, "whole": self._sent >= set(self.weight_info())}
+            return
         if not self._session_open:
             raise VLLMEngineError(f"{self.name}: finish_weight_update without begin_weight_update")
         self._session_open = False
@@ -652,10 +685,16 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
         except BaseException:
             self._partial = True  # the workers' session did not close as asked: what they hold is not known
             raise
-        if stale:  # layers sent in part whose other tensors an earlier update set: completed from the served files
+        self._closed(stale, whole, "finish_weight_update")
+
+    def _closed(self, stale: list, whole: bool, call: str) -> None:
+        """After a session closed (in place or swapped in): ``stale`` names are layers sent in part whose other
+        tensors an earlier update set (completed from the served files: old and new weights mixed, generation
+        refused); a session of every tensor clears an earlier mix."""
+        if stale:
             self._partial = True
             raise VLLMEngineError(
-                f"{self.name}: finish_weight_update: the session sent part of a layer whose other tensors an "
+                f"{self.name}: {call}: the session sent part of a layer whose other tensors an "
                 f"earlier update had set ({len(stale)} tensors, e.g. {stale[0]!r}); the workers keep no copy of "
                 f"updated values and completed them from the served files, so old and new weights are mixed: the "
                 f"engine refuses to generate until an update of every tensor finishes (send every tensor of each "
@@ -666,7 +705,11 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
     def abort_weight_update(self) -> None:
         """Close an open session that will not finish. Before any bucket moved the engine keeps the weights it had;
         after, the buckets that arrived are loaded (old and new weights mixed: generation is refused until an update
-        of every tensor finishes)."""
+        of every tensor finishes). A staged version is dropped: the live weights were never touched."""
+        if self._stage_open:
+            self._stage_open = False
+            self._call("stage_abort")
+            return
         if self._session_open:
             self._session_open = False
             if self._sent:
@@ -683,7 +726,66 @@ class VLLMEngine(SessionUpdates, RolloutEngine):
             self.abort_weight_update()
         except VLLMEngineError:
             self._partial = True  # could not confirm the engine closed the session whole
-        self._session_open = False
+        self._session_open = self._stage_open = False
+
+    # -- staged weights (rollout.sync.overlap) ----------------------------------------------------------------
+    stageable = True  # the server stages a version beside generation (server.py "Staged weights")
+
+    def _init_staging(self) -> None:
+        """While ``staging`` is set, a session's buckets go to the workers' staging buffers beside generation;
+        ``commit_staged`` has the server swap them in behind the generation calls sent so far (each call carries
+        the swaps sent before it: ``commit``)."""
+        self.staging = False
+        self._stage_open = False  # a staged version is being received
+        self._stage_done: Optional[dict] = None  # a staged version received whole, not yet committed
+        self._commits_sent = 0
+        self._sent_calls: collections.Counter = collections.Counter()  # generation calls sent, by their ``commit``
+        self._commit: Optional[tuple] = None  # the last swap's (thread, box, whole)
+        self.stage_log: collections.deque = collections.deque(maxlen=10_000)  # ("stage" | "commit", start, end)
+
+    def commit_staged(self) -> None:
+        """Have the server swap the staged version in behind the generation calls sent so far (they finish on the
+        old weights; every call sent after this runs on the new ones). Returns at once; the next staged version
+        waits for this swap, and a failed swap makes every later generation call raise. A no-op when nothing was
+        staged since the last swap."""
+        done, self._stage_done = self._stage_done, None
+        if done is None:
+            return
+        index, calls = self._commits_sent + 1, self._sent_calls[self._commits_sent]
+        self._commits_sent = index
+        box: dict = {}
+
+        def post():
+            try:
+                box["reply"] = self._call("commit_staged", f"commit_staged (swap {index})", index=index, calls=calls,
+                                          weight_version=done["weight_version"],
+                                          timeout_s=float(self.settings.timeout_s))
+                self.stage_log.append(("commit", *box["reply"]["span"]))
+            except BaseException as e:  # noqa: BLE001 - raised by wait_committed / the next generation call
+                box["error"] = e
+        t = threading.Thread(target=post, daemon=True, name=f"{self.name}-commit")
+        t.start()
+        self._commit = (t, box, done["whole"])
+
+    def wait_committed(self) -> None:
+        """Block until the last swap is applied; raises its failure."""
+        if self._commit is None:
+            return
+        t, box, whole = self._commit
+        t.join()
+        self._raise_commit_error()
+        self._commit = None
+        self._closed(box["reply"].get("stale") or [], whole, "commit_staged")
+
+    def _raise_commit_error(self) -> None:
+        if self._commit is not None and "error" in self._commit[1]:
+            raise VLLMEngineError(f"{self.name}: the staged weights could not be swapped in "
+                                  f"({self._commit[1]['error']}); refusing to generate on the previous version")
+
+    def staging_log(self) -> list:
+        """This client's ("stage", start, end) per staged bucket and ("commit", start, end) per swap (the server's
+        span of the load)."""
+        return list(self.stage_log)
 
     # -- memory -----------------------------------------------------------------------------------------------
     def sleep(self) -> None:

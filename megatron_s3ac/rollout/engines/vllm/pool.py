@@ -146,14 +146,9 @@ class VLLMEnginePool(SessionUpdates, RolloutEngine):
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, n_samples: int = 1,
                  return_routed_experts: bool = False, images=None) -> list[list[Sample]]:
-        """Each engine's blocking ``generate`` of its chunk, on a thread of its own; every engine waited for."""
-        prompts = [[int(t) for t in p] for p in prompt_ids]
-        images = check_images(prompts, images)
-        chunks = self._chunks(len(prompts), params, n_samples)
-        results = _each([lambda e=e, lo=lo, hi=hi, p=p: self.engines[e].generate(
-            prompts[lo:hi], p, n_samples, return_routed_experts, _part(images, lo, hi))
-            for e, lo, hi, p in chunks], "vllm-generate")
-        return self._joined(chunks, results, "groups")
+        """``generate_async(...).result()``: the chunks run on every engine at once; the first engine error to arrive
+        is raised then (the other engines' chunks still run in their servers), as ``VLLMEngine.generate``."""
+        return self.generate_async(prompt_ids, params, n_samples, return_routed_experts, images).result()
 
     def _joined(self, chunks: list, results: list, what: str) -> list:
         """The chunks' results, concatenated in prompt (request) order; each chunk's length checked."""
@@ -345,6 +340,25 @@ class VLLMEnginePool(SessionUpdates, RolloutEngine):
 
     def flush_cache(self) -> None:
         _each([e.flush_cache for e in self.engines], "vllm-flush")
+
+    # -- staged weights (rollout.sync.overlap): each engine stages and swaps its own copy -------------------------
+    stageable = True
+
+    @property
+    def staging(self) -> bool:
+        return all(e.staging for e in self.engines)
+
+    @staging.setter
+    def staging(self, on: bool) -> None:
+        for e in self.engines:
+            e.staging = bool(on)
+
+    def commit_staged(self) -> None:
+        for e in self.engines:  # each returns at once: its server swaps behind its own calls
+            e.commit_staged()
+
+    def wait_committed(self) -> None:
+        _each([e.wait_committed for e in self.engines], "vllm-commit")
 
     # -- memory, lifetime -----------------------------------------------------------------------------------------
     def sleep(self) -> None:

@@ -29,7 +29,17 @@ answers exactly the calls ``RolloutEngine`` needs, and its errors carry the call
 Routes (POST, JSON; reply ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``): /health, /generate,
 /generate_stream (one JSON line per finished group, then a closing line), /score, /pause_generation,
 /continue_generation, /weight_info, /check_weights, /init_weight_transfer, /start_weight_update, /update_weights,
-/finish_weight_update, /abort_weight_update, /memory, /flush_cache, /sleep, /wake_up, /shutdown.
+/finish_weight_update, /abort_weight_update, /stage_begin, /stage_bucket, /stage_abort, /commit_staged, /memory,
+/flush_cache, /sleep, /wake_up, /shutdown.
+
+Staged weights (``rollout.sync.overlap``; docs/rollout.md "Overlapped weight sync"): /stage_begin and /stage_bucket
+run beside generation. Each bucket's receive is posted on the transfer group and the call returns
+(``worker_ext.S3ACTransferEngine.stage_bucket``): the broadcast completes on gloo's thread (NCCL: its stream) while
+the engine core goes on stepping on the live weights. /commit_staged {index, calls} waits until the ``calls``
+generation calls the client sent before the swap (each carries ``commit``: the swaps it expects applied) have
+ended, holds new ones off, and has the workers load the staged buckets as one weight-update session (a
+``collective_rpc``: between two engine steps, with nothing running), then resets the prefix cache. A call that
+expects the swap waits for it; a failed swap makes every later call fail.
 
 Concurrency: generation calls (/generate, /generate_stream, /score) run side by side, continuously batched by the
 engine. Control calls (weights, memory, sleep) are serialised among themselves. A weight-update session
@@ -44,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import base64
 import json
 import os
@@ -104,6 +115,12 @@ class Server:
         self.session_open = False  # a weight-update session holds the engine: generation waits
         self.asleep = False  # sleep until wake_up of the kv cache: generation waits (a weight session may run)
         self.running = 0  # generation calls inside vLLM
+        # rollout.sync.overlap: swaps of a staged version applied so far; the generation calls that ended, by the
+        # swap count they expected ("commit" in their body); a swap in progress holds new calls off
+        self.commits = 0
+        self.ended: collections.Counter = collections.Counter()
+        self.swapping = False
+        self.commit_error: str | None = None
         self.run(self._start(dict(spec["llm"])))
 
     def run(self, coro, timeout: float | None = None):
@@ -133,15 +150,25 @@ class Server:
             stop=list(p["stop_strings"]) or None, ignore_eos=bool(p["ignore_eos"]), seed=int(seed), logprobs=0,
             detokenize=detokenize, output_kind=RequestOutputKind.FINAL_ONLY)
 
-    async def _admit(self, requests: list) -> list | None:
+    async def _admit(self, requests: list, commit: int | None = None) -> list | None:
         """Add every (prompt ids, SamplingParams) to the engine, all before a pause can land between them (the pause
-        takes the same condition); the requests' output collectors, or None while paused (nothing added)."""
+        takes the same condition); the requests' output collectors, or None while paused (nothing added).
+        ``commit``: the staged-weight swaps the client had sent before this call (None: unchecked); a call that
+        expects a swap not yet applied waits for it, one that expects an older version is refused."""
         from vllm import TokensPrompt
 
         async with self.state:
-            await self.state.wait_for(lambda: self.paused or not (self.session_open or self.asleep))
+            await self.state.wait_for(lambda: self.paused or not (
+                self.session_open or self.asleep or self.swapping
+                or (commit is not None and commit > self.commits and self.commit_error is None)))
             if self.paused:
                 return None
+            if self.commit_error is not None:
+                raise RuntimeError(f"the staged weights could not be swapped in ({self.commit_error}); refusing to "
+                                   f"generate on the previous version")
+            if commit is not None and commit != self.commits:
+                raise RuntimeError(f"a generation call expected the weights of swap {commit} but the engine holds "
+                                   f"swap {self.commits}: it overtook a weight swap")
             self.running += 1
             added = []
             try:
@@ -188,13 +215,26 @@ class Server:
         return [([int(t) for t in ids], self._params(p, seed, b, det))
                 for ids, seed, b in zip(req["prompts"], req["seeds"], budgets)]
 
+    async def _ended(self, commit: int | None) -> None:
+        """A generation call that carried ``commit`` is over (however it ended): a swap waiting for it may run."""
+        if commit is not None:
+            async with self.state:
+                self.ended[int(commit)] += 1
+                self.state.notify_all()
+
     async def generate(self, req: dict, on_group=None) -> dict:
         """Every request to its end (or its abort by a pause); ``on_group(i, rows)``: called as each group of
         ``req["group_size"]`` consecutive requests finishes (``/generate_stream``)."""
+        try:
+            return await self._generate(req, on_group)
+        finally:
+            await self._ended(req.get("commit"))
+
+    async def _generate(self, req: dict, on_group=None) -> dict:
         reqs = self._requests(req)
         det = bool(req.get("detokenize", False))
         t0 = time.time()
-        qs = await self._admit(reqs)
+        qs = await self._admit(reqs, req.get("commit"))
         if qs is None:  # paused: nothing reached vLLM
             rows = [_aborted_row(det) for _ in reqs]
             if on_group is not None:
@@ -220,11 +260,17 @@ class Server:
 
     async def score(self, req: dict) -> dict:
         """Teacher-forced log-probs of each sequence's tokens 1.. (vLLM's prompt_logprobs, temperature 1)."""
+        try:
+            return await self._score(req)
+        finally:
+            await self._ended(req.get("commit"))
+
+    async def _score(self, req: dict) -> dict:
         from vllm import SamplingParams
 
         seqs = [[int(t) for t in ids] for ids in req["sequences"]]
         sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        qs = await self._admit([(ids, sp) for ids in seqs])
+        qs = await self._admit([(ids, sp) for ids in seqs], req.get("commit"))
         if qs is None:
             raise RuntimeError("score while generation is paused (continue_generation first)")
         try:
@@ -270,6 +316,45 @@ class Server:
             setattr(self, flag, False)
             self.state.notify_all()
 
+    # -- staged weights (rollout.sync.overlap) ---------------------------------------------------------------------
+    async def swap_when_due(self, req: dict) -> None:
+        """Wait until every generation call the client sent before swap ``index`` (``calls`` of them, each
+        carrying commit ``index - 1``) has ended and nothing else runs, then hold new calls off (``swapping``)."""
+        index, calls = int(req["index"]), int(req["calls"])
+        timeout = float(req.get("timeout_s", 600.0))
+        async with self.state:
+            try:
+                await asyncio.wait_for(self.state.wait_for(
+                    lambda: self.ended[index - 1] >= calls and self.running == 0
+                    and not (self.session_open or self.asleep or self.swapping)), timeout)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"weight swap {index}: {self.ended[index - 1]} of the {calls} generation calls "
+                                   f"sent before it ended within {timeout:g} s ({self.running} running)") from None
+            if index != self.commits + 1:
+                raise RuntimeError(f"weight swap {index} arrived after swap {self.commits}")
+            self.swapping = True
+
+    async def swap(self, req: dict) -> dict:
+        """The staged version into the live model (``swapping`` set by ``swap_when_due``): the workers load it
+        between two engine steps, the prefix cache (computed with the old weights) is reset, the version set."""
+        t0, err = time.time(), None
+        try:
+            stale = sorted({n for w in await self.rpc("s3ac_commit_staged", float(req.get("timeout_s", 600.0)))
+                            for n in w["stale"]})
+            await self.llm.reset_prefix_cache()
+            if req.get("weight_version") is not None:
+                await self.llm.update_weight_version(str(req["weight_version"]))
+        except BaseException as e:
+            err = self.commit_error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            async with self.state:
+                self.swapping = False
+                if err is None:
+                    self.commits = int(req["index"])
+                self.state.notify_all()
+        return {"stale": stale, "span": [t0, time.time()]}
+
     # -- weights -------------------------------------------------------------------------------------------------
     async def rpc(self, method: str, *args):
         return await self.llm.collective_rpc(method, args=tuple(args))
@@ -305,6 +390,15 @@ class Server:
             finally:
                 await self.release()
             return {}
+        if route == "stage_begin":  # beside generation: nothing waits for it
+            await self.rpc("s3ac_stage_begin")
+            return {}
+        if route == "stage_bucket":  # posts the receive and returns; it completes while the engine decodes
+            await self.rpc("s3ac_stage_bucket", req["update_info"])
+            return {}
+        if route == "stage_abort":
+            await self.rpc("s3ac_stage_abort")
+            return {}
         if route == "memory":
             return {"workers": await self.rpc("s3ac_memory")}
         if route == "flush_cache":
@@ -334,6 +428,10 @@ class Server:
             return self.run(self.pause())
         if route == "continue_generation":
             return self.run(self.resume())
+        if route == "commit_staged":  # waits for the calls before it outside the control lock, swaps inside it
+            self.run(self.swap_when_due(req))
+            with self.control:
+                return self.run(self.swap(req))
         with self.control:
             return self.run(self.control_call(route, req))
 

@@ -15,13 +15,9 @@ class VLLMSpec(EngineSpec):
     settings_cls = VLLMSettings
     section = "vllm"
     own_process = True
-    stage_refusal = (
-        "rollout.sync.overlap=true with rollout.engine=vllm: vLLM 0.32 runs a weight update as a collective_rpc "
-        "utility call in the engine core's one busy loop, between two forward steps (v1/engine/core.py:1547-1610, "
-        "1674-1700), and its weight-transfer engine loads each chunk into the live model "
-        "(distributed/weight_transfer/base.py:491-501): the receive stops decoding and the running requests continue "
-        "on a half-updated model unless paused; no staging copy exists (docs/rollout.md \"Overlapped weight sync\"). "
-        "Use rollout.engine=cpu or rollout.sync.overlap=false")
+    # rollout.sync.overlap: the server stages the next version in the workers beside generation and swaps it in
+    # behind the calls sent before it (server.py "Staged weights"; worker_ext.S3ACTransferEngine.stage_bucket)
+    stage_weights = True
     # partial rollout: the server runs AsyncLLM and pauses it in mode abort (server.py; vllm 0.32
     # v1/engine/async_llm.py:952-988); num_engines > 1: VLLMEnginePool pauses / continues every engine and splits
     # the continuations over them (pool.py)
@@ -68,8 +64,10 @@ class VLLMSpec(EngineSpec):
                           placement=str(getattr(factory.placement, "value", factory.placement or "separate")),
                           weights_dtype=factory.weights_dtype, fp8_keep=factory.fp8_keep, index=index)
 
-    def host(self, factory, placement="colocated", *, num_cpus=1, ray_init_kwargs=None, pausable=False):
-        """One server process per engine; the clients stay in this process (``num_engines`` > 1: a pool)."""
+    def host(self, factory, placement="colocated", *, num_cpus=1, ray_init_kwargs=None, pausable=False,
+             stageable=False):
+        """One server process per engine; the clients stay in this process (``num_engines`` > 1: a pool). Every
+        server can pause and stage (``pausable`` / ``stageable`` ask for nothing more)."""
         s = factory.settings
         if s is None or s.num_engines <= 1:
             return factory()

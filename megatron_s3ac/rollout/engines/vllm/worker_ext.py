@@ -170,6 +170,10 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         self.in_flight = 0  # bytes of the chunk being received / loaded (memory accounting)
         self.peak_in_flight = 0
         self.peak_completion = 0  # bytes of the largest layer completion read from the served files
+        # rollout.sync.overlap: the staged version's (meta, flat bucket, pending receive) and its names (None: none)
+        self.staged: list | None = None
+        self.staged_names: set = set()
+        self.staged_bytes = self.peak_staged = 0
 
     # -- the served checkpoint -----------------------------------------------------------------------------------
     def _index(self) -> None:
@@ -206,7 +210,8 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         checkpoint is indexed by its headers), the largest chunk it held at once and the largest layer it read
         from the served files to complete a layer, in the last (or the open) weight update."""
         return {"mirror_bytes": 0, "peak_in_flight_bytes": self.peak_in_flight,
-                "peak_completion_bytes": self.peak_completion, "updated_tensors": len(self.updated)}
+                "peak_completion_bytes": self.peak_completion, "updated_tensors": len(self.updated),
+                "staged_bytes": self.staged_bytes, "peak_staged_bytes": self.peak_staged}
 
     def last_session(self) -> dict:
         """The last closed session: ``stale``, names it completed from served values an earlier update had
@@ -279,24 +284,33 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         group.broadcast(flat, 0).wait()
         return flat
 
-    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+    def _checked_meta(self, update_info: GlooUpdateInfo, seen: set) -> dict:
+        """The bucket's names / dtype names / shapes, checked against the served checkpoint and against ``seen``
+        (the names this session or staged version already has) before anything is received."""
         if update_info.group not in self.groups:
             raise RuntimeError(f"s3ac_{self.transport} weight transfer group {update_info.group!r} not initialised "
                                f"(groups: "
                                f"{sorted(self.groups)}): call init_weight_transfer_engine first")
-        if self.received is None:
-            raise RuntimeError("receive_weights outside a weight update: call start_weight_update first")
         meta = {"names": list(update_info.names), "dtype_names": list(update_info.dtype_names),
                 "shapes": [list(s) for s in update_info.shapes]}
-        self.check(meta["names"], meta["shapes"])  # before anything is received
-        again = sorted(self.received.intersection(meta["names"]))
+        self.check(meta["names"], meta["shapes"])
+        again = sorted(seen.intersection(meta["names"]))
         if again or len(set(meta["names"])) != len(meta["names"]):
             raise WeightCheckError(f"tensor {(again or meta['names'])[0]!r} sent twice in one weight update "
                                    f"(vLLM's layerwise reload would drop or double-count it; nothing of this chunk "
                                    f"was loaded)")
         for d in meta["dtype_names"]:
             torch_dtype(d)
-        flat = self._receive_flat(self.groups[update_info.group], meta, update_info)
+        return meta
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.received is None:
+            raise RuntimeError("receive_weights outside a weight update: call start_weight_update first")
+        meta = self._checked_meta(update_info, self.received)
+        self._load(self._receive_flat(self.groups[update_info.group], meta, update_info), meta)
+
+    def _load(self, flat: torch.Tensor, meta: dict) -> None:
+        """One received bucket into the open session's layerwise reload (``flat``: its bytes in this process)."""
         try:
             if not self.reloading:
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -325,6 +339,59 @@ class S3ACTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
             raise
         finally:
             self.in_flight = 0
+
+    # -- staging (rollout.sync.overlap): the next version received beside decoding, swapped in between steps -------
+    def stage_begin(self) -> None:
+        """Open a staged version: its buckets are received into buffers of their own while the engine decodes on
+        the live weights; ``commit_staged`` loads them between two engine steps."""
+        if self.staged is not None:
+            raise RuntimeError("stage_begin: a staged version is already open (commit_staged or stage_abort first)")
+        if self.received is not None:
+            raise RuntimeError("stage_begin while a weight-update session is open")
+        self._index()
+        self.staged, self.staged_names = [], set()
+
+    def stage_bucket(self, update_info: GlooUpdateInfo) -> None:
+        """Post one bucket's receive and return at once: a gloo / NCCL broadcast completes on the group's own
+        thread / stream while the engine core goes on stepping; an IPC bucket is copied now (the trainer reuses
+        its memory). Checked as a session's bucket first."""
+        if self.staged is None:
+            raise RuntimeError("stage_bucket outside a staged version: call stage_begin first")
+        meta = self._checked_meta(update_info, self.staged_names)
+        group = self.groups[update_info.group]
+        if self.transport == "ipc":
+            flat, work = self._receive_flat(group, meta, update_info).clone(), None
+        else:
+            flat = torch.empty(flat_nbytes(meta), dtype=torch.uint8, device=group.device)
+            work = group.broadcast(flat, 0)
+        self.staged.append((meta, flat, work))
+        self.staged_names.update(meta["names"])
+        self.staged_bytes = sum(f.numel() for _, f, _ in self.staged)
+        self.peak_staged = max(self.peak_staged, self.staged_bytes)
+
+    def staged_buckets(self, timeout_s: float) -> list:
+        """Every staged (meta, flat bucket), once its receive completed (a broadcast that does not complete within
+        ``timeout_s`` raises); closes the staged version."""
+        import time
+
+        staged, self.staged, self.staged_names = self.staged, None, set()
+        if staged is None:
+            raise RuntimeError("commit_staged without a staged version (stage_begin first)")
+        deadline = time.monotonic() + float(timeout_s)
+        for meta, _, work in staged:
+            while work is not None and not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"commit_staged: the staged bucket {meta['names'][0]} .. "
+                                       f"{meta['names'][-1]} was not received within {timeout_s:g} s")
+                time.sleep(0.002)
+            if work is not None:
+                work.wait()
+        self.staged_bytes = 0
+        return [(meta, flat) for meta, flat, _ in staged]
+
+    def stage_abort(self) -> None:
+        """Drop a staged version (its receives, if pending, are left to the group the client abandons)."""
+        self.staged, self.staged_names, self.staged_bytes = None, set(), 0
 
     def _settle(self) -> None:
         """End the session's reload with every touched layer whole, then ``finalize_layerwise_reload`` (layers no
@@ -418,3 +485,39 @@ class S3ACWorkerExtension:
             eng.abort_weight_update()
         self._weight_update_active = False
         return True
+
+    # rollout.sync.overlap (server.py /stage_begin, /stage_bucket, /commit_staged, /stage_abort)
+    def s3ac_stage_begin(self) -> bool:
+        self.weight_transfer_engine.stage_begin()
+        return True
+
+    def s3ac_stage_bucket(self, update_info: dict) -> bool:
+        eng = self.weight_transfer_engine
+        eng.stage_bucket(eng.parse_update_info(update_info))
+        return True
+
+    def s3ac_stage_abort(self) -> bool:
+        self.weight_transfer_engine.stage_abort()
+        return True
+
+    def s3ac_commit_staged(self, timeout_s: float = 600.0) -> dict:
+        """Between two engine steps: the staged buckets loaded as one weight-update session (vLLM's own
+        start / finish bookkeeping, this backend's checks and layerwise reload); the engine core runs no step
+        meanwhile (a utility call, ``v1/engine/core.py:1573-1601``). Returns the session's ``stale`` names."""
+        from vllm.config import set_current_vllm_config
+
+        eng = self.weight_transfer_engine
+        buckets = eng.staged_buckets(timeout_s)
+        self.start_weight_update()
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                while buckets:  # each bucket is released once loaded (vLLM's buffers hold what a layer still needs)
+                    meta, flat = buckets.pop(0)
+                    eng._load(flat, meta)
+                    del flat
+        except BaseException:  # the session is closed whole (_load settles it); as vLLM's update_weights does
+            self._weight_update_active = False
+            eng.reset_weight_update_target()
+            raise
+        self.finish_weight_update()
+        return eng.last_session()
